@@ -1,0 +1,75 @@
+"""Shared test helpers.
+
+TensorFlow fixes its devices at first use, so tests that need logical CPU devices or
+several workers run Python in a fresh subprocess (``run_python``) instead of in the
+pytest process, which stays on TensorFlow's defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+# Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
+_CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """os.environ without cluster settings, plus ``overrides`` (None values remove a key)."""
+    env = {k: v for k, v in os.environ.items() if k not in _CLEAR}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    env["PYTHONUNBUFFERED"] = "1"
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(value)
+    return env
+
+
+def run_python(
+    code: str, *, timeout: float = 180, check: bool = True, **env
+) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter; fails the test with its output on error."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"child exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+            f"\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def last_json_line(text: str):
+    """The last line of ``text`` that parses as JSON (children print results that way)."""
+    import json
+
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{") or line.startswith("["):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_cluster(monkeypatch):
+    for key in _CLEAR:
+        monkeypatch.delenv(key, raising=False)

@@ -1,0 +1,235 @@
+"""Who is in the cluster and who is chief, read from TF_CONFIG or SLURM, without TensorFlow.
+
+Everything here is a pure function of an environment mapping, so the command line,
+the launcher and the tests can use it without paying TensorFlow's import time.
+
+Example:
+    >>> info = cluster_from_env({"TF_CONFIG": worker_tf_config(
+    ...     ["127.0.0.1:2222", "127.0.0.1:2223"], index=1)})
+    >>> info.num_workers, info.is_chief, info.is_multi_worker
+    (2, False, True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ClusterInfo",
+    "cluster_from_env",
+    "parse_tf_config",
+    "worker_tf_config",
+    "is_chief",
+]
+
+# Jobs whose tasks train (take part in the all-reduce); "evaluator" and "ps" do not.
+TRAINING_JOBS = ("chief", "worker")
+_KNOWN_JOBS = ("chief", "worker", "evaluator", "ps")
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """The cluster this process belongs to.
+
+    Attributes:
+        source: where it came from: ``"TF_CONFIG"``, ``"SLURM"`` or ``"none"``.
+        cluster: job name -> task addresses (``host:port``). Empty for SLURM, whose
+            addresses TensorFlow's ``SlurmClusterResolver`` resolves later.
+        task_type: this process's job (``"worker"``, ``"chief"``, ...), or None.
+        task_index: this process's index within its job, or None.
+        num_workers: number of training tasks (chief + workers).
+    """
+
+    source: str = "none"
+    cluster: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    task_type: str | None = None
+    task_index: int | None = None
+    num_workers: int = 1
+
+    @property
+    def is_multi_worker(self) -> bool:
+        """True when more than one training task takes part."""
+        return self.num_workers > 1
+
+    @property
+    def is_chief(self) -> bool:
+        """True for the task that does the one-off work (logs, final files).
+
+        That is task 0 of the ``chief`` job, or worker 0 when there is no ``chief``
+        job, or the only process when there is no cluster.
+        """
+        if self.task_type is None:
+            return True
+        if self.task_type == "chief":
+            return True
+        if self.task_type == "worker":
+            return "chief" not in self.cluster and self.task_index == 0
+        return False
+
+    @property
+    def rank(self) -> int:
+        """Index of this task among the training tasks (chief first), 0 without a cluster."""
+        if self.task_type is None or self.task_index is None:
+            return 0
+        if self.task_type == "worker" and "chief" in self.cluster:
+            return len(self.cluster["chief"]) + self.task_index
+        return self.task_index
+
+    def summary(self) -> dict:
+        """A JSON-friendly description, used by ``tfdist info``."""
+        return {
+            "source": self.source,
+            "num_workers": self.num_workers,
+            "task_type": self.task_type,
+            "task_index": self.task_index,
+            "is_chief": self.is_chief,
+            "cluster": {job: list(addrs) for job, addrs in self.cluster.items()},
+        }
+
+
+def _tf_config_error(problem: str, received: object) -> ValueError:
+    return ValueError(
+        f"TF_CONFIG: {problem}. Received: TF_CONFIG={received!r}. TF_CONFIG must be JSON like "
+        '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
+        '"task": {"type": "worker", "index": 0}}; unset it to train on one machine.'
+    )
+
+
+def parse_tf_config(value: str | Mapping) -> ClusterInfo:
+    """Parses and validates a TF_CONFIG value (a JSON string or an already-decoded dict).
+
+    Args:
+        value: the TF_CONFIG JSON text, or the decoded mapping.
+
+    Returns:
+        The ClusterInfo it describes; an empty or ``{}`` value means no cluster.
+
+    Raises:
+        ValueError: when it is not valid JSON or does not describe a usable cluster;
+            the message echoes what was received.
+
+    Example:
+        >>> parse_tf_config('{"cluster": {"worker": ["a:1", "b:1"]},'
+        ...                 ' "task": {"type": "worker", "index": 0}}').is_chief
+        True
+    """
+    raw = value
+    if isinstance(value, str):
+        if not value.strip():
+            return ClusterInfo()
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise _tf_config_error(
+                f"is not valid JSON ({err.msg} at char {err.pos})", raw
+            ) from None
+    if not isinstance(value, Mapping):
+        raise _tf_config_error("must be a JSON object", raw)
+    cluster = value.get("cluster") or {}
+    if not isinstance(cluster, Mapping):
+        raise _tf_config_error('"cluster" must map job names to lists of "host:port"', raw)
+    jobs: dict[str, tuple[str, ...]] = {}
+    for job, addrs in cluster.items():
+        if job not in _KNOWN_JOBS:
+            raise _tf_config_error(f"unknown job {job!r} (expected one of {_KNOWN_JOBS})", raw)
+        if isinstance(addrs, Mapping):  # TensorFlow also accepts {index: address}
+            addrs = [addrs[k] for k in sorted(addrs, key=int)]
+        if isinstance(addrs, str) or not isinstance(addrs, Sequence) or not addrs:
+            raise _tf_config_error(f'job {job!r} must list at least one "host:port"', raw)
+        for addr in addrs:
+            if not isinstance(addr, str) or ":" not in addr:
+                raise _tf_config_error(f'address {addr!r} of job {job!r} is not "host:port"', raw)
+        jobs[job] = tuple(addrs)
+    if "chief" in jobs and len(jobs["chief"]) != 1:
+        raise _tf_config_error('the "chief" job must have exactly one task', raw)
+    if not jobs:
+        return ClusterInfo()
+    task = value.get("task") or {}
+    if not isinstance(task, Mapping):
+        raise _tf_config_error('"task" must be an object with "type" and "index"', raw)
+    task_type = task.get("type")
+    task_index = task.get("index", 0)
+    if task_type not in jobs:
+        raise _tf_config_error(
+            f'"task.type" must name a job of the cluster {sorted(jobs)}, got {task_type!r}', raw
+        )
+    if isinstance(task_index, bool) or not isinstance(task_index, int):
+        raise _tf_config_error(f'"task.index" must be an int, got {task_index!r}', raw)
+    if not 0 <= task_index < len(jobs[task_type]):
+        raise _tf_config_error(
+            f'"task.index" {task_index} is out of range for job {task_type!r} '
+            f"with {len(jobs[task_type])} task(s)",
+            raw,
+        )
+    num_workers = sum(len(jobs.get(job, ())) for job in TRAINING_JOBS)
+    return ClusterInfo("TF_CONFIG", jobs, task_type, task_index, max(num_workers, 1))
+
+
+def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
+    text = env.get(name)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{name} must be an integer. Received: {name}={text!r}. "
+            "It is set by SLURM's srun; unset it if this is not a SLURM job step."
+        ) from None
+
+
+def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
+    """The cluster described by the environment: TF_CONFIG first, then a SLURM job step.
+
+    SLURM counts only inside an ``srun`` step with more than one task
+    (``SLURM_STEP_NUM_TASKS`` > 1): a batch script that runs one Python process is
+    not a cluster, even when the allocation has several tasks.
+
+    Example:
+        >>> cluster_from_env({}).is_multi_worker
+        False
+    """
+    env = os.environ if environ is None else environ
+    tf_config = env.get("TF_CONFIG", "")
+    if tf_config.strip():
+        return parse_tf_config(tf_config)
+    ntasks = _positive_env_int(env, "SLURM_STEP_NUM_TASKS")
+    if ntasks and ntasks > 1:
+        procid = _positive_env_int(env, "SLURM_PROCID") or 0
+        return ClusterInfo("SLURM", {}, "worker", procid, ntasks)
+    return ClusterInfo()
+
+
+def is_chief(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is the chief of its cluster (True without a cluster).
+
+    Example:
+        >>> is_chief({})
+        True
+    """
+    return cluster_from_env(environ).is_chief
+
+
+def worker_tf_config(addresses: Sequence[str], index: int, *, job: str = "worker") -> str:
+    """The TF_CONFIG JSON for task ``index`` of a cluster of ``addresses``.
+
+    Example:
+        >>> worker_tf_config(["127.0.0.1:2222"], 0)
+        '{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}'
+    """
+    if isinstance(addresses, str) or not addresses:
+        raise ValueError(
+            "worker_tf_config: addresses must be a non-empty list of 'host:port'. "
+            f"Received: addresses={addresses!r}"
+        )
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(addresses):
+        raise ValueError(
+            f"worker_tf_config: index must be an int in [0, {len(addresses)}). "
+            f"Received: index={index!r}"
+        )
+    config = {"cluster": {job: list(addresses)}, "task": {"type": job, "index": index}}
+    parse_tf_config(config)  # the launcher must never hand a worker a config TF would reject
+    return json.dumps(config)

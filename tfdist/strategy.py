@@ -1,0 +1,413 @@
+"""The one distribution strategy of a process: which kind, on which devices, created once.
+
+Example:
+    >>> import tfdist
+    >>> with tfdist.scope():             # doctest: +SKIP
+    ...     model = build_and_compile()
+    >>> tfdist.global_batch_size(64)     # doctest: +SKIP
+    128
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import sys
+import threading
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from tfdist import cluster as _cluster
+
+__all__ = [
+    "KINDS",
+    "StrategyPlan",
+    "configure_cpu_devices",
+    "plan",
+    "strategy",
+    "scope",
+    "num_replicas",
+    "global_batch_size",
+    "is_chief",
+    "describe",
+    "current_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
+CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
+
+_lock = threading.Lock()
+_created: tuple[StrategyPlan, tf.distribute.Strategy] | None = None
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """What ``strategy()`` builds: resolved once from arguments, environment and devices.
+
+    Attributes:
+        kind: one of ``mirrored``, ``multi_worker``, ``one_device``, ``default``.
+        devices: the local devices that hold a replica.
+        num_workers: training processes in the cluster (1 without one).
+        cluster_source: ``TF_CONFIG``, ``SLURM`` or ``none``.
+    """
+
+    kind: str
+    devices: tuple[str, ...]
+    num_workers: int = 1
+    cluster_source: str = "none"
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync: local devices times workers."""
+        return max(len(self.devices), 1) * self.num_workers
+
+
+def _positive_int(value, name: str, where: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{where}: {name} must be a positive int. Received: {name}={value!r}. {hint}"
+        )
+    if value < 1:
+        raise ValueError(
+            f"{where}: {name} must be a positive int. Received: {name}={value!r}. {hint}"
+        )
+    return int(value)
+
+
+def cpu_devices_from_env(environ: Mapping[str, str] | None = None) -> int | None:
+    """``TFDIST_CPU_DEVICES`` as a positive int, or None when unset or empty."""
+    env = os.environ if environ is None else environ
+    text = env.get(CPU_DEVICES_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = text
+    return _positive_int(
+        value, CPU_DEVICES_ENV, "tfdist", "Set it to the number of logical CPU devices, e.g. 2."
+    )
+
+
+def configure_cpu_devices(n: int) -> list[str]:
+    """Splits the CPU into ``n`` logical devices so MirroredStrategy can run with no GPU.
+
+    TensorFlow fixes its devices the first time it runs an op, so call this (or set
+    ``TFDIST_CPU_DEVICES``) before any tensor is created. Calling it again with the same
+    ``n`` is a no-op.
+
+    Args:
+        n: number of logical CPU devices (>= 1).
+
+    Returns:
+        The logical CPU device names, e.g. ``["/device:CPU:0", "/device:CPU:1"]``.
+
+    Raises:
+        RuntimeError: TensorFlow already initialised its devices with another count.
+
+    Example:
+        >>> configure_cpu_devices(2)  # doctest: +SKIP
+        ['/device:CPU:0', '/device:CPU:1']
+    """
+    n = _positive_int(n, "n", "configure_cpu_devices", "Pass the number of logical CPUs wanted.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if (current is None and n > 1) or (current is not None and len(current) != n):
+        try:
+            tf.config.set_logical_device_configuration(cpu, wanted)
+        except RuntimeError:
+            pass  # already initialised: the count check below says whether that matters
+    names = [d.name for d in tf.config.list_logical_devices("CPU")]
+    if len(names) != n:
+        raise RuntimeError(
+            f"configure_cpu_devices: TensorFlow already initialised its devices with "
+            f"{len(names)} logical CPU(s), so it cannot be split into {n}. Received: n={n}. "
+            f"Set {CPU_DEVICES_ENV}={n} (or call tfdist.strategy(cpu_devices={n})) before "
+            "anything creates a tensor, or run in a new process."
+        )
+    return names
+
+
+def plan(
+    kind: str = "auto",
+    *,
+    devices: Sequence[str] | None = None,
+    cpu_devices: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> StrategyPlan:
+    """Resolves which strategy ``strategy()`` would build, without building it.
+
+    Precedence: explicit arguments, then ``TF_CONFIG``/SLURM and ``TFDIST_CPU_DEVICES``,
+    then the devices present. ``auto`` means multi-worker when a cluster of more than one
+    training task is configured, mirrored when more than one GPU (or logical CPU) exists,
+    and the default strategy otherwise. Configures logical CPUs as a side effect.
+
+    Example:
+        >>> plan("auto").kind  # doctest: +SKIP
+        'default'
+    """
+    if kind not in KINDS:
+        raise ValueError(
+            f"strategy: kind must be one of {KINDS}. Received: kind={kind!r}. "
+            "Use 'auto' to let tfdist choose from the cluster and devices."
+        )
+    if devices is not None and (isinstance(devices, str) or not devices):
+        raise ValueError(
+            "strategy: devices must be a non-empty list of device names such as "
+            f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}"
+        )
+    env = os.environ if environ is None else environ
+    if cpu_devices is None:
+        cpu_devices = cpu_devices_from_env(env)
+    else:
+        cpu_devices = _positive_int(
+            cpu_devices, "cpu_devices", "strategy", "Pass the number of logical CPUs wanted."
+        )
+    cpus = configure_cpu_devices(cpu_devices) if cpu_devices else None
+    info = _cluster.cluster_from_env(env)
+
+    if kind == "auto":
+        if info.is_multi_worker:
+            kind = "multi_worker"
+        elif devices is not None:
+            kind = "mirrored" if len(devices) > 1 else "one_device"
+        elif len(_local_devices(cpus)) > 1:
+            kind = "mirrored"
+        else:
+            kind = "default"
+
+    if kind == "multi_worker":
+        if not info.is_multi_worker:
+            raise ValueError(
+                "strategy: kind='multi_worker' needs a cluster of more than one training task. "
+                f"Received: TF_CONFIG={env.get('TF_CONFIG')!r}. Start the workers with "
+                "`tfdist launch -n N script.py`, or set TF_CONFIG for each process."
+            )
+        local = tuple(devices) if devices else _local_devices(cpus)
+        return StrategyPlan(kind, local, info.num_workers, info.source)
+    if kind == "mirrored":
+        return StrategyPlan(kind, tuple(devices) if devices else _local_devices(cpus))
+    if kind == "one_device":
+        return StrategyPlan(kind, (tuple(devices) if devices else _local_devices(cpus))[:1])
+    return StrategyPlan("default", (_local_devices(cpus)[0],))
+
+
+def _local_devices(cpus: list[str] | None) -> tuple[str, ...]:
+    """Devices that each hold a replica: logical CPUs when asked for, else GPUs, else the CPU."""
+    if cpus and len(cpus) > 1:
+        return tuple(cpus)
+    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+    return tuple(gpus) if gpus else ("/device:CPU:0",)
+
+
+def _build(p: StrategyPlan) -> tf.distribute.Strategy:
+    if p.kind == "mirrored":
+        return tf.distribute.MirroredStrategy(devices=list(p.devices))
+    if p.kind == "one_device":
+        return tf.distribute.OneDeviceStrategy(p.devices[0])
+    if p.kind == "multi_worker":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return tf.distribute.get_strategy()
+
+
+def strategy(
+    kind: str = "auto",
+    *,
+    devices: Sequence[str] | None = None,
+    cpu_devices: int | None = None,
+) -> tf.distribute.Strategy:
+    """The process's strategy: created on the first call, the same object afterwards.
+
+    Args:
+        kind: ``auto`` (default), ``mirrored``, ``multi_worker``, ``one_device`` or ``default``.
+        devices: local devices for ``mirrored``/``one_device``; all GPUs (or logical CPUs)
+            when None.
+        cpu_devices: split the CPU into this many logical devices (overrides
+            ``TFDIST_CPU_DEVICES``); only possible before TensorFlow initialises devices.
+
+    Raises:
+        RuntimeError: a strategy of another kind or on other devices already exists.
+
+    Example:
+        >>> s = strategy()            # doctest: +SKIP
+        >>> s is strategy()           # doctest: +SKIP
+        True
+    """
+    global _created
+    with _lock:
+        if _created is not None:
+            existing, obj = _created
+            # Compare only what the caller asked for explicitly: the environment was
+            # already read when the strategy was created.
+            conflicts = (
+                (kind != "auto" and kind != existing.kind)
+                or (devices is not None and tuple(devices) != existing.devices)
+                or (cpu_devices is not None and cpu_devices != len(existing.devices))
+            )
+            if conflicts:
+                raise RuntimeError(
+                    f"strategy: this process already has a {existing.kind!r} strategy on "
+                    f"{list(existing.devices)}; it cannot also have kind={kind!r}, "
+                    f"devices={devices!r}, cpu_devices={cpu_devices!r}. Create the strategy "
+                    "once, before building models (call tfdist.strategy(...) first), or use "
+                    "a new process."
+                )
+            return obj
+        wanted = plan(kind, devices=devices, cpu_devices=cpu_devices)
+        _apply_compat_fixes()
+        obj = _build(wanted)
+        _created = (wanted, obj)
+        logger.info(
+            "tfdist: %s strategy with %d replica(s) on %s",
+            wanted.kind,
+            obj.num_replicas_in_sync,
+            list(wanted.devices),
+        )
+        return obj
+
+
+def _apply_compat_fixes() -> None:
+    # Imported here: compat patches Keras and needs nothing from this module.
+    from tfdist import compat
+
+    compat.apply_all()
+
+
+def current_plan() -> StrategyPlan | None:
+    """The plan of the strategy ``strategy()`` created, or None before the first call."""
+    return _created[0] if _created else None
+
+
+def _current(strategy_arg: tf.distribute.Strategy | None) -> tf.distribute.Strategy:
+    """An explicit strategy, else the one whose scope is open, else tfdist's own."""
+    if strategy_arg is not None:
+        if not isinstance(strategy_arg, tf.distribute.Strategy):
+            raise TypeError(
+                "strategy must be a tf.distribute.Strategy or None. "
+                f"Received: strategy={strategy_arg!r}"
+            )
+        return strategy_arg
+    if tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    return strategy()
+
+
+def scope(**kwargs):
+    """``with tfdist.scope():`` opens the scope of ``strategy(**kwargs)``.
+
+    Example:
+        >>> with scope():  # doctest: +SKIP
+        ...     model = keras.Sequential([keras.layers.Dense(1)])
+    """
+    return strategy(**kwargs).scope()
+
+
+def num_replicas(*, strategy: tf.distribute.Strategy | None = None) -> int:
+    """Replicas in sync under ``strategy`` (or the current one).
+
+    Example:
+        >>> num_replicas()  # doctest: +SKIP
+        2
+    """
+    return _current(strategy).num_replicas_in_sync
+
+
+def global_batch_size(per_replica: int, *, strategy: tf.distribute.Strategy | None = None) -> int:
+    """The global batch: ``per_replica`` times the number of replicas.
+
+    Args:
+        per_replica: examples each replica processes per step (positive int).
+        strategy: defaults to the current strategy.
+
+    Example:
+        >>> global_batch_size(64)  # doctest: +SKIP   (with 2 replicas)
+        128
+    """
+    per_replica = _positive_int(
+        per_replica,
+        "per_replica",
+        "global_batch_size",
+        "Pass the batch size of one replica as an int, e.g. global_batch_size(64).",
+    )
+    return per_replica * num_replicas(strategy=strategy)
+
+
+def is_chief() -> bool:
+    """Whether this process is the chief (always True on one machine).
+
+    Example:
+        >>> is_chief()  # doctest: +SKIP
+        True
+    """
+    return _cluster.is_chief()
+
+
+def describe(environ: Mapping[str, str] | None = None) -> dict:
+    """What this process sees: versions, devices, the strategy ``auto`` picks, the cluster.
+
+    Used by ``tfdist info``. It plans the strategy without creating it, so it never
+    starts a gRPC server or waits for other workers.
+
+    Example:
+        >>> describe()["strategy"]["kind"]  # doctest: +SKIP
+        'default'
+    """
+    import importlib.metadata as md
+    import platform
+
+    import keras
+
+    env = os.environ if environ is None else environ
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    p = current_plan() or plan("auto", environ=env)
+    from tfdist import __version__
+
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "tensorflow_datasets": version("tensorflow-datasets"),
+            "tfdist": __version__,
+        },
+        "devices": {
+            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")],
+            "cpus": [d.name for d in tf.config.list_logical_devices("CPU")],
+            CPU_DEVICES_ENV: env.get(CPU_DEVICES_ENV) or None,
+        },
+        "strategy": {
+            "kind": p.kind,
+            "num_replicas": p.num_replicas,
+            "devices": list(p.devices),
+            "num_workers": p.num_workers,
+        },
+        "cluster": _cluster.cluster_from_env(env).summary(),
+        "TFDS_DATA_DIR": env.get("TFDS_DATA_DIR") or None,
+    }
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``tfdist.strategy(...)`` call ``strategy()`` although the name is also this module.
+
+    Python binds ``tfdist.strategy`` to this module whenever anything imports
+    ``tfdist.strategy``; making the module callable keeps the documented call working.
+    """
+
+    def __call__(self, *args, **kwargs) -> tf.distribute.Strategy:
+        return strategy(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
