@@ -116,23 +116,26 @@ def configure_cpu_devices(n: int) -> list[str]:
         ['/device:CPU:0', '/device:CPU:1']
     """
     n = _positive_int(n, "n", "configure_cpu_devices", "Pass the number of logical CPUs wanted.")
+    # Only physical-device queries and device configuration here: listing logical devices
+    # would initialise TensorFlow's context, after which MultiWorkerMirroredStrategy can
+    # no longer configure its collectives.
     cpu = tf.config.list_physical_devices("CPU")[0]
-    wanted = [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
     current = tf.config.get_logical_device_configuration(cpu)
     if (current is None and n > 1) or (current is not None and len(current) != n):
         try:
-            tf.config.set_logical_device_configuration(cpu, wanted)
-        except RuntimeError:
-            pass  # already initialised: the count check below says whether that matters
-    names = [d.name for d in tf.config.list_logical_devices("CPU")]
-    if len(names) != n:
-        raise RuntimeError(
-            f"configure_cpu_devices: TensorFlow already initialised its devices with "
-            f"{len(names)} logical CPU(s), so it cannot be split into {n}. Received: n={n}. "
-            f"Set {CPU_DEVICES_ENV}={n} (or call tfdist.strategy(cpu_devices={n})) before "
-            "anything creates a tensor, or run in a new process."
-        )
-    return names
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+            )
+        except RuntimeError:  # already initialised: say whether the count matches
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have != n:
+                raise RuntimeError(
+                    f"configure_cpu_devices: TensorFlow already initialised its devices with "
+                    f"{have} logical CPU(s), so it cannot be split into {n}. Received: n={n}. "
+                    f"Set {CPU_DEVICES_ENV}={n} (or call tfdist.strategy(cpu_devices={n})) "
+                    "before anything creates a tensor, or run in a new process."
+                ) from None
+    return [f"/device:CPU:{i}" for i in range(n)]
 
 
 def plan(
@@ -203,8 +206,8 @@ def _local_devices(cpus: list[str] | None) -> tuple[str, ...]:
     """Devices that each hold a replica: logical CPUs when asked for, else GPUs, else the CPU."""
     if cpus and len(cpus) > 1:
         return tuple(cpus)
-    gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
-    return tuple(gpus) if gpus else ("/device:CPU:0",)
+    gpus = tf.config.list_physical_devices("GPU")  # physical: does not initialise TensorFlow
+    return tuple(f"/device:GPU:{i}" for i in range(len(gpus))) if gpus else ("/device:CPU:0",)
 
 
 def _build(p: StrategyPlan) -> tf.distribute.Strategy:
