@@ -23,7 +23,13 @@ __all__ = [
     "parse_tf_config",
     "worker_tf_config",
     "is_chief",
+    "RESTART_EXIT_CODE",
 ]
+
+# Exit code of a worker that saved its state and asks to be started again (preemption,
+# SIGTERM). 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again". The launcher
+# treats it as "restart", not "failed".
+RESTART_EXIT_CODE = 75
 
 # Jobs whose tasks train (take part in the all-reduce); "evaluator" and "ps" do not.
 TRAINING_JOBS = ("chief", "worker")
