@@ -26,6 +26,9 @@ _EXPORTS = {
     "is_chief": "tfdist.cluster",
     "ClusterInfo": "tfdist.cluster",
     "cluster_from_env": "tfdist.cluster",
+    "make_or_restore": "tfdist.checkpoint",
+    "save": "tfdist.saving",
+    "load": "tfdist.saving",
 }
 # submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...
 # ``tfdist.strategy`` is the submodule, made callable (see strategy.py), because any
@@ -45,7 +48,9 @@ __all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
 
 if TYPE_CHECKING:  # for IDEs and type checkers; at run time __getattr__ loads these
     from tfdist import strategy  # noqa: F401
+    from tfdist.checkpoint import make_or_restore  # noqa: F401
     from tfdist.cluster import ClusterInfo, cluster_from_env, is_chief  # noqa: F401
+    from tfdist.saving import load, save  # noqa: F401
     from tfdist.strategy import (  # noqa: F401
         configure_cpu_devices,
         global_batch_size,

@@ -1,0 +1,238 @@
+"""A restartable training job for the checkpoint fault-injection tests and the restart benchmark.
+
+It trains a small model with a Dropout layer on a seeded, shuffled pipeline with
+``make_or_restore`` + ``tfdist.callbacks.checkpoint``, exactly as a user script would,
+and can hurt itself on purpose:
+
+    --sigkill-at-step N   SIGKILL itself right after global step N (after that step's save)
+    --sigkill-in-save K   SIGKILL itself in the middle of its K-th checkpoint write, with
+                          the staging file half written
+    --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice)
+
+The last stdout line is JSON: final weights, the epoch/batch/step it resumed from and
+the (epoch, batch) of every batch it trained, so tests can check that no batch was
+trained twice or skipped.
+
+    python ckpt_job.py --dir /tmp/ckpt --epochs 3 --save-freq 3
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+T0 = time.perf_counter()
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dir", required=True)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--save-freq", default="epoch")
+parser.add_argument("--examples", type=int, default=64)
+parser.add_argument("--per-replica-batch", type=int, default=4)
+parser.add_argument("--max-to-keep", type=int, default=3)
+parser.add_argument("--data", choices=("auto", "pipeline", "generator"), default="auto")
+parser.add_argument("--sigkill-at-step", type=int, default=None)
+parser.add_argument("--sigkill-in-save", type=int, default=None)
+parser.add_argument("--sigterm-at-step", type=int, default=None)
+parser.add_argument("--width", type=int, default=16)
+args = parser.parse_args()
+save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
+
+strategy = tfdist.strategy()  # before any tensor: TFDIST_CPU_DEVICES must apply
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+keras.utils.set_random_seed(0)
+tf.config.experimental.enable_op_determinism()
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(args.examples, 8)).astype("float32")
+y = (x @ rng.normal(size=(8, 1)) + 0.1 * rng.normal(size=(args.examples, 1))).astype("float32")
+# A ninth column the model drops (it holds the example index) keeps the pipeline's
+# elements distinct, as real examples are.
+xi = np.concatenate([x, np.arange(args.examples, dtype="float32")[:, None]], axis=1)
+global_batch = tfdist.global_batch_size(args.per_replica_batch)
+
+
+def make_generator_dataset():
+    """A seeded pipeline honouring tfdist.data's position contract, for use before it exists.
+
+    Epoch k's order comes from (seed, k) alone; each iteration reads the position, skips
+    that many global batches, then moves to (k + 1, 0).
+    """
+    import types
+
+    position = {"epoch": 0, "skip": 0}
+
+    def set_position(epoch, skip_batches=0):
+        position["epoch"], position["skip"] = epoch, skip_batches
+
+    module = types.ModuleType("tfdist.data")
+    module.set_position = set_position
+    sys.modules["tfdist.data"] = module
+    tfdist.data = module
+
+    def examples():
+        epoch, skip = position["epoch"], position["skip"]
+        position["epoch"], position["skip"] = epoch + 1, 0
+        order = np.random.RandomState(1000 + epoch).permutation(args.examples)
+        for i in order[skip * global_batch :]:
+            yield xi[i], y[i]
+
+    spec = (tf.TensorSpec((9,), tf.float32), tf.TensorSpec((1,), tf.float32))
+    ds = tf.data.Dataset.from_generator(examples, output_signature=spec)
+    return ds.batch(global_batch, drop_remainder=True).prefetch(2)
+
+
+def make_pipeline_dataset():
+    return tfdist.data.pipeline(
+        (xi, y), args.per_replica_batch, shuffle=args.examples, seed=1000, cache=True
+    )
+
+
+def _data_module_ready() -> bool:
+    try:
+        from tfdist import data
+    except ImportError:
+        return False
+    return hasattr(data, "pipeline") and hasattr(data, "set_position")
+
+
+if args.data == "pipeline" or (args.data == "auto" and _data_module_ready()):
+    train = make_pipeline_dataset()
+    data_kind = "pipeline"
+else:
+    train = make_generator_dataset()
+    data_kind = "generator"
+
+
+class DropIndex(keras.layers.Layer):
+    """Splits the example index off the features (the model trains on the first 8)."""
+
+    def call(self, inputs):
+        return inputs[:, :8]
+
+
+def build_and_compile():
+    model = keras.Sequential(
+        [
+            keras.Input((9,)),
+            DropIndex(),
+            keras.layers.Dense(args.width, activation="relu"),
+            keras.layers.Dropout(0.25),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model
+
+
+if args.sigkill_in_save is not None:
+    from tfdist import saving
+
+    real_add = saving.add_archive_member
+    calls = {"n": 0}
+
+    def add_then_die(archive_path, member, data):
+        calls["n"] += 1
+        if calls["n"] == args.sigkill_in_save:
+            # Die with the staging file half written, before the rename.
+            size = os.path.getsize(archive_path)
+            with open(archive_path, "r+b") as f:
+                f.truncate(size // 2)
+            print(json.dumps({"dying_in_save": archive_path}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_add(archive_path, member, data)
+
+    saving.add_archive_member = add_then_die
+
+t_restore = time.perf_counter()
+model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
+restored = tfdist.checkpoint.resume_state(model)
+t_restored = time.perf_counter()
+
+
+class Record(keras.callbacks.Callback):
+    """Records (epoch, batch within the epoch, global step) of every trained step."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+        self.first_step_time = None
+        self._epoch = 0
+        self._offset = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        state = restored
+        self._offset = state.batch if state and epoch == state.epoch else 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.first_step_time is None:
+            self.first_step_time = time.perf_counter()
+        step = int(self.model.optimizer.iterations.numpy())
+        self.steps.append([self._epoch, self._offset + batch, step])
+        if args.sigkill_at_step is not None and step == args.sigkill_at_step:
+            print(json.dumps({"dying_at_step": step}), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Preempt(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if args.sigterm_at_step is not None and step == args.sigterm_at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+record = Record()
+callbacks = [
+    Preempt(),  # before the checkpoint: it sees the notice at the same step
+    tfdist.callbacks.checkpoint(args.dir, save_freq=save_freq, max_to_keep=args.max_to_keep),
+    tfdist.callbacks.decay({0: 0.01, 2: 0.005}),
+    record,  # after the checkpoint: a SIGKILL here comes after that step's save
+]
+t_fit = time.perf_counter()
+exit_code = 0
+try:
+    model.fit(
+        train, epochs=args.epochs, initial_epoch=initial_epoch, callbacks=callbacks, verbose=0
+    )
+except SystemExit as exc:
+    exit_code = exc.code
+print(
+    json.dumps(
+        {
+            "data": data_kind,
+            "replicas": tfdist.num_replicas(),
+            "initial_epoch": initial_epoch,
+            "restored": None
+            if restored is None
+            else {
+                "path": os.path.basename(restored.path),
+                "epoch": restored.epoch,
+                "batch": restored.batch,
+                "step": restored.step,
+            },
+            "trained": record.steps,
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "weights": [w.tolist() for w in model.get_weights()],
+            "exit_code": exit_code,
+            "checkpoints": sorted(os.listdir(args.dir)),
+            "times": {
+                "import_and_setup": t_restore - T0,
+                "make_or_restore": t_restored - t_restore,
+                "to_first_step": (record.first_step_time or time.perf_counter()) - T0,
+                "fit_start_to_first_step": (record.first_step_time or time.perf_counter()) - t_fit,
+            },
+        }
+    ),
+    flush=True,
+)
+sys.exit(exit_code)

@@ -1,0 +1,442 @@
+"""Keras callbacks for distributed jobs: LR decay, PrintLR, warm-up, checkpoints, the standard set.
+
+Each is a real ``keras.callbacks.Callback`` built on Keras's own pieces
+(``LearningRateScheduler``, ``ModelCheckpoint``, ``TensorBoard``), fixed where Keras 3
+falls short for restartable, multi-worker jobs: ``PrintLR`` reads
+``optimizer.learning_rate`` (Keras 3 optimizers have no ``.lr``) and evaluates a
+``LearningRateSchedule`` at the current step; anything that prints or writes logs does
+so on the chief only.
+
+Example:
+    >>> import tfdist
+    >>> def decay(epoch):
+    ...     return 1e-3 if epoch < 3 else 1e-4 if epoch < 7 else 1e-5
+    >>> callbacks = tfdist.callbacks.standard("ckpt/", decay=decay)  # doctest: +SKIP
+    >>> model.fit(train, epochs=12, callbacks=callbacks)              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import numbers
+import os
+from collections.abc import Callable, Mapping
+
+import keras
+
+from tfdist import cluster as _cluster
+from tfdist.checkpoint import (
+    ResumableCheckpoint,
+    _finish_resumed_epoch,
+    is_resumed_partial_epoch,
+)
+
+__all__ = [
+    "Decay",
+    "PrintLR",
+    "Warmup",
+    "ResumableCheckpoint",
+    "decay",
+    "warmup",
+    "checkpoint",
+    "standard",
+    "scale_learning_rate",
+    "current_learning_rate",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def current_learning_rate(optimizer) -> float:
+    """The rate ``optimizer`` applies at its current step, as a Python float.
+
+    Works for a float rate, a rate changed by a callback, and a
+    ``keras.optimizers.schedules.LearningRateSchedule`` (evaluated at
+    ``optimizer.iterations``). Keras 3 optimizers have no ``.lr``; this is the
+    replacement for the tutorials' ``model.optimizer.lr.numpy()``.
+
+    Example:
+        >>> current_learning_rate(keras.optimizers.SGD(0.1))  # doctest: +ELLIPSIS
+        0.1...
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(
+            "current_learning_rate: optimizer must be a keras.optimizers.Optimizer. "
+            f"Received: optimizer={optimizer!r}. Pass model.optimizer of a compiled model."
+        )
+    # Keras 3's learning_rate property already evaluates a schedule at self.iterations.
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def _positive_float(value, name: str, where: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"{where}: {name} must be a positive finite number. Received: {name}={value!r}"
+        )
+    return float(value)
+
+
+def _positive_int(value, name: str, where: str, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(
+            f"{where}: {name} must be a positive int. Received: {name}={value!r}. {hint}".rstrip()
+        )
+    return int(value)
+
+
+# --------------------------------------------------------------------------- decay
+
+
+def _mapping_schedule(boundaries: Mapping) -> Callable[[int], float | None]:
+    where = "tfdist.callbacks.decay"
+    if not boundaries:
+        raise ValueError(
+            f"{where}: the mapping of epoch boundaries to rates is empty. "
+            f"Received: schedule={boundaries!r}. Pass e.g. {{0: 1e-3, 3: 1e-4, 7: 1e-5}}."
+        )
+    table = []
+    for epoch, rate in boundaries.items():
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(
+                f"{where}: mapping keys must be epochs (ints >= 0). Received: key {epoch!r} "
+                f"in schedule={dict(boundaries)!r}."
+            )
+        table.append((int(epoch), _positive_float(rate, f"schedule[{epoch}]", where)))
+    table.sort()
+
+    def rate_for(epoch: int) -> float | None:
+        rate = None
+        for start, value in table:
+            if epoch >= start:
+                rate = value
+        return rate
+
+    return rate_for
+
+
+class Decay(keras.callbacks.LearningRateScheduler):
+    """``LearningRateScheduler`` that leaves the rate alone in a resumed partial epoch.
+
+    A checkpoint taken mid-epoch already holds the rate of that epoch (it is an
+    optimizer variable); applying a schedule of the form ``lr -> lr * 0.9`` again at the
+    start of the resumed epoch would change it twice. Create it with ``decay(...)``.
+    """
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if is_resumed_partial_epoch(self.model, epoch):
+            return
+        super().on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        _finish_resumed_epoch(self.model, epoch)
+
+
+def decay(schedule: Callable | Mapping, *, verbose: int = 0) -> Decay:
+    """Sets the learning rate at the start of each epoch, like the guides' ``decay``.
+
+    Args:
+        schedule: either a callable ``epoch -> rate`` (or ``(epoch, rate) -> rate``),
+            epochs counted from 0; or a mapping of epoch boundaries to rates,
+            ``{0: 1e-3, 3: 1e-4, 7: 1e-5}`` meaning 1e-3 for epochs 0-2, 1e-4 for 3-6 and
+            1e-5 from 7 on (epochs before the first key keep the optimizer's rate).
+        verbose: 1 prints each change (Keras's ``LearningRateScheduler`` message).
+
+    Returns:
+        A ``keras.callbacks.LearningRateScheduler`` (the ``Decay`` subclass).
+
+    Raises:
+        TypeError: ``schedule`` is neither callable nor a mapping.
+        ValueError: a mapping with a negative or non-int epoch, or a non-positive rate.
+
+    Example:
+        >>> def decay_fn(epoch):
+        ...     return 1e-3 if epoch < 3 else 1e-4 if epoch < 7 else 1e-5
+        >>> callback = decay(decay_fn)
+        >>> callback = decay({0: 1e-3, 3: 1e-4, 7: 1e-5})
+    """
+    where = "tfdist.callbacks.decay"
+    if isinstance(schedule, Mapping):
+        rate_for = _mapping_schedule(schedule)
+
+        def fn(epoch, lr):
+            rate = rate_for(epoch)
+            return float(lr) if rate is None else rate
+
+    elif callable(schedule):
+        try:
+            takes_rate = len(inspect.signature(schedule).parameters) >= 2
+        except (TypeError, ValueError):  # builtins without a signature: epoch only
+            takes_rate = False
+
+        def fn(epoch, lr):
+            rate = schedule(epoch, lr) if takes_rate else schedule(epoch)
+            if (
+                isinstance(rate, bool)
+                or not isinstance(rate, numbers.Real)
+                or not math.isfinite(rate)
+                or rate <= 0
+            ):
+                raise ValueError(
+                    f"{where}: the schedule must return a positive float. Received: "
+                    f"schedule({epoch}) returned {rate!r}."
+                )
+            return float(rate)
+
+    else:
+        raise TypeError(
+            f"{where}: schedule must be a callable epoch -> rate or a mapping "
+            f"{{epoch: rate}}. Received: schedule={schedule!r}."
+        )
+    if verbose not in (0, 1):
+        raise ValueError(f"{where}: verbose must be 0 or 1. Received: verbose={verbose!r}")
+    return Decay(fn, verbose=verbose)
+
+
+_make_decay = decay  # ``standard`` has a ``decay`` argument that hides this function
+
+
+# --------------------------------------------------------------------------- PrintLR
+
+
+class PrintLR(keras.callbacks.Callback):
+    """Prints the learning rate at the end of each epoch, on the chief only.
+
+    The rate is the one the optimizer applies at its current step: a float, a rate set
+    by ``decay``/``warmup``, or a ``LearningRateSchedule`` evaluated at
+    ``optimizer.iterations``. Also records it as ``logs["learning_rate"]``.
+
+    Example:
+        >>> model.fit(x, y, epochs=2, callbacks=[PrintLR()])  # doctest: +SKIP
+        Learning rate for epoch 1 is 0.001
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        rate = current_learning_rate(self.model.optimizer)
+        if logs is not None:
+            logs.setdefault("learning_rate", rate)
+        if _cluster.is_chief():
+            print(f"\nLearning rate for epoch {epoch + 1} is {rate:.6g}", flush=True)
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def scale_learning_rate(base_lr: float, *, strategy=None) -> float:
+    """The linear scaling rule: ``base_lr`` times the number of replicas in sync.
+
+    When the global batch grows with the replica count (``tfdist.global_batch_size``),
+    each step averages over ``replicas`` times more examples, so the rate tuned for one
+    replica is scaled by the same factor (Goyal et al., 2017). Pair it with
+    ``warmup`` for large factors: the first steps at the full rate often diverge.
+
+    Args:
+        base_lr: the rate tuned for one replica (same per-replica batch).
+        strategy: defaults to the current strategy (``tfdist.strategy()``).
+
+    Example:
+        >>> scale_learning_rate(1e-3)  # doctest: +SKIP   (with 4 replicas)
+        0.004
+    """
+    base_lr = _positive_float(base_lr, "base_lr", "scale_learning_rate")
+    from tfdist.strategy import num_replicas
+
+    return base_lr * num_replicas(strategy=strategy)
+
+
+class Warmup(keras.callbacks.Callback):
+    """Raises the learning rate linearly to ``target`` over the first ``steps`` steps.
+
+    At global step ``s`` (0-based, counted by ``optimizer.iterations``, so a restored
+    job continues where it stopped) the rate is
+    ``target * (start_factor + (1 - start_factor) * (s + 1) / steps)`` for
+    ``s < steps``; from step ``steps`` on the callback no longer touches the rate, so
+    ``decay`` (placed before it in the list) takes over at the next epoch. Create it
+    with ``warmup(...)``.
+    """
+
+    def __init__(self, target: float, steps: int, start_factor: float = 0.0):
+        super().__init__()
+        self.target = target
+        self.steps = steps
+        self.start_factor = start_factor
+        self._step = 0
+
+    def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            raise TypeError(
+                "tfdist.callbacks.warmup: the optimizer's learning_rate is a "
+                "LearningRateSchedule, which a callback cannot set. Received: "
+                f"learning_rate={optimizer._learning_rate!r}. Compile with a float rate, or "
+                "use the schedule's own warm-up (keras.optimizers.schedules.CosineDecay("
+                "warmup_target=..., warmup_steps=...))."
+            )
+        self._step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+
+    def rate_at(self, step: int) -> float:
+        """The warm-up rate for 0-based global step ``step`` (``target`` once past it)."""
+        if step >= self.steps:
+            return self.target
+        fraction = (step + 1) / self.steps
+        return self.target * (self.start_factor + (1.0 - self.start_factor) * fraction)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._step < self.steps:
+            self.model.optimizer.learning_rate = self.rate_at(self._step)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+
+
+def warmup(target: float, steps: int, *, start_factor: float = 0.0) -> Warmup:
+    """Linear learning-rate warm-up for large global batches.
+
+    Training with a large global batch (many replicas) at a linearly scaled rate
+    (``scale_learning_rate``) is unstable in the first steps; warming up from
+    ``start_factor * target`` to ``target`` over ``steps`` steps avoids that.
+
+    Args:
+        target: the rate reached at the end of warm-up (e.g. ``scale_learning_rate(1e-3)``).
+        steps: warm-up length in global steps (optimizer updates).
+        start_factor: fraction of ``target`` before the first step, in [0, 1).
+
+    Returns:
+        A ``keras.callbacks.Callback``; put it after ``decay`` in the list.
+
+    Example:
+        >>> lr = 4e-3  # scale_learning_rate(1e-3) with 4 replicas
+        >>> callback = warmup(lr, steps=500)
+        >>> callback.rate_at(0), callback.rate_at(499), callback.rate_at(10_000)
+        (8e-06, 0.004, 0.004)
+    """
+    where = "tfdist.callbacks.warmup"
+    target = _positive_float(target, "target", where)
+    steps = _positive_int(steps, "steps", where, "Pass the warm-up length in optimizer steps.")
+    if (
+        isinstance(start_factor, bool)
+        or not isinstance(start_factor, numbers.Real)
+        or not 0.0 <= start_factor < 1.0
+    ):
+        raise ValueError(
+            f"{where}: start_factor must be a number in [0, 1). "
+            f"Received: start_factor={start_factor!r}"
+        )
+    return Warmup(target, steps, float(start_factor))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    save_freq: str | int = "epoch",
+    max_to_keep: int | None = 5,
+    preemption: bool = True,
+    verbose: int = 0,
+) -> ResumableCheckpoint:
+    """Checkpoints for restartable jobs: ``ckpt-{epoch}.keras`` files, written atomically.
+
+    Every epoch end writes ``ckpt-{epoch}.keras`` (1-based, the guides' naming; loads
+    with ``keras.models.load_model``). An int ``save_freq`` also writes
+    ``ckpt-{epoch}-{batch}.keras`` every ``save_freq`` global steps, for exact resume
+    after a kill. Each file carries what exact resume needs (position, global step,
+    dropout RNG state). Only the chief's files land in ``checkpoint_dir``; old ones
+    beyond ``max_to_keep`` are removed. With ``preemption=True`` a SIGTERM makes the
+    job save at the next step boundary (all workers agree on it) and exit with
+    ``tfdist.cluster.RESTART_EXIT_CODE`` (75). Restore with
+    ``tfdist.make_or_restore(build_fn, checkpoint_dir)``.
+
+    Args:
+        checkpoint_dir: directory for the checkpoints (created if missing).
+        save_freq: ``"epoch"``, or a positive int: also save every that many steps.
+        max_to_keep: how many checkpoints to keep (newest); None keeps all.
+        preemption: catch SIGTERM, save and exit with the restart code.
+        verbose: 1 prints a line per save (on the chief).
+
+    Raises:
+        ValueError: ``save_freq`` is 0, negative or not ``"epoch"``; bad ``max_to_keep``.
+        NotADirectoryError: ``checkpoint_dir`` is a file.
+        PermissionError: the chief cannot write to ``checkpoint_dir``.
+
+    Example:
+        >>> cb = checkpoint("ckpt/", save_freq=100, max_to_keep=3)  # doctest: +SKIP
+        >>> model.fit(train, epochs=5, initial_epoch=initial_epoch, callbacks=[cb])  # doctest: +SKIP
+    """
+    if verbose not in (0, 1):
+        raise ValueError(
+            f"tfdist.callbacks.checkpoint: verbose must be 0 or 1. Received: verbose={verbose!r}"
+        )
+    return ResumableCheckpoint(
+        checkpoint_dir,
+        save_freq=save_freq,
+        max_to_keep=max_to_keep,
+        preemption=preemption,
+        verbose=verbose,
+    )
+
+
+def standard(
+    checkpoint_dir: str | os.PathLike,
+    *,
+    decay: Callable | Mapping | None = None,
+    warmup: Warmup | None = None,
+    save_freq: str | int = "epoch",
+    max_to_keep: int | None = 5,
+    print_lr: bool = True,
+    tensorboard: bool = True,
+) -> list[keras.callbacks.Callback]:
+    """The callbacks the walkthroughs use: checkpoint, LR decay, warm-up, PrintLR, TensorBoard.
+
+    Order: ``checkpoint(checkpoint_dir, save_freq=..., max_to_keep=...)``, then
+    ``decay(decay)`` if given, then ``warmup`` if given, then ``PrintLR()``, then
+    ``keras.callbacks.TensorBoard(log_dir=checkpoint_dir/logs)`` on the chief only
+    (workers writing the same event files would clobber each other; TensorBoard takes
+    part in no collective, so leaving it out elsewhere is safe).
+
+    Args:
+        checkpoint_dir: where checkpoints (and ``logs/`` for TensorBoard) go.
+        decay: a schedule for ``decay`` (callable or mapping), or None.
+        warmup: a ``warmup(...)`` callback, or None.
+        save_freq, max_to_keep: passed to ``checkpoint``.
+        print_lr: include ``PrintLR``.
+        tensorboard: include TensorBoard logging.
+
+    Example:
+        >>> def decay_fn(epoch):
+        ...     return 1e-3 if epoch < 3 else 1e-4 if epoch < 7 else 1e-5
+        >>> callbacks = standard("ckpt/", decay=decay_fn)  # doctest: +SKIP
+        >>> [type(c).__name__ for c in callbacks]          # doctest: +SKIP
+        ['ResumableCheckpoint', 'Decay', 'PrintLR', 'TensorBoard']
+    """
+    where = "tfdist.callbacks.standard"
+    if warmup is not None and not isinstance(warmup, Warmup):
+        raise TypeError(
+            f"{where}: warmup must be a callback from tfdist.callbacks.warmup(...) or None. "
+            f"Received: warmup={warmup!r}"
+        )
+    for name, value in (("print_lr", print_lr), ("tensorboard", tensorboard)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be a bool. Received: {name}={value!r}")
+    callbacks: list[keras.callbacks.Callback] = [
+        checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep)
+    ]
+    if decay is not None:
+        callbacks.append(_make_decay(decay))
+    if warmup is not None:
+        callbacks.append(warmup)
+    if print_lr:
+        callbacks.append(PrintLR())
+    if tensorboard and _cluster.is_chief():
+        callbacks.append(
+            keras.callbacks.TensorBoard(log_dir=os.path.join(os.fspath(checkpoint_dir), "logs"))
+        )
+    return callbacks

@@ -1,0 +1,534 @@
+"""Saving and loading models inside or outside a strategy scope, with atomic, chief-only writes.
+
+``save`` writes a ``.keras`` archive, a ``.weights.h5`` file or a SavedModel export
+(a directory, for serving). Every worker of a multi-worker job must call it, because
+reading distributed variables can take part in collectives, but only the chief's file
+lands at ``path``: the others write to a temporary directory that is removed. The
+chief writes to a temporary name in the same directory, flushes it to disk and renames
+it over ``path``, so a crash at any moment leaves either the old file or the new one,
+never a half-written file under the final name.
+
+``load`` reads any of the three back, outside a scope or inside one (possibly a scope
+with another replica count than the one that saved), with Keras's ``safe_mode`` on by
+default.
+
+Example:
+    >>> import tfdist
+    >>> tfdist.save(model, "model.keras")                   # doctest: +SKIP
+    >>> model = tfdist.load("model.keras", in_scope=True)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import zipfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from tfdist import cluster as _cluster
+
+__all__ = [
+    "FORMATS",
+    "WriteRole",
+    "save",
+    "load",
+    "format_of",
+    "write_role",
+    "staging_path",
+    "atomic_output",
+    "add_archive_member",
+    "read_archive_member",
+    "is_staging_name",
+    "remove_stale_staging",
+]
+
+logger = logging.getLogger(__name__)
+
+# format name -> how a path says it
+FORMATS = {
+    "keras": "a path ending in .keras (the Keras archive; loads with keras.models.load_model)",
+    "weights": "a path ending in .weights.h5 (weights and optimizer state only)",
+    "saved_model": "a directory path without a file suffix (a SavedModel export for serving)",
+}
+
+# Staging files of the chief live next to their final name so that os.replace is a
+# same-filesystem rename (atomic on POSIX). The prefix hides them from checkpoint listings
+# and marks them for clean-up; host and pid tell a live writer from a dead one.
+_STAGING_PREFIX = ".tmp-"
+_STAGING_RE = re.compile(r"^\.tmp-(\d+)-(.+)$")
+
+
+def _staging_tag() -> str:
+    return f"{os.getpid()}-{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class WriteRole:
+    """Who writes the final file of a save.
+
+    Attributes:
+        is_chief: True for the one process whose files land at the final path.
+        rank: this process's index among the training tasks (0 for the chief).
+    """
+
+    is_chief: bool = True
+    rank: int = 0
+
+
+def write_role(environ: Mapping[str, str] | None = None) -> WriteRole:
+    """The write role of this process, from ``TF_CONFIG`` or SLURM (chief without a cluster).
+
+    Example:
+        >>> write_role({})
+        WriteRole(is_chief=True, rank=0)
+    """
+    info = _cluster.cluster_from_env(environ)
+    return WriteRole(is_chief=info.is_chief, rank=info.rank)
+
+
+def format_of(path: str | os.PathLike) -> str:
+    """The save format a path asks for: ``keras``, ``weights`` or ``saved_model``.
+
+    Raises:
+        ValueError: for a suffix tfdist does not write (``.h5`` legacy files, ``.pb``, ...).
+
+    Example:
+        >>> format_of("model.keras"), format_of("w.weights.h5"), format_of("export/1")
+        ('keras', 'weights', 'saved_model')
+    """
+    text = _path_text(path, "format_of", "path")
+    name = os.path.basename(text.rstrip("/\\"))
+    if name.endswith(".keras"):
+        return "keras"
+    if name.endswith(".weights.h5"):
+        return "weights"
+    if os.path.splitext(name)[1] == "" or name.isdigit():
+        return "saved_model"
+    choices = "; ".join(f"{k}: {v}" for k, v in FORMATS.items())
+    raise ValueError(
+        f"tfdist.save: cannot tell the format from the path. Received: path={text!r}. "
+        f"Use one of: {choices}."
+    )
+
+
+def _path_text(path, where: str, name: str) -> str:
+    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise TypeError(
+            f"{where}: {name} must be a non-empty str or os.PathLike. Received: {name}={path!r}"
+        )
+    return os.fspath(path)
+
+
+def staging_path(
+    final_path: str | os.PathLike, role: WriteRole, *, tmp_root: str | None = None
+) -> str:
+    """Where a process writes before the final rename (pure: creates nothing).
+
+    The chief stages next to the final path under a hidden name that keeps the suffix
+    (Keras checks suffixes); other workers stage under ``tmp_root`` (the system temp
+    directory by default) in a directory named after their rank and process, which is
+    removed after the save.
+
+    Example:
+        >>> staging_path("/ckpt/ckpt-1.keras", WriteRole(True, 0)).startswith("/ckpt/.tmp-")
+        True
+        >>> "worker1" in staging_path("/ckpt/ckpt-1.keras", WriteRole(False, 1), tmp_root="/t")
+        True
+    """
+    final = os.path.abspath(_path_text(final_path, "staging_path", "final_path"))
+    if not isinstance(role, WriteRole):
+        raise TypeError(f"staging_path: role must be a WriteRole. Received: role={role!r}")
+    parent, name = os.path.split(final.rstrip(os.sep))
+    tag = _staging_tag()
+    if role.is_chief:
+        return os.path.join(parent, f"{_STAGING_PREFIX}{tag}-{name}")
+    root = tmp_root if tmp_root is not None else tempfile.gettempdir()
+    return os.path.join(root, f"tfdist-worker{role.rank}-{tag}", name)
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether a directory entry is a chief's staging file or directory."""
+    return name.startswith(_STAGING_PREFIX)
+
+
+def remove_stale_staging(directory: str | os.PathLike) -> list[str]:
+    """Removes staging files that no live process on this host is writing.
+
+    A process killed with SIGKILL in the middle of a save leaves its staging file behind;
+    the next chief calls this before it starts writing. Files of a process that is still
+    alive on this host are kept.
+
+    Returns:
+        The paths removed.
+
+    Example:
+        >>> remove_stale_staging("ckpt/")  # doctest: +SKIP
+        ['ckpt/.tmp-4242-host-ckpt-3.keras']
+    """
+    directory = _path_text(directory, "remove_stale_staging", "directory")
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    host = socket.gethostname()
+    removed = []
+    for name in names:
+        match = _STAGING_RE.match(name)
+        if not match:
+            continue
+        pid = int(match.group(1))
+        same_host = match.group(2).startswith(host + "-")
+        if same_host and (pid == os.getpid() or _pid_alive(pid)):
+            continue  # a save in progress, ours or a live process's
+        path = os.path.join(directory, name)
+        _remove(path)
+        removed.append(path)
+    if removed:
+        logger.warning("tfdist: removed staging files left by an interrupted save: %s", removed)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def _fsync_path(path: str) -> None:
+    """Flushes a file, or every file of a directory tree, and the directories, to disk."""
+    if os.path.isdir(path):
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                _fsync_file(os.path.join(root, name))
+            _fsync_dir(root)
+    else:
+        _fsync_file(path)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    # A rename is durable only once the directory entry is flushed too.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories; the rename still happened
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(final_path: str | os.PathLike, *, role: WriteRole | None = None) -> Iterator[str]:
+    """Yields a staging path to write; on success the chief's lands at ``final_path``.
+
+    On a clean exit the chief flushes the staging file (or directory) to disk and renames
+    it onto ``final_path``; another worker's staging directory is removed. If the body
+    raises, the staging path is removed and ``final_path`` is untouched.
+
+    Args:
+        final_path: where the chief's output must end up.
+        role: who this process is; read from the environment when None.
+
+    Example:
+        >>> with atomic_output("model.keras") as tmp:   # doctest: +SKIP
+        ...     model.save(tmp)
+    """
+    final = os.path.abspath(_path_text(final_path, "atomic_output", "final_path"))
+    role = write_role() if role is None else role
+    staging = staging_path(final, role)
+    own_dir = None if role.is_chief else os.path.dirname(staging)
+    if own_dir:
+        os.makedirs(own_dir, exist_ok=True)
+    _remove(staging)
+    try:
+        yield staging
+        if role.is_chief:
+            if not os.path.exists(staging):
+                raise RuntimeError(
+                    f"atomic_output: nothing was written to the staging path {staging!r}, "
+                    f"so {final!r} was left as it was."
+                )
+            _fsync_path(staging)
+            _replace(staging, final)
+            _fsync_dir(os.path.dirname(final))
+    finally:
+        _remove(own_dir or staging)
+
+
+def _replace(staging: str, final: str) -> None:
+    if not os.path.isdir(staging):
+        os.replace(staging, final)  # atomic: readers see the old file or the new one
+        return
+    # Directories cannot be swapped atomically: move the old one aside first, so the
+    # window without a directory at ``final`` is two renames long, then drop it.
+    old = None
+    if os.path.lexists(final):
+        old = os.path.join(
+            os.path.dirname(final),
+            f"{_STAGING_PREFIX}{_staging_tag()}-old-{os.path.basename(final)}",
+        )
+        os.replace(final, old)
+    os.replace(staging, final)
+    if old:
+        _remove(old)
+
+
+def add_archive_member(archive_path: str, member: str, data: bytes) -> None:
+    """Appends a file to a ``.keras`` zip archive (Keras ignores members it does not know).
+
+    Example:
+        >>> add_archive_member("ckpt.keras", "tfdist/resume.json", b"{}")  # doctest: +SKIP
+    """
+    with zipfile.ZipFile(archive_path, "a", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(member, data)
+
+
+def read_archive_member(archive_path: str, member: str) -> bytes | None:
+    """The bytes of one member of a zip archive, or None when it has no such member."""
+    with zipfile.ZipFile(archive_path, "r") as zf:
+        if member not in zf.namelist():
+            return None
+        return zf.read(member)
+
+
+def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
+    """Saves ``model`` atomically as a ``.keras`` archive, ``.weights.h5`` file or SavedModel.
+
+    The format follows the path: ``*.keras`` (architecture, weights, optimizer state;
+    loads with ``keras.models.load_model``), ``*.weights.h5`` (weights and optimizer
+    state) or a directory path without a suffix (a SavedModel with a ``serve``
+    endpoint, for TF Serving and ``tf.saved_model.load``). Works inside or outside a
+    strategy scope. Under multi-worker training every worker must call it; only the
+    chief's output lands at ``path``.
+
+    Args:
+        model: a built ``keras.Model``.
+        path: destination; its form picks the format (see above).
+        overwrite: replace an existing file; with False an existing path is an error.
+
+    Returns:
+        The absolute path written (also on workers, which write nothing there).
+
+    Raises:
+        TypeError: ``model`` is not a Keras model, or ``path`` is not a path.
+        ValueError: the path's suffix names no supported format, or the model is not built.
+        FileExistsError: ``path`` exists and ``overwrite`` is False.
+
+    Example:
+        >>> with tfdist.scope():                       # doctest: +SKIP
+        ...     model = build_and_compile()
+        >>> tfdist.save(model, "out/model.keras")      # doctest: +SKIP
+        '/abs/out/model.keras'
+        >>> tfdist.save(model, "export/1")             # doctest: +SKIP  (SavedModel)
+    """
+    import keras
+
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"tfdist.save: model must be a keras.Model. Received: model={model!r} "
+            f"(type {type(model).__name__})."
+        )
+    text = _path_text(path, "tfdist.save", "path")
+    fmt = format_of(text)
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"tfdist.save: overwrite must be a bool. Received: overwrite={overwrite!r}")
+    if not model.built:
+        raise ValueError(
+            f"tfdist.save: the model is not built, so it has no weights to save. "
+            f"Received: model={model.name!r}, path={text!r}. Call the model on a batch, or "
+            "give it a keras.Input, before saving."
+        )
+    final = os.path.abspath(text)
+    role = write_role()
+    if role.is_chief:
+        if os.path.lexists(final) and not overwrite:
+            raise FileExistsError(
+                f"tfdist.save: {final!r} exists and overwrite=False. Received: path={text!r}. "
+                "Pass overwrite=True or choose another path."
+            )
+        parent = os.path.dirname(final)
+        if os.path.isfile(parent):
+            raise NotADirectoryError(
+                f"tfdist.save: the parent of path is a file, not a directory. "
+                f"Received: path={text!r}. Choose a path inside a directory."
+            )
+        os.makedirs(parent, exist_ok=True)
+    with atomic_output(final, role=role) as staging:
+        if fmt == "keras":
+            model.save(staging)
+        elif fmt == "weights":
+            model.save_weights(staging)
+        else:
+            model.export(staging, format="tf_saved_model", verbose=False)
+    if role.is_chief:
+        logger.info("tfdist: saved %s as %s", model.name, final)
+    return final
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    in_scope: bool = False,
+    strategy=None,
+    safe_mode: bool = True,
+    compile: bool = True,
+    custom_objects: Mapping | None = None,
+    model=None,
+):
+    """Loads what ``save`` wrote, outside a strategy scope or inside one.
+
+    * ``*.keras``: returns the model (``keras.models.load_model``), compiled with its
+      optimizer state when ``compile`` is True.
+    * ``*.weights.h5``: loads into ``model`` (which you build) and returns it.
+    * a SavedModel directory: returns ``tf.saved_model.load(path)``; call its ``serve``.
+
+    With ``in_scope=True`` (or an explicit ``strategy``) the variables are created in
+    that strategy's scope (mirrored on its devices), whatever the replica count of the
+    job that saved the file. ``safe_mode`` stays on unless you turn it off: an archive
+    that would run Python code on load (a ``Lambda`` layer holding a lambda) is refused
+    before any of that code runs. Legacy ``.h5`` full-model files, which can embed such
+    code too, are refused in safe mode.
+
+    Args:
+        path: a ``.keras`` file, a ``.weights.h5`` file or a SavedModel directory.
+        in_scope: create the variables inside the scope of ``strategy`` (the current
+            one when None, see ``tfdist.strategy()``).
+        strategy: a ``tf.distribute.Strategy`` to load into; implies ``in_scope``.
+        safe_mode: refuse archives that would deserialize Python code (default True).
+        compile: compile a ``.keras`` model after loading (restores the optimizer).
+        custom_objects: classes/functions a ``.keras`` model needs, by name.
+        model: a built model to load a ``.weights.h5`` file into (that format only).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        ValueError: unsafe content with ``safe_mode=True``, a weights file without a
+            ``model``, or a path whose format is unknown.
+
+    Example:
+        >>> model = tfdist.load("model.keras")                   # doctest: +SKIP
+        >>> model = tfdist.load("model.keras", in_scope=True)    # doctest: +SKIP
+        >>> served = tfdist.load("export/1"); served.serve(x)    # doctest: +SKIP
+    """
+    text = _path_text(path, "tfdist.load", "path")
+    for name, value in (("in_scope", in_scope), ("safe_mode", safe_mode), ("compile", compile)):
+        if not isinstance(value, bool):
+            raise TypeError(f"tfdist.load: {name} must be a bool. Received: {name}={value!r}")
+    if not os.path.exists(text):
+        raise FileNotFoundError(
+            f"tfdist.load: nothing at path. Received: path={text!r}. Pass the path "
+            "tfdist.save (or model.save/model.export) wrote."
+        )
+    name = os.path.basename(text.rstrip("/\\"))
+    if os.path.isdir(text):
+        fmt = "saved_model"
+    elif name.endswith((".h5", ".hdf5")) and not name.endswith(".weights.h5"):
+        fmt = "legacy_h5"
+    else:
+        fmt = format_of(text)
+    if model is not None and fmt != "weights":
+        raise ValueError(
+            f"tfdist.load: model= is only for .weights.h5 files. Received: path={text!r}, "
+            f"model={model!r}. Drop model=, the {fmt} format carries its own architecture."
+        )
+    scope = _scope_for(in_scope, strategy)
+    with scope:
+        if fmt == "keras":
+            return _load_keras(text, safe_mode, compile, custom_objects)
+        if fmt == "legacy_h5":
+            if safe_mode:
+                raise ValueError(
+                    f"tfdist.load: refusing a legacy HDF5 model file in safe mode, because it "
+                    f"can embed Python code that runs on load. Received: path={text!r}. "
+                    "Re-save it as .keras, or pass safe_mode=False if you trust the file."
+                )
+            import keras
+
+            return keras.models.load_model(
+                text, custom_objects=custom_objects, compile=compile, safe_mode=False
+            )
+        if fmt == "weights":
+            return _load_weights(text, model)
+        import tensorflow as tf
+
+        return tf.saved_model.load(text)
+
+
+def _scope_for(in_scope: bool, strategy):
+    if strategy is None and not in_scope:
+        return contextlib.nullcontext()
+    from tfdist.strategy import _current
+
+    return _current(strategy).scope()
+
+
+def _load_keras(path: str, safe_mode: bool, compile: bool, custom_objects):
+    import keras
+
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            "tfdist.load: path is not a .keras archive (not a zip file); it may be truncated "
+            f"or corrupt. Received: path={path!r}. Load an intact copy."
+        )
+    try:
+        return keras.models.load_model(
+            path, custom_objects=custom_objects, compile=compile, safe_mode=safe_mode
+        )
+    except ValueError as err:
+        if safe_mode and "safe_mode" in str(err):
+            raise ValueError(
+                f"tfdist.load: refused {path!r} in safe mode: it holds Python code (such as a "
+                "Lambda layer's lambda) that would run on load, and none of it was run. "
+                "Pass safe_mode=False only if you trust where the file came from. "
+                f"Keras said: {err}"
+            ) from err
+        raise
+
+
+def _load_weights(path: str, model):
+    import keras
+
+    if model is None:
+        raise ValueError(
+            f"tfdist.load: a .weights.h5 file holds no architecture. Received: path={path!r}, "
+            "model=None. Build and compile the model, then pass it: "
+            "tfdist.load(path, model=model)."
+        )
+    if not isinstance(model, keras.Model) or not model.built:
+        raise ValueError(
+            f"tfdist.load: model must be a built keras.Model. Received: model={model!r}. "
+            "Give it a keras.Input (or call it once) before loading weights."
+        )
+    if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
+        # Keras skips optimizer state (with only a warning) when the optimizer has no
+        # variables yet; build them so that iterations and slots are restored too.
+        model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    return model
