@@ -30,6 +30,7 @@ from tfdist import cluster as _cluster
 from tfdist.checkpoint import (
     ResumableCheckpoint,
     _finish_resumed_epoch,
+    _numpy,
     is_resumed_partial_epoch,
 )
 
@@ -67,7 +68,7 @@ def current_learning_rate(optimizer) -> float:
             f"Received: optimizer={optimizer!r}. Pass model.optimizer of a compiled model."
         )
     # Keras 3's learning_rate property already evaluates a schedule at self.iterations.
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+    return float(_numpy(optimizer.learning_rate))
 
 
 def _positive_float(value, name: str, where: str) -> float:
@@ -279,7 +280,7 @@ class Warmup(keras.callbacks.Callback):
                 "use the schedule's own warm-up (keras.optimizers.schedules.CosineDecay("
                 "warmup_target=..., warmup_steps=...))."
             )
-        self._step = int(keras.ops.convert_to_numpy(optimizer.iterations))
+        self._step = int(_numpy(optimizer.iterations))
 
     def rate_at(self, step: int) -> float:
         """The warm-up rate for 0-based global step ``step`` (``target`` once past it)."""

@@ -304,11 +304,16 @@ def _seed_generators(model) -> list:
     return found
 
 
+def _numpy(value) -> np.ndarray:
+    """A variable's or tensor's value on the host (``tf.Variable.numpy``, no array protocol)."""
+    value = getattr(value, "value", value)  # keras.Variable -> the backend variable
+    if hasattr(value, "numpy"):
+        return np.asarray(value.numpy())
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
 def _rng_state(model) -> list[list[int]]:
-    return [
-        np.asarray(keras.ops.convert_to_numpy(g.state.value)).tolist()
-        for g in _seed_generators(model)
-    ]
+    return [_numpy(g.state).tolist() for g in _seed_generators(model)]
 
 
 def _set_rng_state(model, states: list, path: str) -> None:
@@ -362,7 +367,18 @@ def _restore_into(model, path: str, info: dict) -> ResumeState:
         model.optimizer.build(model.trainable_variables)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.load_weights(path)
+        try:
+            model.load_weights(path)
+        except (ValueError, KeyError, TypeError) as err:
+            # The bytes are intact (checked before): the model is not the one that
+            # wrote them. Starting fresh would later prune the real checkpoints.
+            said = " ".join(str(err).split())
+            raise ValueError(
+                f"make_or_restore: checkpoint {path!r} reads back intact but does not fit "
+                "the model build_fn returns (another architecture or optimizer). Restore "
+                "with the build_fn that wrote it, or pass a new checkpoint_dir; nothing was "
+                f"deleted. Keras said: {said[:400]}"
+            ) from err
     for warning in caught:
         if "Skipping variable loading for optimizer" in str(warning.message):
             raise ValueError(
@@ -756,7 +772,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         if self._resume is not None and self._resume.step is not None:
             self._step = self._resume.step
         else:
-            self._step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            self._step = int(_numpy(self.model.optimizer.iterations))
         self._first_epoch = True
         self._fits += 1
         self._phantom_prone = _phantom_prone_variables(self.model)
