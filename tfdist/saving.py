@@ -528,7 +528,9 @@ def _load_weights(path: str, model):
         )
     if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
         # Keras skips optimizer state (with only a warning) when the optimizer has no
-        # variables yet; build them so that iterations and slots are restored too.
-        model.optimizer.build(model.trainable_variables)
+        # variables yet; build them (in the model's own strategy scope, where its
+        # variables live) so that iterations and slots are restored too.
+        with model.distribute_strategy.scope():
+            model.optimizer.build(model.trainable_variables)
     model.load_weights(path)
     return model
