@@ -1,0 +1,335 @@
+"""The MNIST walkthrough as a restartable job: what ``tfdist train mnist`` runs.
+
+One process (or each worker of ``--workers N``) builds the strategy, the input
+pipelines and the recipe's model, restores the newest checkpoint, trains, evaluates on
+the test set and, on the chief, writes the final model, ``metrics.json``, the
+per-epoch history (``history.csv``) and a plot of the curves (``curves.png``). Running
+the same command again after a kill -9 or SIGTERM resumes from the checkpoints; a run
+that already finished only evaluates and rewrites its outputs.
+
+Example:
+    >>> from tfdist.examples import mnist
+    >>> result = mnist.run(mnist.TrainConfig(recipe="fast", epochs=1))  # doctest: +SKIP
+    >>> result["test_accuracy"] > 0.98                                   # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+
+__all__ = ["TrainConfig", "run", "plot_history", "summary_line"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of one ``tfdist train mnist`` run (``None`` = the recipe's value).
+
+    Attributes:
+        recipe: ``"fast"`` (default) or ``"tutorial"``.
+        epochs: total epochs of the job (a resumed job trains only the missing ones).
+        per_replica_batch: examples per replica per step.
+        output: directory for the model, metrics, history and plot.
+        checkpoint_dir: checkpoints (default ``OUTPUT/ckpt``); TensorBoard logs go to
+            its ``logs/``.
+        devices: devices in this process: that many GPUs when there are GPUs, else that
+            many logical CPU devices; None lets ``tfdist.strategy()`` decide.
+        seed: seeds the data order (and the model's initial weights), for exact resume.
+        save_freq: also checkpoint every that many steps (``"epoch"``: epoch ends only).
+        verbose: Keras progress output on the chief (``"auto"``, 0, 1 or 2).
+        train_split: the tfds split to train on, e.g. ``"train[:10%]"`` for a quick run.
+    """
+
+    recipe: str = "fast"
+    epochs: int | None = None
+    per_replica_batch: int | None = None
+    output: str = "runs/mnist"
+    checkpoint_dir: str | None = None
+    devices: int | None = None
+    seed: int = 0
+    save_freq: int | str = 200
+    verbose: int | str = "auto"
+    train_split: str = "train"
+
+    @property
+    def ckpt_dir(self) -> str:
+        return self.checkpoint_dir or os.path.join(self.output, "ckpt")
+
+
+def _strategy(devices: int | None):
+    import tensorflow as tf
+
+    import tfdist
+
+    if devices is None:
+        return tfdist.strategy()
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if devices > len(gpus):
+            raise ValueError(
+                f"train mnist: --devices {devices} asks for more GPUs than the {len(gpus)} "
+                "present. Received: devices={devices}. Pass at most {len(gpus)}."
+            )
+        names = [f"/gpu:{i}" for i in range(devices)]
+        return tfdist.strategy("mirrored" if devices > 1 else "one_device", devices=names)
+    return tfdist.strategy(cpu_devices=devices)
+
+
+def _history_rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_history(history_csv: str, png_path: str, *, title: str = "MNIST") -> str:
+    """Draws loss and accuracy per epoch (train and test) from Keras's CSV log into a PNG.
+
+    Example:
+        >>> plot_history("runs/mnist/history.csv", "runs/mnist/curves.png")  # doctest: +SKIP
+        'runs/mnist/curves.png'
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    rows = _history_rows(history_csv)
+    if not rows:
+        raise ValueError(
+            f"plot_history: no epochs recorded in history_csv. Received: history_csv={history_csv!r}. "
+            "Train at least one epoch first."
+        )
+    epochs = [int(r["epoch"]) + 1 for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, metric in zip(axes, ("loss", "accuracy"), strict=True):
+        ax.plot(epochs, [float(r[metric]) for r in rows], "o-", label="train")
+        if rows[0].get(f"val_{metric}"):
+            ax.plot(epochs, [float(r[f"val_{metric}"]) for r in rows], "s-", label="test")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def summary_line(metrics: dict) -> str:
+    """The one line the job ends with, e.g. ``test_accuracy=0.9921 test_loss=0.0251 ...``."""
+    return (
+        f"test_accuracy={metrics['test_accuracy']:.4f} test_loss={metrics['test_loss']:.4f} "
+        f"epochs={metrics['epochs']} recipe={metrics['recipe']} replicas={metrics['replicas']} "
+        f"wall_time_s={metrics['wall_time_s']:.1f}"
+    )
+
+
+def run(config: TrainConfig) -> dict:
+    """Trains (or resumes) the MNIST job of ``config``; returns the metrics it wrote.
+
+    Raises:
+        FileNotFoundError: MNIST is not on disk and cannot be downloaded (names
+            ``TFDS_DATA_DIR``).
+
+    Example:
+        >>> run(TrainConfig(epochs=1, output="/tmp/mnist"))["epochs"]  # doctest: +SKIP
+        1
+    """
+    start = time.perf_counter()
+    import keras
+
+    import tfdist
+    from tfdist.examples.recipes import get_recipe
+
+    strategy = _strategy(config.devices)
+    changes = {}
+    if config.epochs is not None:
+        changes["epochs"] = config.epochs
+    if config.per_replica_batch is not None:
+        changes["per_replica_batch"] = config.per_replica_batch
+    recipe = get_recipe(config.recipe, **changes)
+    replicas = strategy.num_replicas_in_sync
+    chief = tfdist.is_chief()
+
+    # Load the data first: a missing dataset should fail before anything is written.
+    train_raw, test_raw = tfdist.data.mnist(config.train_split), tfdist.data.mnist("test")
+    train = tfdist.data.pipeline(
+        train_raw,
+        recipe.per_replica_batch,
+        map_fn=recipe.train_map,
+        map_on="batch",
+        seed=config.seed,
+        strategy=strategy,
+    )
+    test = tfdist.data.pipeline(
+        test_raw, recipe.per_replica_batch, map_fn=recipe.eval_map, shuffle=None, strategy=strategy
+    )
+    steps_per_epoch = int(train.cardinality())
+    if steps_per_epoch <= 0:  # unknown cardinality: fall back to the arithmetic
+        steps_per_epoch = math.floor(60_000 / recipe.global_batch(replicas))
+
+    def build_and_compile():
+        keras.utils.set_random_seed(config.seed)
+        return recipe.build_and_compile(replicas, steps_per_epoch=steps_per_epoch)
+
+    os.makedirs(config.output, exist_ok=True)
+    model, initial_epoch = tfdist.make_or_restore(
+        build_and_compile, config.ckpt_dir, strategy=strategy
+    )
+    resumed = tfdist.checkpoint.resume_state(model)  # None for a fresh model
+    callbacks = tfdist.callbacks.standard(
+        config.ckpt_dir, decay=recipe.epoch_decay, save_freq=config.save_freq
+    )
+    history_csv = os.path.join(config.output, "history.csv")
+    if chief:
+        # append=True keeps the epochs of earlier (interrupted) runs in one history.
+        callbacks.append(keras.callbacks.CSVLogger(history_csv, append=initial_epoch > 0))
+    if initial_epoch > 0:
+        logger.info("tfdist: resuming MNIST job at epoch %d of %d", initial_epoch, recipe.epochs)
+    if initial_epoch < recipe.epochs:
+        model.fit(
+            train,
+            epochs=recipe.epochs,
+            initial_epoch=initial_epoch,
+            validation_data=test,
+            callbacks=callbacks,
+            shuffle=False,  # the pipeline shuffles; Keras would only warn
+            verbose=config.verbose if chief else 0,
+        )
+    test_loss, test_accuracy = model.evaluate(test, verbose=0)
+    tfdist.save(model, os.path.join(config.output, "model.keras"))
+    metrics = {
+        "test_accuracy": float(test_accuracy),
+        "test_loss": float(test_loss),
+        "epochs": recipe.epochs,
+        "resumed_from": (
+            {"checkpoint": resumed.path, "epoch": resumed.epoch, "batch": resumed.batch}
+            if resumed
+            else None
+        ),
+        "wall_time_s": time.perf_counter() - start,
+        "replicas": replicas,
+        "workers": tfdist.cluster_from_env().num_workers,
+        "recipe": recipe.name,
+        "per_replica_batch": recipe.per_replica_batch,
+        "global_batch": recipe.global_batch(replicas),
+        "config": asdict(config),
+        "history": _history_rows(history_csv),
+    }
+    if chief:
+        with open(os.path.join(config.output, "metrics.json"), "w") as f:
+            json.dump(metrics, f, indent=2)
+        if metrics["history"]:
+            plot_history(
+                history_csv,
+                os.path.join(config.output, "curves.png"),
+                title=f"MNIST, {recipe.name} recipe",
+            )
+    return metrics
+
+
+def _save_freq(text: str) -> int | str:
+    if text == "epoch":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"train mnist: --save-freq must be a positive number of steps or 'epoch'. "
+            f"Received: --save-freq={text!r}"
+        )
+    return value
+
+
+def config_from_args(args) -> TrainConfig:
+    """The ``TrainConfig`` of parsed ``tfdist train mnist`` arguments (no TensorFlow).
+
+    Example:
+        >>> from tfdist.cli import build_parser
+        >>> config_from_args(build_parser().parse_args(["train", "mnist", "--epochs", "2"])).epochs
+        2
+    """
+    for name in ("epochs", "per_replica_batch", "devices"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"train mnist: {flag} must be a positive int. Received: {flag}={value}"
+            )
+    return TrainConfig(
+        recipe=args.recipe,
+        epochs=args.epochs,
+        per_replica_batch=args.per_replica_batch,
+        output=args.output or os.path.join("runs", f"mnist-{args.recipe}"),
+        checkpoint_dir=args.checkpoint_dir,
+        devices=args.devices,
+        seed=args.seed,
+        save_freq=_save_freq(args.save_freq),
+        verbose=args.verbose if args.verbose == "auto" else int(args.verbose),
+        train_split=args.train_split,
+    )
+
+
+def worker_argv(config: TrainConfig) -> list[str]:
+    """The ``tfdist train mnist`` arguments each worker of ``--workers N`` runs with.
+
+    Example:
+        >>> worker_argv(TrainConfig(epochs=2, output="out"))[:4]
+        ['train', 'mnist', '--recipe', 'fast']
+    """
+    argv = ["train", "mnist", "--recipe", config.recipe, "--output", config.output]
+    argv += ["--checkpoint-dir", config.ckpt_dir, "--seed", str(config.seed)]
+    argv += ["--save-freq", str(config.save_freq), "--verbose", str(config.verbose)]
+    argv += ["--train-split", config.train_split]
+    if config.epochs is not None:
+        argv += ["--epochs", str(config.epochs)]
+    if config.per_replica_batch is not None:
+        argv += ["--per-replica-batch", str(config.per_replica_batch)]
+    return argv
+
+
+def main(args) -> int:
+    """Runs ``tfdist train mnist`` from parsed arguments; returns the exit code.
+
+    With ``--workers N`` (N > 1) it starts N workers through ``tfdist launch`` (each
+    running this job without ``--workers``, with ``--devices`` devices each) and returns
+    the launcher's exit code; otherwise it trains in this process and prints the summary
+    line on the chief.
+    """
+    config = config_from_args(args)
+    if args.workers < 1 or args.max_restarts < 0:
+        raise ValueError(
+            "train mnist: --workers must be >= 1 and --max-restarts >= 0. "
+            f"Received: --workers={args.workers}, --max-restarts={args.max_restarts}"
+        )
+    if args.workers > 1:
+        from tfdist import launch
+
+        return launch.run(
+            launch.LaunchOptions(
+                nproc=args.workers,
+                target="tfdist",
+                module=True,
+                args=tuple(worker_argv(config)),
+                devices_per_worker=config.devices,
+                max_restarts=args.max_restarts,
+            )
+        )
+    metrics = run(config)
+    import tfdist
+
+    if tfdist.is_chief():
+        print(summary_line(metrics), flush=True)
+    return 0
