@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import logging
 import math
@@ -437,6 +438,10 @@ def standard(
     if print_lr:
         callbacks.append(PrintLR())
     if tensorboard and _cluster.is_chief():
+        if importlib.util.find_spec("tensorboard") is None:
+            # Keras's TensorBoard callback would only fail at the first epoch end.
+            logger.warning("tfdist: the tensorboard package is missing; no TensorBoard logs")
+            return callbacks
         callbacks.append(
             keras.callbacks.TensorBoard(log_dir=os.path.join(os.fspath(checkpoint_dir), "logs"))
         )

@@ -1,0 +1,254 @@
+"""tfdist.callbacks: decay, PrintLR, warmup, the linear scaling rule, standard()."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.cluster import worker_tf_config
+
+from conftest import last_json_line, run_python
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+Y = X.sum(axis=1, keepdims=True)
+
+
+def build(learning_rate=0.01):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
+    return model
+
+
+class RateLog(keras.callbacks.Callback):
+    """The rate each step trained with, read at batch begin (after other callbacks set it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(tfdist.callbacks.current_learning_rate(self.model.optimizer))
+
+
+def fit(model, callbacks, epochs=3, initial_epoch=0):
+    log = RateLog()
+    model.fit(
+        X,
+        Y,
+        batch_size=8,
+        epochs=epochs,
+        initial_epoch=initial_epoch,
+        shuffle=False,
+        verbose=0,
+        callbacks=[*callbacks, log],
+    )
+    return log.rates
+
+
+# --------------------------------------------------------------------------- decay
+
+
+def guides_decay(epoch):
+    if epoch < 1:
+        return 1e-3
+    elif epoch < 2:
+        return 1e-4
+    return 1e-5
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [guides_decay, {0: 1e-3, 1: 1e-4, 2: 1e-5}, lambda epoch, lr: [1e-3, 1e-4, 1e-5][epoch]],
+    ids=["callable", "mapping", "epoch-and-rate"],
+)
+def test_decay_sets_each_epochs_rate(schedule):
+    rates = fit(build(), [tfdist.callbacks.decay(schedule)])
+    np.testing.assert_allclose(rates, [1e-3] * 4 + [1e-4] * 4 + [1e-5] * 4, rtol=1e-6)
+
+
+def test_decay_mapping_keeps_the_optimizer_rate_before_its_first_key():
+    rates = fit(build(0.05), [tfdist.callbacks.decay({1: 0.01})], epochs=2)
+    np.testing.assert_allclose(rates, [0.05] * 4 + [0.01] * 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "bad, error, message",
+    [
+        ({}, ValueError, "mapping of epoch boundaries to rates is empty"),
+        ({-1: 0.1}, ValueError, r"keys must be epochs \(ints >= 0\).*-1"),
+        ({0: 0.0}, ValueError, r"schedule\[0\] must be a positive finite number.*0.0"),
+        ({0: "fast"}, ValueError, "schedule\\[0\\] must be a positive finite number"),
+        (0.1, TypeError, r"schedule must be a callable .* Received: schedule=0.1"),
+    ],
+)
+def test_decay_rejects_bad_schedules(bad, error, message):
+    with pytest.raises(error, match=message):
+        tfdist.callbacks.decay(bad)
+
+
+def test_decay_schedule_returning_garbage_is_named():
+    with pytest.raises(
+        ValueError, match=r"must return a positive float.*schedule\(0\) returned -1"
+    ):
+        fit(build(), [tfdist.callbacks.decay(lambda epoch: -1)], epochs=1)
+
+
+def test_decay_does_not_apply_twice_in_a_resumed_partial_epoch(tmp_path):
+    """A rate of the form lr -> lr / 2 must not be halved again when resuming mid-epoch."""
+
+    def halve(epoch, lr):
+        return lr / 2
+
+    reference = fit(build(0.08), [tfdist.callbacks.decay(halve)], epochs=2)
+    model = build(0.08)
+    fit(
+        model,
+        [tfdist.callbacks.decay(halve), tfdist.callbacks.checkpoint(tmp_path, save_freq=6)],
+        epochs=2,
+    )
+    os.remove(tmp_path / "ckpt-1.keras")
+    os.remove(tmp_path / "ckpt-2.keras")  # leave ckpt-2-2.keras: 2 batches into epoch 2
+    restored, initial_epoch = tfdist.make_or_restore(
+        lambda: build(0.08), tmp_path, strategy=tf.distribute.get_strategy()
+    )
+    assert initial_epoch == 1
+    # the in-memory stand-in for the data position: numpy data replays the epoch, so
+    # only the rate (not the weights) is compared here
+    resumed = fit(restored, [tfdist.callbacks.decay(halve)], epochs=2, initial_epoch=1)
+    np.testing.assert_allclose(resumed, reference[4:], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- PrintLR
+
+
+def test_print_lr_prints_the_rate_in_use_on_the_chief(capsys):
+    fit(build(0.1), [tfdist.callbacks.decay({1: 0.05}), tfdist.callbacks.PrintLR()], epochs=2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert lines == ["Learning rate for epoch 1 is 0.1", "Learning rate for epoch 2 is 0.05"]
+
+
+def test_print_lr_evaluates_a_schedule_at_the_current_step(capsys):
+    keras.utils.set_random_seed(0)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=4, decay_rate=0.5)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    fit(model, [tfdist.callbacks.PrintLR()], epochs=2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    # after 4 and 8 steps: 0.1 * 0.5 ** (4 / 4) and 0.1 * 0.5 ** (8 / 4)
+    assert lines == ["Learning rate for epoch 1 is 0.05", "Learning rate for epoch 2 is 0.025"]
+
+
+def test_print_lr_is_silent_on_other_workers(capsys, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 1))
+    fit(build(0.1), [tfdist.callbacks.PrintLR()], epochs=1)
+    assert "Learning rate" not in capsys.readouterr().out
+
+
+def test_current_learning_rate_rejects_non_optimizers():
+    with pytest.raises(TypeError, match=r"optimizer must be a keras.optimizers.Optimizer.*'adam'"):
+        tfdist.callbacks.current_learning_rate("adam")
+
+
+# --------------------------------------------------------------------------- warm-up
+
+
+def test_warmup_ramps_linearly_then_hands_over_to_decay():
+    warm = tfdist.callbacks.warmup(0.08, steps=4, start_factor=0.5)
+    rates = fit(build(0.01), [tfdist.callbacks.decay({1: 0.02}), warm], epochs=2)
+    # steps 0-3 warm up from 0.5 * 0.08 to 0.08; epoch 2 belongs to decay
+    expected = [0.08 * (0.5 + 0.5 * (s + 1) / 4) for s in range(4)] + [0.02] * 4
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)
+
+
+def test_warmup_continues_from_the_restored_step(tmp_path):
+    reference = fit(build(), [tfdist.callbacks.warmup(0.1, steps=8)], epochs=2)
+    fit(build(), [tfdist.callbacks.warmup(0.1, steps=8), tfdist.callbacks.checkpoint(tmp_path)], 1)
+    restored, initial_epoch = tfdist.make_or_restore(
+        build, tmp_path, strategy=tf.distribute.get_strategy()
+    )
+    resumed = fit(restored, [tfdist.callbacks.warmup(0.1, steps=8)], 2, initial_epoch)
+    np.testing.assert_allclose(resumed, reference[4:], rtol=1e-6)
+    np.testing.assert_allclose(reference, [0.1 * (s + 1) / 8 for s in range(8)], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"target": 0, "steps": 10}, r"target must be a positive finite number.*target=0"),
+        ({"target": 0.1, "steps": 0}, r"steps must be a positive int.*steps=0"),
+        ({"target": 0.1, "steps": 5, "start_factor": 1.0}, r"start_factor must be .*\[0, 1\)"),
+    ],
+)
+def test_warmup_rejects_bad_arguments(kwargs, message):
+    target, steps = kwargs.pop("target"), kwargs.pop("steps")
+    with pytest.raises(ValueError, match=message):
+        tfdist.callbacks.warmup(target, steps, **kwargs)
+
+
+def test_warmup_refuses_a_schedule_optimizer():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    with pytest.raises(TypeError, match="CosineDecay"):
+        fit(model, [tfdist.callbacks.warmup(0.1, 4)], epochs=1)
+
+
+def test_scale_learning_rate_validates():
+    with pytest.raises(ValueError, match=r"base_lr must be a positive finite number.*-1"):
+        tfdist.callbacks.scale_learning_rate(-1)
+
+
+# --------------------------------------------------------------------------- standard
+
+
+def test_standard_is_the_walkthrough_set_and_writes_logs_under_the_checkpoint_dir(tmp_path):
+    callbacks = tfdist.callbacks.standard(tmp_path, decay=guides_decay)
+    assert [type(c).__name__ for c in callbacks] == [
+        "ResumableCheckpoint",
+        "Decay",
+        "PrintLR",
+        "TensorBoard",
+    ]
+    fit(build(), callbacks, epochs=1)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1.keras", "logs"]
+    assert os.listdir(tmp_path / "logs")  # TensorBoard event files
+
+
+def test_standard_leaves_tensorboard_to_the_chief(tmp_path, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 1))
+    callbacks = tfdist.callbacks.standard(tmp_path)
+    assert [type(c).__name__ for c in callbacks] == ["ResumableCheckpoint", "PrintLR"]
+    with pytest.raises(TypeError, match=r"warmup must be a callback from tfdist.callbacks.warmup"):
+        tfdist.callbacks.standard(tmp_path, warmup=0.1)
+
+
+@pytest.mark.devices
+def test_callbacks_on_two_logical_devices(tmp_path):
+    proc = run_python(
+        f"""
+        import json, numpy as np, tfdist, keras
+        tfdist.strategy()
+        lr = tfdist.callbacks.scale_learning_rate(0.05)
+        with tfdist.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(lr), loss="mse")
+        x = np.ones((16, 4), "float32")
+        callbacks = tfdist.callbacks.standard({str(tmp_path)!r}, decay={{1: lr / 10}},
+                                              warmup=tfdist.callbacks.warmup(lr, 2))
+        model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+        print(json.dumps({{"replicas": tfdist.num_replicas(), "lr": lr}}))
+        """,
+        TFDIST_CPU_DEVICES="2",
+    )
+    result = last_json_line(proc.stdout)
+    assert result == {"replicas": 2, "lr": 0.1}  # the linear scaling rule: 0.05 x 2
+    assert "Learning rate for epoch 1 is 0.1\n" in proc.stdout
+    assert "Learning rate for epoch 2 is 0.01\n" in proc.stdout
+    assert {"ckpt-1.keras", "ckpt-2.keras", "logs"} <= set(os.listdir(tmp_path))
