@@ -1,0 +1,72 @@
+"""Every walkthrough notebook runs top to bottom on a real kernel, with small parameters.
+
+The notebooks are stored without outputs; each has one cell tagged ``parameters`` whose
+values the test overrides (fewer epochs, a slice of MNIST), the way papermill would.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, child_env
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+MNIST_ON_DISK = (
+    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
+    .expanduser()
+    .joinpath("mnist")
+    .is_dir()
+)
+
+# Small values that keep each notebook to a minute or two on 2 CPU cores.
+OVERRIDES = {
+    "01_mirrored_mnist": {"EPOCHS": 2, "TRAIN_SPLIT": "train[:5%]"},
+    "02_restart_from_checkpoint": {"EPOCHS": 2, "TRAIN_SPLIT": "train[:10%]", "SAVE_FREQ": 5},
+    "03_multi_worker_mnist": {"EPOCHS": 1, "TRAIN_SPLIT": "train[:5%]"},
+}
+
+
+def test_every_notebook_is_stored_without_outputs_and_has_parameters():
+    assert {p.stem for p in NOTEBOOKS} == set(OVERRIDES)
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert all(not c.outputs and c.execution_count is None for c in code), path.name
+        tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{path.name}: exactly one cell must be tagged 'parameters'"
+        for name in OVERRIDES[path.stem]:
+            assert f"{name} =" in tagged[0].source, f"{path.name} has no parameter {name}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    nb = nbformat.read(path, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    overrides = dict(OVERRIDES[path.stem], WORKDIR=str(tmp_path / "work"))
+    cell.source += "\n# injected by the test\n" + "\n".join(
+        f"{k} = {v!r}" for k, v in overrides.items()
+    )
+    # The kernel inherits this environment: quiet TensorFlow, no cluster from the shell.
+    env = child_env()
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
+    # The notebooks assert their own results (equal predictions, exit codes, agreeing
+    # workers); check here that every code cell actually ran.
+    assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
