@@ -56,6 +56,187 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_launch(args: argparse.Namespace) -> int:
+    # TensorFlow-free: the launcher only builds environments and supervises processes.
+    import logging
+
+    from tfdist import launch
+
+    log = logging.getLogger("tfdist.launch")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("tfdist launch: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+        log.propagate = False
+    if args.script is None:
+        raise ValueError(
+            "launch: missing the script to run. Received: no SCRIPT. "
+            "Usage: tfdist launch -n N script.py [ARGS...] (or -m MODULE [ARGS...])."
+        )
+    hosts = tuple(h.strip() for h in args.hosts.split(",")) if args.hosts else None
+    nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else 1)
+    options = launch.LaunchOptions(
+        nproc=args.nproc,
+        target=args.script,
+        args=tuple(args.args),
+        module=args.module,
+        devices_per_worker=args.devices_per_worker,
+        max_restarts=args.max_restarts,
+        port=args.port,
+        nnodes=nnodes,
+        node_rank=args.node_rank,
+        hosts=hosts or (launch.LOOPBACK,) * nnodes,
+        allow_remote=args.allow_remote,
+        fixes=not args.no_fixes,
+        grace=args.grace,
+        finish_timeout=args.finish_timeout,
+    )
+    return launch.run(options)
+
+
+def _add_launch_parser(sub) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run a training script as N workers on this host (TF_CONFIG set for each)",
+        description="Start N worker processes of a multi-worker job on this host, each "
+        "with TF_CONFIG (free ports on 127.0.0.1) and tfdist's compat fixes applied "
+        "before the script runs. Output lines are prefixed [w0], [w1], ...; when a "
+        "worker fails the others are stopped (fail fast); --max-restarts restarts the "
+        "group. Exit code: 0, the failed worker's code, or 75 when a restart was "
+        "requested and none are left.",
+        epilog="examples:\n"
+        "  tfdist launch -n 2 train.py --epochs 3\n"
+        "  tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train\n"
+        "  tfdist launch -n 1 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 "
+        "--port 23456 --allow-remote train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument(
+        "-n", "--nproc", type=int, default=1, metavar="N", help="workers on this node (default 1)"
+    )
+    launch.add_argument(
+        "--devices-per-worker",
+        type=int,
+        metavar="K",
+        help="GPUs per worker (CUDA_VISIBLE_DEVICES), or on a machine without GPUs K logical "
+        "CPU devices per worker (TFDIST_CPU_DEVICES); default: GPUs split evenly, else 1 CPU",
+    )
+    launch.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="R",
+        help="restart the whole group at most R times after a failure or a restart request "
+        "(exit code 75); the job resumes from its checkpoints (default 0)",
+    )
+    launch.add_argument(
+        "--port",
+        type=int,
+        metavar="P",
+        help="worker i of each node listens on P+i (default: free ports; required with "
+        "--nnodes > 1)",
+    )
+    launch.add_argument(
+        "--nnodes",
+        type=int,
+        metavar="M",
+        help="nodes in the job (default: number of --hosts, or 1)",
+    )
+    launch.add_argument(
+        "--node-rank", type=int, default=0, metavar="I", help="this node's index in --hosts"
+    )
+    launch.add_argument(
+        "--hosts", metavar="H0,H1,...", help="address of every node, in node-rank order"
+    )
+    launch.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow non-loopback --hosts. TensorFlow's gRPC server has no authentication and "
+        "listens on all interfaces: use only on a private network",
+    )
+    launch.add_argument(
+        "--no-fixes",
+        action="store_true",
+        help="run the script with plain python, without tfdist's compat fixes",
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds between forwarding SIGINT/SIGTERM to the workers and SIGKILL (default 30)",
+    )
+    launch.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="once a worker finished, seconds the others may still run (default 600)",
+    )
+    launch.add_argument("-v", "--verbose", action="store_true", help="more launcher messages")
+    launch.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name (like python -m)"
+    )
+    launch.add_argument("script", nargs="?", metavar="SCRIPT", help="the training script")
+    launch.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
+    )
+    launch.set_defaults(func=_cmd_launch)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    _quiet_tensorflow()
+    from tfdist.examples import mnist  # TensorFlow-free until it trains
+
+    return mnist.main(args)
+
+
+def _add_train(sub) -> None:
+    train = sub.add_parser(
+        "train",
+        help="run a walkthrough job (mnist) as a restartable job",
+        description="Train a walkthrough job. Run the same command again after a kill or "
+        "SIGTERM and it resumes from its checkpoints.",
+    )
+    jobs = train.add_subparsers(dest="job", metavar="JOB")
+    jobs.required = True
+    mnist = jobs.add_parser(
+        "mnist",
+        help="MNIST convnet: --recipe fast (>= 99%% test accuracy) or tutorial (the guides')",
+        description="Train MNIST (from tensorflow_datasets; set TFDS_DATA_DIR to run offline). "
+        "Writes OUTPUT/model.keras, metrics.json, history.csv, curves.png, checkpoints and "
+        "TensorBoard logs, and ends with a line `test_accuracy=...`.",
+    )
+    mnist.add_argument("--recipe", choices=("fast", "tutorial"), default="fast")
+    mnist.add_argument("--epochs", type=int, help="total epochs (default: the recipe's)")
+    mnist.add_argument("--per-replica-batch", type=int, help="default: the recipe's")
+    mnist.add_argument("--output", default=None, help="default: runs/mnist-RECIPE")
+    mnist.add_argument("--checkpoint-dir", help="default: OUTPUT/ckpt")
+    mnist.add_argument(
+        "--devices", type=int, help="devices per process: GPUs if any, else logical CPUs"
+    )
+    mnist.add_argument(
+        "--workers", type=int, default=1, help="run N workers on this host via `tfdist launch`"
+    )
+    mnist.add_argument(
+        "--max-restarts", type=int, default=3, help="with --workers: group restarts allowed"
+    )
+    mnist.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    mnist.add_argument(
+        "--save-freq",
+        default="200",
+        help="checkpoint every N steps as well as every epoch ('epoch': epochs only)",
+    )
+    mnist.add_argument("--verbose", default="auto", choices=("auto", "0", "1", "2"))
+    mnist.add_argument(
+        "--train-split",
+        default="train",
+        help="tfds split to train on, e.g. 'train[:10%%]' for a quick run (default: train)",
+    )
+    train.set_defaults(func=_cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``tfdist`` command (no TensorFlow import)."""
     parser = argparse.ArgumentParser(
@@ -74,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
+    _add_launch_parser(sub)
+    _add_train(sub)
     return parser
 
 

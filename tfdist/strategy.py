@@ -25,6 +25,7 @@ from tfdist import cluster as _cluster
 
 __all__ = [
     "KINDS",
+    "MultiWorkerTimeouts",
     "StrategyPlan",
     "configure_cpu_devices",
     "plan",
@@ -41,9 +42,93 @@ logger = logging.getLogger(__name__)
 
 KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
 CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
+SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 
 _lock = threading.Lock()
 _created: tuple[StrategyPlan, tf.distribute.Strategy] | None = None
+
+
+_TIMEOUT_ENV = {
+    "register": "TFDIST_REGISTER_TIMEOUT",
+    "heartbeat": "TFDIST_HEARTBEAT_TIMEOUT",
+    "shutdown": "TFDIST_SHUTDOWN_TIMEOUT",
+    "collective": "TFDIST_COLLECTIVE_TIMEOUT",
+}
+
+
+@dataclass(frozen=True)
+class MultiWorkerTimeouts:
+    """How long a multi-worker job waits before it gives up, in seconds.
+
+    Attributes:
+        register: every worker must have started and registered within this time
+            (``TFDIST_REGISTER_TIMEOUT``, default 300).
+        heartbeat: a worker that sends no heartbeat for this long is declared dead and
+            the others' collectives fail with an error naming it
+            (``TFDIST_HEARTBEAT_TIMEOUT``, default 10). This is what ends the survivors
+            within seconds when a worker is killed or stops answering.
+        shutdown: at exit, how long a worker waits for the others
+            (``TFDIST_SHUTDOWN_TIMEOUT``, default 60).
+        collective: limit for each collective op, or None for none
+            (``TFDIST_COLLECTIVE_TIMEOUT``, default None). Catches a worker that is
+            alive but stuck; TensorFlow spends one thread per in-flight collective on
+            it, so keep it off unless debugging.
+
+    Example:
+        >>> MultiWorkerTimeouts(heartbeat=20).register
+        300.0
+    """
+
+    register: float = 300.0
+    heartbeat: float = 10.0
+    shutdown: float = 60.0
+    collective: float | None = None
+
+    def __post_init__(self):
+        for name in _TIMEOUT_ENV:
+            value = getattr(self, name)
+            if name == "collective" and value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, numbers.Real)
+                or not value > 0
+                or value != value
+            ):
+                raise ValueError(
+                    f"MultiWorkerTimeouts: {name} must be a positive number of seconds"
+                    f"{' or None' if name == 'collective' else ''}. Received: {name}={value!r}"
+                )
+            object.__setattr__(self, name, float(value))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MultiWorkerTimeouts:
+        """The defaults, overridden by ``TFDIST_*_TIMEOUT`` variables that are set.
+
+        Example:
+            >>> MultiWorkerTimeouts.from_env({"TFDIST_HEARTBEAT_TIMEOUT": "30"}).heartbeat
+            30.0
+        """
+        env = os.environ if environ is None else environ
+        values = {}
+        for name, var in _TIMEOUT_ENV.items():
+            text = env.get(var, "").strip()
+            if not text:
+                continue
+            if name == "collective" and text.lower() in ("0", "none", "off"):
+                values[name] = None
+                continue
+            try:
+                values[name] = float(text)
+            except ValueError:
+                raise ValueError(
+                    f"{var} must be a number of seconds. Received: {var}={text!r}"
+                ) from None
+            if not values[name] > 0:
+                raise ValueError(
+                    f"{var} must be a positive number of seconds. Received: {var}={text!r}"
+                )
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -55,12 +140,14 @@ class StrategyPlan:
         devices: the local devices that hold a replica.
         num_workers: training processes in the cluster (1 without one).
         cluster_source: ``TF_CONFIG``, ``SLURM`` or ``none``.
+        timeouts: for ``multi_worker`` only: how long the job waits for its peers.
     """
 
     kind: str
     devices: tuple[str, ...]
     num_workers: int = 1
     cluster_source: str = "none"
+    timeouts: MultiWorkerTimeouts | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -143,6 +230,7 @@ def plan(
     *,
     devices: Sequence[str] | None = None,
     cpu_devices: int | None = None,
+    timeouts: MultiWorkerTimeouts | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> StrategyPlan:
     """Resolves which strategy ``strategy()`` would build, without building it.
@@ -151,6 +239,11 @@ def plan(
     then the devices present. ``auto`` means multi-worker when a cluster of more than one
     training task is configured, mirrored when more than one GPU (or logical CPU) exists,
     and the default strategy otherwise. Configures logical CPUs as a side effect.
+
+    A multi-worker plan has one replica per local GPU, else per logical CPU
+    (``TFDIST_CPU_DEVICES``), else one; and ``timeouts`` (default: from the
+    environment, see ``MultiWorkerTimeouts``). Nothing here initialises TensorFlow's
+    context, which would stop the strategy from configuring its collectives.
 
     Example:
         >>> plan("auto").kind  # doctest: +SKIP
@@ -165,6 +258,11 @@ def plan(
         raise ValueError(
             "strategy: devices must be a non-empty list of device names such as "
             f"['/gpu:0', '/gpu:1']. Received: devices={devices!r}"
+        )
+    if timeouts is not None and not isinstance(timeouts, MultiWorkerTimeouts):
+        raise TypeError(
+            "strategy: timeouts must be a tfdist.strategy.MultiWorkerTimeouts or None. "
+            f"Received: timeouts={timeouts!r}"
         )
     env = os.environ if environ is None else environ
     if cpu_devices is None:
@@ -193,8 +291,20 @@ def plan(
                 f"Received: TF_CONFIG={env.get('TF_CONFIG')!r}. Start the workers with "
                 "`tfdist launch -n N script.py`, or set TF_CONFIG for each process."
             )
-        local = tuple(devices) if devices else _local_devices(cpus)
-        return StrategyPlan(kind, local, info.num_workers, info.source)
+        if devices is not None:
+            raise ValueError(
+                "strategy: devices cannot be chosen for kind='multi_worker': every worker "
+                f"uses all its GPUs (or TFDIST_CPU_DEVICES logical CPUs). Received: "
+                f"devices={devices!r}. Limit the GPUs with CUDA_VISIBLE_DEVICES, or use "
+                "`tfdist launch --devices-per-worker K`."
+            )
+        return StrategyPlan(
+            kind,
+            _local_devices(cpus),
+            info.num_workers,
+            info.source,
+            timeouts or MultiWorkerTimeouts.from_env(env),
+        )
     if kind == "mirrored":
         return StrategyPlan(kind, tuple(devices) if devices else _local_devices(cpus))
     if kind == "one_device":
@@ -210,14 +320,91 @@ def _local_devices(cpus: list[str] | None) -> tuple[str, ...]:
     return tuple(f"/device:GPU:{i}" for i in range(len(gpus))) if gpus else ("/device:CPU:0",)
 
 
+def slurm_cluster_resolver(
+    environ: Mapping[str, str] | None = None,
+) -> tf.distribute.cluster_resolver.ClusterResolver:
+    """The cluster of a SLURM ``srun`` step, resolved with TensorFlow's SlurmClusterResolver.
+
+    ``SlurmClusterResolver`` expands ``SLURM_STEP_NODELIST`` and gives the tasks of a
+    node consecutive ports from a base port. Its GPU bookkeeping pairs every task with
+    GPU slots, which fails on CPU-only nodes (it runs ``nvidia-smi``, and zero GPUs
+    per task make an empty task list) and fights the GPU binding srun already did
+    (``--gpus-per-task``). So tfdist uses it for the cluster only (one bookkeeping
+    slot per task, ``auto_set_gpu=False``) and reports the GPUs this task can see.
+
+    The base port is ``TFDIST_SLURM_PORT_BASE``, else ``20000 + SLURM_JOB_ID % 20000``
+    so that two jobs sharing a node do not collide.
+
+    Example:
+        >>> slurm_cluster_resolver().cluster_spec()  # doctest: +SKIP   (in an srun step)
+        ClusterSpec({'worker': ['node01:23456', 'node02:23456']})
+    """
+    env = os.environ if environ is None else environ
+    info = _cluster.cluster_from_env(env)
+    if info.source != "SLURM":
+        raise ValueError(
+            "slurm_cluster_resolver: this is not a SLURM job step with more than one task. "
+            f"Received: SLURM_STEP_NUM_TASKS={env.get('SLURM_STEP_NUM_TASKS')!r}, "
+            f"TF_CONFIG set={bool(env.get('TF_CONFIG'))}. Start the workers with "
+            "`srun --ntasks=N python train.py` (and unset TF_CONFIG)."
+        )
+    text = env.get(SLURM_PORT_BASE_ENV, "").strip()
+    if text:
+        try:
+            port_base = int(text)
+        except ValueError:
+            port_base = -1
+        if not 1024 <= port_base <= 65000:
+            raise ValueError(
+                f"{SLURM_PORT_BASE_ENV} must be a port number in [1024, 65000]. Received: "
+                f"{SLURM_PORT_BASE_ENV}={text!r}"
+            )
+    else:
+        job = env.get("SLURM_JOB_ID", "0").strip()
+        port_base = 20000 + (int(job) if job.isdigit() else 0) % 20000
+    slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=port_base,
+        gpus_per_node=info.num_workers,  # one bookkeeping slot per task, see above
+        gpus_per_task=1,
+        auto_set_gpu=False,
+    )
+    spec = slurm.cluster_spec()
+    gpus = len(tf.config.list_physical_devices("GPU"))  # physical: no context yet
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        spec,
+        task_type=slurm.task_type,
+        task_id=slurm.task_id,
+        num_accelerators={"GPU": gpus} if gpus else {},
+        rpc_layer="grpc",
+    )
+
+
 def _build(p: StrategyPlan) -> tf.distribute.Strategy:
     if p.kind == "mirrored":
         return tf.distribute.MirroredStrategy(devices=list(p.devices))
     if p.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(p.devices[0])
     if p.kind == "multi_worker":
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        return _build_multi_worker(p)
     return tf.distribute.get_strategy()
+
+
+def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
+    from tfdist import compat
+
+    if p.cluster_source == "SLURM":
+        resolver = slurm_cluster_resolver()
+    else:
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    timeouts = p.timeouts or MultiWorkerTimeouts.from_env()
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeouts.collective)
+    # The coordination-service timeouts and the logical CPUs per worker are applied by
+    # compat's fixes while the strategy initialises (tf_multi_worker_timeouts,
+    # tf_multi_worker_logical_cpus); this block hands them the explicit timeouts.
+    with compat.multi_worker_timeouts(timeouts):
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=resolver, communication_options=options
+        )
 
 
 def strategy(
@@ -225,6 +412,7 @@ def strategy(
     *,
     devices: Sequence[str] | None = None,
     cpu_devices: int | None = None,
+    timeouts: MultiWorkerTimeouts | None = None,
 ) -> tf.distribute.Strategy:
     """The process's strategy: created on the first call, the same object afterwards.
 
@@ -234,6 +422,8 @@ def strategy(
             when None.
         cpu_devices: split the CPU into this many logical devices (overrides
             ``TFDIST_CPU_DEVICES``); only possible before TensorFlow initialises devices.
+        timeouts: for multi-worker: how long to wait for peers (overrides the
+            ``TFDIST_*_TIMEOUT`` variables; see ``MultiWorkerTimeouts``).
 
     Raises:
         RuntimeError: a strategy of another kind or on other devices already exists.
@@ -253,17 +443,19 @@ def strategy(
                 (kind != "auto" and kind != existing.kind)
                 or (devices is not None and tuple(devices) != existing.devices)
                 or (cpu_devices is not None and cpu_devices != len(existing.devices))
+                or (timeouts is not None and timeouts != existing.timeouts)
             )
             if conflicts:
                 raise RuntimeError(
                     f"strategy: this process already has a {existing.kind!r} strategy on "
                     f"{list(existing.devices)}; it cannot also have kind={kind!r}, "
-                    f"devices={devices!r}, cpu_devices={cpu_devices!r}. Create the strategy "
+                    f"devices={devices!r}, cpu_devices={cpu_devices!r}, timeouts={timeouts!r}. "
+                    "Create the strategy "
                     "once, before building models (call tfdist.strategy(...) first), or use "
                     "a new process."
                 )
             return obj
-        wanted = plan(kind, devices=devices, cpu_devices=cpu_devices)
+        wanted = plan(kind, devices=devices, cpu_devices=cpu_devices, timeouts=timeouts)
         _apply_compat_fixes()
         obj = _build(wanted)
         _created = (wanted, obj)
