@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfdist import cluster as _cluster
 from tfdist import saving as _saving
@@ -779,8 +780,6 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._snapshot = None
         if self.preemption:
             info = _cluster.cluster_from_env()
-            import tensorflow as tf
-
             multi = info.is_multi_worker and isinstance(
                 self.model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
             )
@@ -817,8 +816,6 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         _set_data_position(epoch, skip)
 
     def on_train_batch_end(self, batch, logs=None):
-        import tensorflow as tf
-
         self._snapshot = [tf.identity(v.value) for v in self._phantom_prone]
         previous = self._step
         self._step = self._step_at_epoch_begin + batch + 1
@@ -846,6 +843,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
     def on_train_end(self, logs=None):
         _partial_epoch[0] = False
         self._resume = None
+        _resumed.pop(self.model, None)  # a later fit of this model starts where this one ended
         if self._watch is not None:
             self._watch.stop()
             self._watch = None

@@ -41,6 +41,13 @@ parser.add_argument("--sigkill-at-step", type=int, default=None)
 parser.add_argument("--sigkill-in-save", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
 parser.add_argument("--width", type=int, default=16)
+parser.add_argument("--hidden2", type=int, default=0, help="a second hidden layer (bigger model)")
+parser.add_argument("--report-first-step", action="store_true")
+parser.add_argument(
+    "--keras-backup",
+    action="store_true",
+    help="baseline: Keras's own BackupAndRestore instead of tfdist (for the benchmark)",
+)
 args = parser.parse_args()
 save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
 
@@ -127,6 +134,7 @@ def build_and_compile():
             DropIndex(),
             keras.layers.Dense(args.width, activation="relu"),
             keras.layers.Dropout(0.25),
+            *([keras.layers.Dense(args.hidden2, activation="relu")] if args.hidden2 else []),
             keras.layers.Dense(1),
         ]
     )
@@ -154,8 +162,13 @@ if args.sigkill_in_save is not None:
     saving.add_archive_member = add_then_die
 
 t_restore = time.perf_counter()
-model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
-restored = tfdist.checkpoint.resume_state(model)
+if args.keras_backup:
+    with strategy.scope():
+        model = build_and_compile()
+    initial_epoch, restored = 0, None  # BackupAndRestore restores inside fit
+else:
+    model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
+    restored = tfdist.checkpoint.resume_state(model)
 t_restored = time.perf_counter()
 
 
@@ -175,9 +188,17 @@ class Record(keras.callbacks.Callback):
         self._offset = state.batch if state and epoch == state.epoch else 0
 
     def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
         if self.first_step_time is None:
             self.first_step_time = time.perf_counter()
-        step = int(self.model.optimizer.iterations.numpy())
+            if args.report_first_step:
+                first = {
+                    "unix": time.time(),
+                    "step": step,
+                    "at": [self._epoch, self._offset + batch],
+                    "process_start_unix": time.time() - (time.perf_counter() - T0),
+                }
+                print(json.dumps({"first_step": first}), flush=True)
         self.steps.append([self._epoch, self._offset + batch, step])
         if args.sigkill_at_step is not None and step == args.sigkill_at_step:
             print(json.dumps({"dying_at_step": step}), flush=True)
@@ -192,9 +213,13 @@ class Preempt(keras.callbacks.Callback):
 
 
 record = Record()
+if args.keras_backup:
+    saver = keras.callbacks.BackupAndRestore(args.dir, save_freq=save_freq)
+else:
+    saver = tfdist.callbacks.checkpoint(args.dir, save_freq=save_freq, max_to_keep=args.max_to_keep)
 callbacks = [
     Preempt(),  # before the checkpoint: it sees the notice at the same step
-    tfdist.callbacks.checkpoint(args.dir, save_freq=save_freq, max_to_keep=args.max_to_keep),
+    saver,
     tfdist.callbacks.decay({0: 0.01, 2: 0.005}),
     record,  # after the checkpoint: a SIGKILL here comes after that step's save
 ]
@@ -224,7 +249,8 @@ print(
             "iterations": int(model.optimizer.iterations.numpy()),
             "weights": [w.tolist() for w in model.get_weights()],
             "exit_code": exit_code,
-            "checkpoints": sorted(os.listdir(args.dir)),
+            # BackupAndRestore removes its directory when training ends
+            "checkpoints": sorted(os.listdir(args.dir)) if os.path.isdir(args.dir) else [],
             "times": {
                 "import_and_setup": t_restore - T0,
                 "make_or_restore": t_restored - t_restore,
