@@ -290,7 +290,9 @@ def worker_argv(config: TrainConfig) -> list[str]:
         ['train', 'mnist', '--recipe', 'fast']
     """
     argv = ["train", "mnist", "--recipe", config.recipe, "--output", config.output]
-    argv += ["--checkpoint-dir", config.ckpt_dir, "--seed", str(config.seed)]
+    argv += ["--seed", str(config.seed)]
+    if config.checkpoint_dir is not None:
+        argv += ["--checkpoint-dir", config.checkpoint_dir]
     argv += ["--save-freq", str(config.save_freq), "--verbose", str(config.verbose)]
     argv += ["--train-split", config.train_split]
     if config.epochs is not None:
