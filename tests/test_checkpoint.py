@@ -359,17 +359,68 @@ def test_kill_in_save_kill_mid_epoch_and_sigterm_then_resume_exactly(tmp_path):
     assert staging_files(directory) == []
 
 
+TWO_REPLICAS = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")
+
+
+@pytest.fixture(scope="module")
+def two_replica_reference(tmp_path_factory):
+    """An uninterrupted run on 2 logical devices; 2 workers give the same weights."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = job_result(run_job(directory, *TWO_REPLICAS, devices=2))
+    assert result["replicas"] == 2 and result["exit_code"] == 0
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.devices
-def test_kill_mid_epoch_on_two_logical_devices_resumes_exactly(tmp_path):
-    job = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")
-    reference = job_result(run_job(tmp_path / "reference", *job, devices=2))
-    assert reference["replicas"] == 2
-    proc = run_job(tmp_path / "ckpt", *job, "--sigkill-at-step", "20", devices=2)
+def test_kill_mid_epoch_on_two_logical_devices_resumes_exactly(tmp_path, two_replica_reference):
+    proc = run_job(tmp_path, *TWO_REPLICAS, "--sigkill-at-step", "20", devices=2)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    result = job_result(run_job(tmp_path / "ckpt", *job, devices=2))
+    result = job_result(run_job(tmp_path, *TWO_REPLICAS, devices=2))
     assert result["restored"]["step"] == 18  # the newest save before the kill
-    assert max_diff(result["weights"], reference["weights"]) <= 1e-6
+    assert max_diff(result["weights"], two_replica_reference["weights"]) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_workers_agree_on_the_sigterm_step_save_once_and_resume_exactly(
+    tmp_path, two_replica_reference
+):
+    """SIGTERM reaches worker 1 only; both save after the same step, exit 75, and the
+    launcher's restart resumes there and ends with the uninterrupted weights."""
+    temp = tmp_path / "tmp"  # where worker 1 stages its (discarded) copy of each save
+    temp.mkdir()
+    directory = tmp_path / "ckpt"
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", "2", "--max-restarts", "1",
+        str(SCRIPTS / "ckpt_job.py"), "--dir", str(directory), *TWO_REPLICAS,
+        "--sigterm-at-step", "10", "--sigterm-rank", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, env=child_env(TMPDIR=str(temp)), capture_output=True, text=True, timeout=480
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    results = {
+        worker: [json.loads(line[5:]) for line in proc.stdout.splitlines()
+                 if line.startswith(f"[{worker}] {{") and '"weights"' in line]
+        for worker in ("w0", "w1")
+    }  # fmt: skip
+    for worker in ("w0", "w1"):
+        preempted, resumed = results[worker]
+        assert preempted["exit_code"] == RESTART_EXIT_CODE
+        assert preempted["iterations"] == 11  # the step after the notice, on both workers
+        assert resumed["restored"] == {
+            "path": "ckpt-1-11.keras",
+            "epoch": 0,
+            "batch": 11,
+            "step": 11,
+        }
+        assert max_diff(resumed["weights"], two_replica_reference["weights"]) <= 1e-6
+    assert "[w1] tfdist: SIGTERM received" in output
+    assert "[w0] tfdist: SIGTERM received" not in output
+    assert staging_files(directory) == []
+    assert [n for n in os.listdir(temp) if n.startswith("tfdist-worker")] == []
 
 
 def test_resume_metadata_is_json_in_the_archive(tmp_path):

@@ -163,7 +163,7 @@ def measure(
     job = [
         "--epochs", str(epochs), "--save-freq", str(save_freq), "--examples", str(examples),
         "--per-replica-batch", str(per_replica_batch), "--width", str(width),
-        "--hidden2", str(hidden2), "--max-to-keep", "2", "--data", "auto",
+        "--hidden2", str(hidden2), "--max-to-keep", "2",
     ]  # fmt: skip
     env = _env(devices)
     workdir = Path(tempfile.mkdtemp(prefix="tfdist-bench-restart-"))

@@ -7,7 +7,11 @@ and can hurt itself on purpose:
     --sigkill-at-step N   SIGKILL itself right after global step N (after that step's save)
     --sigkill-in-save K   SIGKILL itself in the middle of its K-th checkpoint write, with
                           the staging file half written
-    --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice)
+    --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
+                          with --sigterm-rank R only worker R does
+
+Under ``tfdist launch --max-restarts``, faults fire only in the first attempt
+(``TFDIST_RESTART=0``), so the restarted group runs to the end.
 
 The last stdout line is JSON: final weights, the epoch/batch/step it resumed from and
 the (epoch, batch) of every batch it trained, so tests can check that no batch was
@@ -36,10 +40,10 @@ parser.add_argument("--save-freq", default="epoch")
 parser.add_argument("--examples", type=int, default=64)
 parser.add_argument("--per-replica-batch", type=int, default=4)
 parser.add_argument("--max-to-keep", type=int, default=3)
-parser.add_argument("--data", choices=("auto", "pipeline", "generator"), default="auto")
 parser.add_argument("--sigkill-at-step", type=int, default=None)
 parser.add_argument("--sigkill-in-save", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
+parser.add_argument("--sigterm-rank", type=int, default=None, help="only this worker (default all)")
 parser.add_argument("--width", type=int, default=16)
 parser.add_argument("--hidden2", type=int, default=0, help="a second hidden layer (bigger model)")
 parser.add_argument("--report-first-step", action="store_true")
@@ -68,56 +72,15 @@ xi = np.concatenate([x, np.arange(args.examples, dtype="float32")[:, None]], axi
 global_batch = tfdist.global_batch_size(args.per_replica_batch)
 
 
-def make_generator_dataset():
-    """A seeded pipeline honouring tfdist.data's position contract, for use before it exists.
+# A seeded, shuffled tfdist.data pipeline: epoch k's order comes from (seed, k), and
+# the checkpoint callback tells it where to resume.
+train = tfdist.data.pipeline(
+    (xi, y), args.per_replica_batch, shuffle=args.examples, seed=1000, cache=True
+)
 
-    Epoch k's order comes from (seed, k) alone; each iteration reads the position, skips
-    that many global batches, then moves to (k + 1, 0).
-    """
-    import types
-
-    position = {"epoch": 0, "skip": 0}
-
-    def set_position(epoch, skip_batches=0):
-        position["epoch"], position["skip"] = epoch, skip_batches
-
-    module = types.ModuleType("tfdist.data")
-    module.set_position = set_position
-    sys.modules["tfdist.data"] = module
-    tfdist.data = module
-
-    def examples():
-        epoch, skip = position["epoch"], position["skip"]
-        position["epoch"], position["skip"] = epoch + 1, 0
-        order = np.random.RandomState(1000 + epoch).permutation(args.examples)
-        for i in order[skip * global_batch :]:
-            yield xi[i], y[i]
-
-    spec = (tf.TensorSpec((9,), tf.float32), tf.TensorSpec((1,), tf.float32))
-    ds = tf.data.Dataset.from_generator(examples, output_signature=spec)
-    return ds.batch(global_batch, drop_remainder=True).prefetch(2)
-
-
-def make_pipeline_dataset():
-    return tfdist.data.pipeline(
-        (xi, y), args.per_replica_batch, shuffle=args.examples, seed=1000, cache=True
-    )
-
-
-def _data_module_ready() -> bool:
-    try:
-        from tfdist import data
-    except ImportError:
-        return False
-    return hasattr(data, "pipeline") and hasattr(data, "set_position")
-
-
-if args.data == "pipeline" or (args.data == "auto" and _data_module_ready()):
-    train = make_pipeline_dataset()
-    data_kind = "pipeline"
-else:
-    train = make_generator_dataset()
-    data_kind = "generator"
+# Under `tfdist launch --max-restarts`, faults fire only in the first attempt.
+first_attempt = os.environ.get("TFDIST_RESTART", "0") == "0"
+rank = tfdist.cluster.cluster_from_env().rank
 
 
 class DropIndex(keras.layers.Layer):
@@ -142,7 +105,7 @@ def build_and_compile():
     return model
 
 
-if args.sigkill_in_save is not None:
+if args.sigkill_in_save is not None and first_attempt:
     from tfdist import saving
 
     real_add = saving.add_archive_member
@@ -200,7 +163,7 @@ class Record(keras.callbacks.Callback):
                 }
                 print(json.dumps({"first_step": first}), flush=True)
         self.steps.append([self._epoch, self._offset + batch, step])
-        if args.sigkill_at_step is not None and step == args.sigkill_at_step:
+        if first_attempt and args.sigkill_at_step is not None and step == args.sigkill_at_step:
             print(json.dumps({"dying_at_step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -208,7 +171,12 @@ class Record(keras.callbacks.Callback):
 class Preempt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         step = int(self.model.optimizer.iterations.numpy())
-        if args.sigterm_at_step is not None and step == args.sigterm_at_step:
+        if (
+            first_attempt
+            and args.sigterm_at_step is not None
+            and step == args.sigterm_at_step
+            and args.sigterm_rank in (None, rank)
+        ):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -234,7 +202,6 @@ except SystemExit as exc:
 print(
     json.dumps(
         {
-            "data": data_kind,
             "replicas": tfdist.num_replicas(),
             "initial_epoch": initial_epoch,
             "restored": None
