@@ -503,14 +503,33 @@ _PRCTL = _load_prctl()
 
 
 def _prefix_lines(pipe, stream: TextIO, prefix: str, lock: threading.Lock) -> None:
+    """Copies ``pipe`` to ``stream``, starting every line with ``prefix``.
+
+    Progress bars redraw a line with ``\\r``; each redraw keeps its ``\\r`` and gets the
+    prefix too, so a terminal shows one live ``[w0] ...`` bar. Output is forwarded as
+    soon as a line or redraw is complete, not only at newlines.
+    """
+    fd = pipe.fileno()
+    pending = b""
     with pipe:
-        for raw in iter(pipe.readline, b""):
-            line = raw.decode("utf-8", errors="replace")
-            if not line.endswith("\n"):
-                line += "\n"
-            with lock:
-                stream.write(prefix + line)
-                stream.flush()
+        while True:
+            chunk = os.read(fd, 65536)
+            pending += chunk
+            # Hold back a trailing "\r": it may be the first half of "\r\n".
+            cut = len(pending) - 1 if chunk and pending.endswith(b"\r") else len(pending)
+            ready, pending = pending[:cut], pending[cut:]
+            pieces = ready.replace(b"\r\n", b"\n").splitlines(keepends=True)
+            if not chunk and pieces and not pieces[-1].endswith((b"\n", b"\r")):
+                pieces[-1] += b"\n"  # the worker's last line had no newline
+            elif pieces and not pieces[-1].endswith((b"\n", b"\r")):
+                pending = pieces.pop() + pending  # incomplete: wait for the rest
+            if pieces:
+                text = "".join(prefix + p.decode("utf-8", errors="replace") for p in pieces)
+                with lock:
+                    stream.write(text)
+                    stream.flush()
+            if not chunk:
+                return
 
 
 class _Signals:
@@ -664,7 +683,11 @@ def run(
         while True:
             outcome = _run_group(options, restart, signals, out, err)
             if outcome.kind == "ok":
-                logger.info("all %d worker(s) finished", options.nproc)
+                logger.info(
+                    "all %d worker(s) finished: %s",
+                    options.nproc,
+                    ", ".join(f"w{rank} exited 0" for rank in sorted(outcome.codes)),
+                )
                 return 0
             if outcome.kind == "signalled":
                 codes = set(outcome.codes.values())
