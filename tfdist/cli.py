@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -56,19 +57,32 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (it may be replaced)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     # TensorFlow-free: the launcher only builds environments and supervises processes.
-    import logging
-
     from tfdist import launch
 
     log = logging.getLogger("tfdist.launch")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("tfdist launch: %(message)s"))
         log.addHandler(handler)
-        log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
-        log.propagate = False
+        log.propagate = False  # the launcher's own messages, once, on stderr
+    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if args.script is None:
         raise ValueError(
             "launch: missing the script to run. Received: no SCRIPT. "

@@ -1,0 +1,466 @@
+"""tfdist.launch and `tfdist launch`: options, child environments, and the supervisor.
+
+The supervisor tests run real processes, but TensorFlow-free worker scripts (written
+to tmp_path), so they take seconds; tests/test_multiworker.py runs TensorFlow workers.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tfdist import launch
+from tfdist.cli import build_parser, main
+from tfdist.launch import LaunchOptions
+
+from conftest import REPO, child_env
+
+# Every worker script starts with this: who am I, and a line the tests can wait for.
+HEADER = """\
+import json, os, signal, sys, time
+rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+restart = int(os.environ["TFDIST_RESTART"])
+print("READY", rank, os.getpid(), flush=True)
+"""
+
+
+def script(tmp_path, body: str, name: str = "worker.py") -> str:
+    path = tmp_path / name
+    path.write_text(HEADER + textwrap.dedent(body))
+    return str(path)
+
+
+def run(tmp_path, body: str, **options):
+    """Runs the launcher in this process; returns (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    opts = LaunchOptions(
+        nproc=options.pop("nproc", 2), target=script(tmp_path, body), fixes=False, **options
+    )
+    code = launch.run(opts, stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def launch_log():
+    """Messages of the tfdist.launch logger (a handler on it sees them whatever else is set)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("tfdist.launch")
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    yield records
+    log.removeHandler(handler)
+    log.setLevel(level)
+
+
+def start_cli(*argv: str) -> subprocess.Popen:
+    """`python -m tfdist launch ...` in a subprocess (its own signal handlers, stdout piped)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfdist", "launch", *argv],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+class Lines:
+    """Reads a process's output in a thread, so a test can wait for a line with a timeout."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.seen, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, *needles: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(any(n in line for line in self.seen) for n in needles):
+            try:
+                line = self._queue.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                line = ""
+            if line is None or time.monotonic() > deadline:
+                self.proc.kill()
+                pytest.fail(f"never saw {needles}; output:\n{''.join(self.seen)[-3000:]}")
+            self.seen.append(line)
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        code = self.proc.wait(timeout=timeout)
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.seen.append(line)
+        return code, "".join(self.seen)
+
+
+def gone(pid: int, timeout: float = 15) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# ------------------------------------------------------------------ options, pure functions
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nproc": 0}, r"nproc must be a positive int\. Received: nproc=0"),
+        ({"nproc": 2, "max_restarts": -1}, r"max_restarts must be a non-negative int.*=-1"),
+        ({"nproc": 2, "devices_per_worker": 0}, r"devices_per_worker must be a positive int"),
+        ({"nproc": 2, "port": 80}, r"port must be an int in \[1024, .*Received: port=80"),
+        ({"nproc": 1, "nnodes": 2, "node_rank": 2, "port": 2222}, r"node_rank must be in \[0"),
+        ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1",), "port": 2222}, r"one address per"),
+        ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1", "127.0.0.1")}, r"needs fixed ports"),
+        ({"nproc": 1, "grace": 0}, r"grace must be a positive number of seconds"),
+        ({"nproc": 1, "args": "--epochs 3"}, r"args must be a sequence of strings"),
+    ],
+)
+def test_bad_options_are_named_and_echoed(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LaunchOptions(target="train.py", **kwargs)
+
+
+def test_non_loopback_hosts_need_an_explicit_flag():
+    hosts = ("10.0.0.1", "10.0.0.2")
+    with pytest.raises(
+        ValueError, match=r"\['10.0.0.1', '10.0.0.2'\] are not loopback.*--allow-remote"
+    ):
+        LaunchOptions(nproc=1, target="t.py", nnodes=2, hosts=hosts, port=2222)
+    opts = LaunchOptions(
+        nproc=1, target="t.py", nnodes=2, hosts=hosts, port=2222, allow_remote=True
+    )
+    assert launch.cluster_addresses(opts) == ["10.0.0.1:2222", "10.0.0.2:2222"]
+    # loopback spellings need no flag
+    LaunchOptions(
+        nproc=1, target="t.py", nnodes=3, hosts=("localhost", "127.0.0.2", "::1"), port=2222
+    )
+
+
+def test_free_ports_are_distinct_loopback_ports():
+    ports = launch.free_ports(4)
+    assert len(set(ports)) == 4
+    for port in ports:  # free right now on 127.0.0.1
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    with pytest.raises(ValueError, match="loopback"):
+        launch.free_ports(1, host="10.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0,2", ["0", "2"]), ("", []), ("-1", []), ("0,-1,2", ["0"]), (" 1 , 3 ", ["1", "3"])],
+)
+def test_visible_gpus_follow_cuda_visible_devices(value, expected):
+    assert launch.visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == expected
+
+
+def test_cluster_addresses_single_node_multi_node_and_per_host_ports():
+    two = LaunchOptions(nproc=2, target="t.py")
+    assert launch.cluster_addresses(two, [5001, 5002]) == ["127.0.0.1:5001", "127.0.0.1:5002"]
+    with pytest.raises(ValueError, match="ports must list 2 ports"):
+        launch.cluster_addresses(two, [5001])
+    nodes = LaunchOptions(
+        nproc=2, target="t.py", nnodes=2, hosts=("a", "b"), port=7000, allow_remote=True
+    )
+    assert launch.cluster_addresses(nodes) == ["a:7000", "a:7001", "b:7000", "b:7001"]
+    per_host = LaunchOptions(
+        nproc=1, target="t.py", nnodes=2, hosts=("127.0.0.1:7100", "127.0.0.1:7200")
+    )
+    assert launch.cluster_addresses(per_host) == ["127.0.0.1:7100", "127.0.0.1:7200"]
+
+
+def test_worker_envs_give_each_rank_its_tf_config_and_cpu_devices():
+    opts = LaunchOptions(
+        nproc=2, target="t.py", devices_per_worker=3, nnodes=2, node_rank=1, port=7000,
+        hosts=("127.0.0.1", "127.0.0.2"),
+    )  # fmt: skip
+    addresses = launch.cluster_addresses(opts)
+    parent = {"PATH": "/bin", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8"}
+    envs = launch.worker_envs(opts, addresses, parent, restart=2)
+    configs = [json.loads(env["TF_CONFIG"]) for env in envs]
+    assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in (2, 3)]
+    assert configs[0]["cluster"] == {"worker": addresses}
+    for env in envs:
+        assert env["TFDIST_CPU_DEVICES"] == "3" and env["TFDIST_RESTART"] == "2"
+        assert env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == "/bin"
+        assert "SLURM_PROCID" not in env and "SLURM_STEP_NUM_TASKS" not in env
+    assert parent == {"PATH": "/bin", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8"}
+    with pytest.raises(ValueError, match="addresses must list all 4 workers"):
+        launch.worker_envs(opts, addresses[:2], parent)
+
+
+def test_worker_envs_split_the_visible_gpus():
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    four = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TFDIST_CPU_DEVICES": "4"}
+    envs = launch.worker_envs(LaunchOptions(nproc=2, target="t.py"), addresses, four)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
+    assert all("TFDIST_CPU_DEVICES" not in e for e in envs)
+    one_each = LaunchOptions(nproc=2, target="t.py", devices_per_worker=1)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in launch.worker_envs(one_each, addresses, four)] == [
+        "0",
+        "1",
+    ]
+    with pytest.raises(ValueError, match=r"2 workers x 3 GPU\(s\) need 6 GPUs, but 4 are visible"):
+        launch.worker_envs(
+            LaunchOptions(nproc=2, target="t.py", devices_per_worker=3), addresses, four
+        )
+    with pytest.raises(ValueError, match=r"3 visible GPU\(s\).*cannot be split evenly"):
+        launch.worker_envs(
+            LaunchOptions(nproc=2, target="t.py"), addresses, {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+        )
+
+
+def test_worker_command_runs_the_compat_bootstrap_unless_told_not_to():
+    opts = LaunchOptions(nproc=1, target="train.py", args=("--epochs", "3"), python="py")
+    assert launch.worker_command(opts) == ["py", "-m", "tfdist.compat", "train.py", "--epochs", "3"]
+    module = LaunchOptions(nproc=1, target="pkg.train", module=True, python="py")
+    assert launch.worker_command(module) == ["py", "-m", "tfdist.compat", "-m", "pkg.train"]
+    plain = LaunchOptions(nproc=1, target="pkg.train", module=True, python="py", fixes=False)
+    assert launch.worker_command(plain) == ["py", "-m", "pkg.train"]
+
+
+def test_cli_passes_script_arguments_through_verbatim():
+    args = build_parser().parse_args(["launch", "-n", "2", "train.py", "-n", "5", "--max-restarts"])
+    assert (args.nproc, args.script, args.args) == (2, "train.py", ["-n", "5", "--max-restarts"])
+    args = build_parser().parse_args(["launch", "-m", "pkg.train", "--epochs", "3"])
+    assert (args.module, args.script, args.args) == (True, "pkg.train", ["--epochs", "3"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["launch", "-n", "2"], "missing the script"),
+        (["launch", "-n", "2", "no_such_script.py"], "script 'no_such_script.py' not found"),
+        (["launch", "--hosts", "10.1.1.1,10.1.1.2", "--port", "2222", "t.py"], "--allow-remote"),
+    ],
+)
+def test_cli_reports_bad_launches_as_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tfdist launch: error: launch:") and message in err
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ the supervisor
+
+
+def test_workers_get_prefixed_output_tf_config_and_the_parent_never_imports_tensorflow(tmp_path):
+    worker = script(
+        tmp_path,
+        """
+        config = json.loads(os.environ["TF_CONFIG"])
+        print("CLUSTER", ",".join(config["cluster"]["worker"]), os.environ["TFDIST_CPU_DEVICES"])
+        print("to stderr", file=sys.stderr)
+        sys.stdout.write("bar 1/2\\rbar 2/2\\n")
+        sys.stdout.write("no newline at the end")
+        """,
+    )
+    code = f"""
+        import sys
+        from tfdist.cli import main
+        rc = main(["launch", "-n", "2", "--devices-per-worker", "2", "--no-fixes", {worker!r}])
+        print("RC", rc, "TF" if "tensorflow" in sys.modules else "NO-TF")
+    """
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        timeout=60,
+    )
+    # Bytes, decoded by hand: text mode would turn the progress bar's "\r" into "\n".
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert out.strip().splitlines()[-1] == "RC 0 NO-TF"
+    clusters = {line.split()[0]: line.split()[2:] for line in out.splitlines() if "CLUSTER" in line}
+    assert set(clusters) == {"[w0]", "[w1]"}
+    addresses = clusters["[w0]"][0].split(",")
+    assert clusters["[w1]"] == clusters["[w0]"] and clusters["[w0]"][1] == "2"
+    assert len(addresses) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for rank in (0, 1):
+        assert f"[w{rank}] bar 1/2\r[w{rank}] bar 2/2\n" in out
+        assert f"[w{rank}] no newline at the end\n" in out
+        assert f"[w{rank}] to stderr" in err
+    assert "tfdist launch: all 2 worker(s) finished: w0 exited 0, w1 exited 0" in err
+
+
+def test_a_failing_worker_stops_the_others_and_is_named(tmp_path, launch_log):
+    code, out, _ = run(
+        tmp_path,
+        """
+        if rank == 1:
+            sys.exit(3)
+        time.sleep(120)
+        print("w0 should have been stopped")
+        """,
+    )
+    assert code == 3
+    assert "should have been stopped" not in out
+    assert any(
+        "worker w1" in m and "exited with code 3; stopping the other" in m for m in launch_log
+    )
+    assert launch_log[-1] == "failed: worker w1 exited with code 3"
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace(tmp_path, launch_log):
+    ready = tmp_path / "w1-ignores-sigterm"
+    code, _, _ = run(
+        tmp_path,
+        f"""
+        if rank == 0:
+            while not os.path.exists({str(ready)!r}):  # fail only once w1 ignores SIGTERM
+                time.sleep(0.01)
+            sys.exit(1)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open({str(ready)!r}, "w").close()
+        time.sleep(120)
+        """,
+        stop_grace=1,
+    )
+    assert code == 1
+    assert "worker w1 did not exit in time: SIGKILL" in launch_log
+
+
+def test_kill_9_of_a_worker_is_reported_with_its_signal(tmp_path, launch_log):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    worker = script(
+        tmp_path,
+        f"""
+        open(os.path.join({str(pids)!r}, str(rank)), "w").write(str(os.getpid()))
+        time.sleep(120)
+        """,
+    )
+    result = {}
+    opts = LaunchOptions(nproc=2, target=worker, fixes=False)
+    thread = threading.Thread(
+        target=lambda: result.update(code=launch.run(opts, stdout=io.StringIO())), daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not all((pids / r).exists() and (pids / r).read_text() for r in "01"):
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.05)
+    os.kill(int((pids / "1").read_text()), signal.SIGKILL)
+    thread.join(timeout=60)
+    assert result["code"] == 128 + signal.SIGKILL
+    assert launch_log[-1] == "failed: worker w1 was killed by SIGKILL (exit code -9)"
+    assert gone(int((pids / "0").read_text()))
+
+
+def test_restart_request_restarts_the_group_within_the_budget(tmp_path, launch_log):
+    body = """
+        print("attempt", restart)
+        if rank == 1 and restart == 0:
+            sys.exit(75)
+        """
+    code, out, _ = run(tmp_path, body, max_restarts=1)
+    assert code == 0
+    assert out.count("[w1] attempt 0") == out.count("[w1] attempt 1") == 1
+    assert any(
+        "saved, restart requested): restarting all workers (restart 1 of 1)" in m
+        for m in launch_log
+    )
+    # without a budget the launcher passes the request on with the same code
+    code, out, _ = run(tmp_path, body, max_restarts=0)
+    assert code == 75 and "attempt 1" not in out
+    assert "no restarts are left" in launch_log[-1]
+
+
+def test_restarts_never_loop_forever(tmp_path):
+    code, out, _ = run(
+        tmp_path, 'print("attempt", restart); sys.exit(75 if rank == 0 else 0)\n', max_restarts=2
+    )
+    assert code == 75
+    assert [line for line in out.splitlines() if line.startswith("[w0] attempt")] == [
+        "[w0] attempt 0",
+        "[w0] attempt 1",
+        "[w0] attempt 2",
+    ]
+
+
+def test_a_failure_is_retried_and_the_job_finishes(tmp_path):
+    code, out, _ = run(
+        tmp_path, "sys.exit(2 if (rank, restart) == (0, 0) else 0)\n", max_restarts=1
+    )
+    assert code == 0 and out.count("READY 0") == 2
+
+
+def test_a_worker_still_running_long_after_the_others_finished_is_stopped(tmp_path, launch_log):
+    code, _, _ = run(tmp_path, "if rank == 1:\n    time.sleep(120)\n", finish_timeout=1)
+    assert code == 1
+    assert "failed: worker w1 did not finish in time" in launch_log[-1]
+
+
+def test_a_taken_port_is_named(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"port {port} on 127.0.0.1 is in use"):
+            run(tmp_path, "pass\n", nproc=1, port=port)
+
+
+def test_sigterm_is_forwarded_and_saved_workers_make_the_launcher_exit_75(tmp_path):
+    worker = script(
+        tmp_path,
+        """
+        def saved(signum, frame):
+            print("saving on", signal.Signals(signum).name, flush=True)
+            sys.exit(75)
+        signal.signal(signal.SIGTERM, saved)
+        time.sleep(120)
+        """,
+    )
+    lines = Lines(start_cli("-n", "2", "--max-restarts", "3", "--no-fixes", worker))
+    lines.wait_for("[w0] READY", "[w1] READY")
+    lines.proc.send_signal(signal.SIGTERM)
+    code, out = lines.finish()
+    assert code == 75  # saved: restart me (later), not a failure
+    assert "[w0] saving on SIGTERM" in out and "[w1] saving on SIGTERM" in out
+    assert "got SIGTERM: forwarding it to the workers" in out
+    assert out.count("[w0] READY") == 1  # a signalled launcher never restarts
+
+
+def test_sigint_to_the_launcher_ends_stubborn_workers_after_the_grace(tmp_path):
+    worker = script(tmp_path, "signal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(120)\n")
+    lines = Lines(start_cli("-n", "2", "--grace", "1", "--no-fixes", worker))
+    lines.wait_for("[w0] READY", "[w1] READY")
+    lines.proc.send_signal(signal.SIGINT)
+    code, out = lines.finish()
+    assert code == 128 + signal.SIGINT
+    assert "worker w0 did not exit in time: SIGKILL" in out
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only")
+    worker = script(tmp_path, "time.sleep(120)\n")
+    lines = Lines(start_cli("-n", "2", "--no-fixes", worker))
+    lines.wait_for("[w0] READY", "[w1] READY")
+    pids = [int(line.split()[-1]) for line in lines.seen if "READY" in line]
+    lines.proc.kill()
+    lines.finish()
+    assert all(gone(pid) for pid in pids), "workers outlived their launcher"
