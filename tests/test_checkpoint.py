@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -321,45 +322,7 @@ def max_diff(a, b):
     )
 
 
-@pytest.mark.slow
-def test_kill_in_save_kill_mid_epoch_and_sigterm_then_resume_exactly(tmp_path):
-    job = ("--save-freq", "3", "--epochs", "3")
-    reference = job_result(run_job(tmp_path / "reference", *job))
-    assert reference["exit_code"] == 0 and len(reference["trained"]) == 48
-    directory = tmp_path / "ckpt"
-
-    # 1. SIGKILL inside the 4th save (after 12 steps), staging file half written
-    proc = run_job(directory, *job, "--sigkill-in-save", "4")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert len(staging_files(directory)) == 1
-    assert sorted(os.listdir(directory))[-1] == "ckpt-1-9.keras"
-
-    # 2. restart: resumes from the newest complete checkpoint; SIGKILL after step 23
-    proc = run_job(directory, *job, "--sigkill-at-step", "23")
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert staging_files(directory) == []  # the dead save's file was cleaned up
-    assert "ckpt-2-5.keras" in os.listdir(directory)  # step 21 = epoch 2, batch 5
-
-    # 3. restart: resumes at step 21 (steps 22-23 are recomputed); SIGTERM at step 40
-    proc = run_job(directory, *job, "--sigterm-at-step", "40")
-    result = job_result(proc)
-    assert proc.returncode == RESTART_EXIT_CODE, proc.stderr[-3000:]
-    assert result["restored"] == {"path": "ckpt-2-5.keras", "epoch": 1, "batch": 5, "step": 21}
-    assert result["trained"][0][:2] == [1, 5]  # the first batch not trained before
-    # the checkpoint callback saved after step 40 and exited before later callbacks ran
-    assert result["trained"][-1][2] == 39
-    assert "ckpt-3-8.keras" in os.listdir(directory)  # step 40 = epoch 3, batch 8
-
-    # 4. restart: finishes; the same weights as the job that was never interrupted
-    result = job_result(run_job(directory, *job))
-    assert result["restored"] == {"path": "ckpt-3-8.keras", "epoch": 2, "batch": 8, "step": 40}
-    assert [t[:2] for t in result["trained"]] == [[2, b] for b in range(8, 16)]
-    assert result["iterations"] == reference["iterations"] == 48
-    assert max_diff(result["weights"], reference["weights"]) <= 1e-6
-    assert staging_files(directory) == []
-
-
-TWO_REPLICAS = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")
+TWO_REPLICAS = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")  # 16 steps/epoch
 
 
 @pytest.fixture(scope="module")
@@ -368,17 +331,46 @@ def two_replica_reference(tmp_path_factory):
     directory = tmp_path_factory.mktemp("reference")
     result = job_result(run_job(directory, *TWO_REPLICAS, devices=2))
     assert result["replicas"] == 2 and result["exit_code"] == 0
-    return result
+    return {**result, "dir": str(directory)}
 
 
 @pytest.mark.slow
 @pytest.mark.devices
-def test_kill_mid_epoch_on_two_logical_devices_resumes_exactly(tmp_path, two_replica_reference):
-    proc = run_job(tmp_path, *TWO_REPLICAS, "--sigkill-at-step", "20", devices=2)
+def test_kill_in_save_kill_mid_epoch_and_sigterm_then_resume_exactly(
+    tmp_path, two_replica_reference
+):
+    """One job on 2 logical devices, hurt three times, ends as if never interrupted."""
+    job = TWO_REPLICAS
+
+    # 1. SIGKILL inside the 4th save (after 12 steps), staging file half written
+    proc = run_job(tmp_path, *job, "--sigkill-in-save", "4", devices=2)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    result = job_result(run_job(tmp_path, *TWO_REPLICAS, devices=2))
-    assert result["restored"]["step"] == 18  # the newest save before the kill
+    assert len(staging_files(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path))[-1] == "ckpt-1-9.keras"
+
+    # 2. restart: resumes from the newest complete checkpoint; SIGKILL after step 20
+    proc = run_job(tmp_path, *job, "--sigkill-at-step", "20", devices=2)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert staging_files(tmp_path) == []  # the dead save's file was cleaned up
+    assert "ckpt-2-2.keras" in os.listdir(tmp_path)  # step 18 = epoch 2, batch 2
+
+    # 3. restart: resumes at step 18 (steps 19-20 are recomputed); SIGTERM at step 25
+    proc = run_job(tmp_path, *job, "--sigterm-at-step", "25", devices=2)
+    result = job_result(proc)
+    assert proc.returncode == RESTART_EXIT_CODE, proc.stderr[-3000:]
+    assert result["restored"] == {"path": "ckpt-2-2.keras", "epoch": 1, "batch": 2, "step": 18}
+    assert result["trained"][0][:2] == [1, 2]  # the first batch not trained before
+    # the checkpoint callback saved after step 25 and exited before later callbacks ran
+    assert result["trained"][-1][2] == 24
+    assert "ckpt-2-9.keras" in os.listdir(tmp_path)  # step 25 = epoch 2, batch 9
+
+    # 4. restart: finishes; the same weights as the job that was never interrupted
+    result = job_result(run_job(tmp_path, *job, devices=2))
+    assert result["restored"] == {"path": "ckpt-2-9.keras", "epoch": 1, "batch": 9, "step": 25}
+    assert [t[:2] for t in result["trained"]] == [[1, b] for b in range(9, 16)]
+    assert result["iterations"] == two_replica_reference["iterations"] == 32
     assert max_diff(result["weights"], two_replica_reference["weights"]) <= 1e-6
+    assert staging_files(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -421,6 +413,26 @@ def test_two_workers_agree_on_the_sigterm_step_save_once_and_resume_exactly(
     assert "[w0] tfdist: SIGTERM received" not in output
     assert staging_files(directory) == []
     assert [n for n in os.listdir(temp) if n.startswith("tfdist-worker")] == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_workers_that_see_different_checkpoints_fail_clearly(tmp_path, two_replica_reference):
+    """A checkpoint dir on local disks: worker 0 finds checkpoints, worker 1 none."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    for name in two_replica_reference["checkpoints"]:
+        shutil.copy(os.path.join(two_replica_reference["dir"], name), directory)
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", "2", str(SCRIPTS / "ckpt_job.py"),
+        "--dir", str(directory), "--dir-per-rank", *TWO_REPLICAS,
+    ]  # fmt: skip
+    proc = subprocess.run(command, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    # both workers fail at once with the reason (none waits for the other)
+    assert output.count("the workers found different checkpoints") >= 2, output[-4000:]
+    assert "did not exit in time" not in output
 
 
 def test_resume_metadata_is_json_in_the_archive(tmp_path):

@@ -456,24 +456,68 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     strategy = _current(strategy)
     with strategy.scope():
         model = _build(build_fn, where)
+        if model.built and not model.optimizer.built:
+            # Always, not only before a restore: under multi-worker training, creating
+            # variables runs collectives, and every worker must run the same ones
+            # whatever it finds on disk. Keras would build them in the first step anyway.
+            model.optimizer.build(model.trainable_variables)
+        chosen = None
         for _position, path in reversed(list_checkpoints(directory)):
             try:
-                info = _inspect_archive(path)
+                chosen = (path, _inspect_archive(path))
+                break
             except _CorruptCheckpoint as err:
                 _skip_corrupt(path, str(err), role)
-                continue
-            state = _restore_into(model, path, info)
-            _resumed[model] = state
-            logger.info(
-                "tfdist: restored %s (epoch %d, %d batch(es) into it, step %s)",
-                path,
-                state.epoch,
-                state.batch,
-                state.step,
-            )
-            return model, state.epoch
-    logger.info("tfdist: no checkpoint in %s; starting from a fresh model", directory)
-    return model, 0
+        # Agree before restoring: a restore may create variables (collectives), and
+        # workers that disagree must fail together rather than wait on each other.
+        _check_workers_agree(strategy, chosen and _archive_position(*chosen), directory)
+        if chosen is None:
+            logger.info("tfdist: no checkpoint in %s; starting from a fresh model", directory)
+            return model, 0
+        state = _restore_into(model, *chosen)
+        _resumed[model] = state
+        logger.info(
+            "tfdist: restored %s (epoch %d, %d batch(es) into it, step %s)",
+            state.path,
+            state.epoch,
+            state.batch,
+            state.step,
+        )
+        return model, state.epoch
+
+
+def _archive_position(path: str, info: dict) -> tuple[int, int, int]:
+    """(epoch, batch, step) of an inspected archive, from its metadata or its name."""
+    meta = info["resume"]
+    if meta is not None:
+        return meta["epoch"], meta["batch"], int(meta.get("step") or 0)
+    position = parse_checkpoint_name(os.path.basename(path))
+    return position.epoch, position.batch, 0
+
+
+def _check_workers_agree(strategy, position: tuple | None, directory: str) -> None:
+    """Under multi-worker training, fails unless every worker found the same checkpoint.
+
+    Workers that restore different checkpoints (or some none at all: a checkpoint
+    directory on local disks instead of shared storage) would train diverging replicas
+    or wait forever in a collective. One small all-gather of positions tells.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return
+    if not strategy.extended._in_multi_worker_mode():
+        return
+    mine = [-1, -1, -1] if position is None else list(position)
+    value = tf.constant([mine], tf.int64)
+    # Every replica contributes its worker's position; gather them all on every worker.
+    positions = strategy.gather(strategy.run(lambda: tf.identity(value)), axis=0).numpy()
+    seen = sorted({tuple(row) for row in positions.tolist()})
+    if len(seen) > 1:
+        raise RuntimeError(
+            "make_or_restore: the workers found different checkpoints (epoch, batch, step): "
+            f"{seen}; (-1, -1, -1) means no checkpoint. Received: checkpoint_dir="
+            f"{directory!r}. Put checkpoint_dir on storage every worker shares (all workers "
+            "read the chief's checkpoints)."
+        )
 
 
 def _skip_corrupt(path: str, reason: str, role: _saving.WriteRole) -> None:

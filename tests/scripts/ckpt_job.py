@@ -44,6 +44,9 @@ parser.add_argument("--sigkill-at-step", type=int, default=None)
 parser.add_argument("--sigkill-in-save", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
 parser.add_argument("--sigterm-rank", type=int, default=None, help="only this worker (default all)")
+parser.add_argument(
+    "--dir-per-rank", action="store_true", help="misconfiguration: worker R uses DIR-rankR"
+)
 parser.add_argument("--width", type=int, default=16)
 parser.add_argument("--hidden2", type=int, default=0, help="a second hidden layer (bigger model)")
 parser.add_argument("--report-first-step", action="store_true")
@@ -81,6 +84,8 @@ train = tfdist.data.pipeline(
 # Under `tfdist launch --max-restarts`, faults fire only in the first attempt.
 first_attempt = os.environ.get("TFDIST_RESTART", "0") == "0"
 rank = tfdist.cluster.cluster_from_env().rank
+if args.dir_per_rank and rank:
+    args.dir = f"{args.dir}-rank{rank}"
 
 
 class DropIndex(keras.layers.Layer):
