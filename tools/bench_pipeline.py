@@ -2,12 +2,15 @@
 
 Two figures, each a ratio of runs alternated A B A B (the machine is noisy):
 
-* throughput: examples per second over 3 epochs of ``tfdist.data.pipeline`` against
-  the naive ``raw.map(scale).batch(128)``, both reading the same tfds MNIST. ``warm``
-  shares one tfds dataset whose decoded examples are already in tfds's memory cache
-  (what the second and later runs of a training script in a notebook see; each
-  pipeline still pays for its own cache); ``cold`` loads MNIST afresh for every run,
-  so the first epoch decodes 60 000 PNG images in both.
+* throughput: examples per second over 3 epochs of ``tfdist.data.pipeline`` (the
+  time includes building it, i.e. reading MNIST into memory) against the naive
+  ``raw.map(scale).batch(128)``, both reading the same tfds MNIST and consumed inside
+  TensorFlow (``Dataset.reduce``), so Python's loop does not blur the difference.
+  ``warm``: one tfds dataset, whose decoded examples tfds already holds in its memory
+  cache, is shared by every run, which compares the pipelines themselves; ``cold``:
+  MNIST is loaded afresh for every run, so the first epoch of each decodes 60 000 PNG
+  images. ``pipeline_map_per_example`` is the pipeline with ``map_on="example"`` (one
+  ``map_fn`` call per example, the classic "map, then cache").
 * input-bound ratio: the time per training step of a small convnet fed by the pipeline,
   divided by the same convnet fed with batches already in memory (goal <= 1.05).
 
@@ -47,25 +50,31 @@ def _count(ds: tf.data.Dataset) -> int:
     )
 
 
-def _timed_epochs(make, epochs: int) -> tuple[float, int]:
-    """Seconds to build a dataset with ``make()`` and read ``epochs`` epochs of it."""
-    start = time.perf_counter()
+def _timed_epochs(make, epochs: int) -> tuple[float, float, int]:
+    """Wall and CPU seconds to build a dataset with ``make()`` and read ``epochs`` epochs.
+
+    CPU seconds (all threads of this process) are also reported: on a machine shared
+    with other jobs they move much less than wall time.
+    """
+    wall, cpu = time.perf_counter(), time.process_time()
     ds = make()
     examples = sum(_count(ds) for _ in range(epochs))
-    return time.perf_counter() - start, examples
+    return time.perf_counter() - wall, time.process_time() - cpu, examples
 
 
-def throughput(*, rounds: int = 2, epochs: int = EPOCHS, cold: bool = False) -> dict:
+def throughput(*, rounds: int = 3, epochs: int = EPOCHS, cold: bool = False) -> dict:
     """Examples/s of the pipeline variants and of the naive pipeline, alternated.
 
     Args:
-        rounds: how many times each variant runs (A B C A B C ...).
+        rounds: how many times each variant runs (A B C A B C ...), after one warm-up
+            run each that is not measured.
         epochs: epochs read per run.
         cold: load MNIST afresh for every run (first epoch decodes PNGs) instead of
             sharing one tfds dataset whose decoded examples are cached.
 
     Returns:
-        A dict of examples/s per variant (median over rounds) and the ratios to naive.
+        Per variant: examples per wall second and per CPU second (medians over rounds),
+        the wall seconds of every run, and the ratios to the naive pipeline.
     """
     shared = None
     if not cold:
@@ -83,16 +92,22 @@ def throughput(*, rounds: int = 2, epochs: int = EPOCHS, cold: bool = False) -> 
             raw(), BATCH, map_fn=data.scale, map_on="example", seed=0
         ),
     }
-    rates: dict[str, list[float]] = {name: [] for name in variants}
+    for make in variants.values():  # warm-up, not measured: first traces, allocator growth
+        _timed_epochs(make, 1)
+    runs: dict[str, list[tuple[float, float, int]]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, make in variants.items():
-            seconds, examples = _timed_epochs(make, epochs)
-            rates[name].append(examples / seconds)
-    result = {f"{name}_examples_per_s": round(statistics.median(r)) for name, r in rates.items()}
-    naive = statistics.median(rates["naive"])
+            runs[name].append(_timed_epochs(make, epochs))
+    rate = {n: statistics.median(e / w for w, _, e in r) for n, r in runs.items()}
+    cpu_rate = {n: statistics.median(e / c for _, c, e in r) for n, r in runs.items()}
+    result: dict = {"epochs": epochs, "rounds": rounds, "cold": cold}
+    for name in variants:
+        result[f"{name}_examples_per_s"] = round(rate[name])
+        result[f"{name}_examples_per_cpu_s"] = round(cpu_rate[name])
+        result[f"{name}_wall_s"] = [round(w, 2) for w, _, _ in runs[name]]
     for name in ("pipeline", "pipeline_map_per_example"):
-        result[f"{name}_vs_naive"] = round(statistics.median(rates[name]) / naive, 2)
-    result.update({"epochs": epochs, "rounds": rounds, "cold": cold})
+        result[f"{name}_vs_naive"] = round(rate[name] / rate["naive"], 2)
+        result[f"{name}_vs_naive_cpu"] = round(cpu_rate[name] / cpu_rate["naive"], 2)
     return result
 
 
@@ -116,20 +131,24 @@ def _convnet():
     return model
 
 
-def _step_seconds(model, dataset) -> list[float]:
-    """Trains one epoch; returns the time of each step after the first."""
+def _epoch_steps(model, dataset) -> tuple[list[float], float]:
+    """Trains one epoch: the wall time of each step after the first, and CPU s/step."""
     import keras
 
     class Clock(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.times = [time.perf_counter()]
+            self.cpu = time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):
             self.times.append(time.perf_counter())
 
+        def on_epoch_end(self, epoch, logs=None):
+            self.cpu = (time.process_time() - self.cpu) / (len(self.times) - 1)
+
     clock = Clock()
     model.fit(dataset, epochs=1, verbose=0, callbacks=[clock])
-    return list(np.diff(clock.times[1:]))
+    return list(np.diff(clock.times[1:])), clock.cpu
 
 
 def input_bound(*, rounds: int = 3, map_on: str = "auto") -> dict:
@@ -137,14 +156,16 @@ def input_bound(*, rounds: int = 3, map_on: str = "auto") -> dict:
 
     Both models train one epoch per measurement, alternated; the first epoch of each
     (tracing) is not measured. The step time is the median over all measured steps,
-    which a burst of load from other processes moves less than a mean.
+    which a burst of load from other processes moves less than a mean; CPU time per
+    step (all threads) is reported too, and the CPU time each feed needs to produce a
+    batch on its own (what the pipeline adds to a step, free of training noise).
 
     Args:
         rounds: measured epochs per feed.
         map_on: ``map_on`` of the pipeline under test.
 
     Returns:
-        A dict with the step times (ms, median and mean) and their ratios.
+        A dict with the step times (ms: median, mean, CPU) and their ratios.
     """
     raw = data.mnist("train")
     images, labels = next(iter(raw.batch(60_000)))
@@ -159,25 +180,43 @@ def input_bound(*, rounds: int = 3, map_on: str = "auto") -> dict:
     }
     models = {name: _convnet() for name in feeds}
     for name, feed in feeds.items():  # warm-up: trace the train step
-        _step_seconds(models[name], feed)
-    per_step: dict[str, list[float]] = {name: [] for name in feeds}
+        _epoch_steps(models[name], feed)
+    walls: dict[str, list[float]] = {name: [] for name in feeds}
+    cpus: dict[str, list[float]] = {name: [] for name in feeds}
     for _ in range(rounds):
         for name, feed in feeds.items():
-            per_step[name].extend(_step_seconds(models[name], feed))
-    median = {name: statistics.median(v) * 1000 for name, v in per_step.items()}
-    mean = {name: statistics.fmean(v) * 1000 for name, v in per_step.items()}
+            steps_s, cpu = _epoch_steps(models[name], feed)
+            walls[name].extend(steps_s)
+            cpus[name].append(cpu)
+    median = {name: statistics.median(v) * 1000 for name, v in walls.items()}
+    mean = {name: statistics.fmean(v) * 1000 for name, v in walls.items()}
+    cpu = {name: statistics.median(v) * 1000 for name, v in cpus.items()}
+    # The input side alone: CPU time to produce one batch, with no training beside it.
+    # Added to a training step, this is what the pipeline costs the step.
+    reading: dict[str, list[float]] = {name: [] for name in feeds}
+    for _ in range(rounds):
+        for name, feed in feeds.items():
+            start = time.process_time()
+            batches = _count(feed) // BATCH
+            reading[name].append((time.process_time() - start) / batches * 1000)
+    input_ms = {name: statistics.median(v) for name, v in reading.items()}
     return {
+        "pipeline_input_cpu_ms_per_batch": round(input_ms["pipeline"], 3),
+        "in_memory_input_cpu_ms_per_batch": round(input_ms["in_memory"], 3),
         "pipeline_step_ms": round(median["pipeline"], 2),
         "in_memory_step_ms": round(median["in_memory"], 2),
         "input_bound_ratio": round(median["pipeline"] / median["in_memory"], 3),
         "input_bound_ratio_of_means": round(mean["pipeline"] / mean["in_memory"], 3),
+        "pipeline_cpu_ms_per_step": round(cpu["pipeline"], 2),
+        "in_memory_cpu_ms_per_step": round(cpu["in_memory"], 2),
+        "input_bound_ratio_cpu": round(cpu["pipeline"] / cpu["in_memory"], 3),
         "steps_per_epoch": steps,
         "rounds": rounds,
         "map_on": map_on,
     }
 
 
-def run(*, rounds: int = 2, train_rounds: int = 3) -> dict:
+def run(*, rounds: int = 3, train_rounds: int = 3) -> dict:
     """All figures of this benchmark, as one dict.
 
     Example:

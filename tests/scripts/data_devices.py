@@ -80,7 +80,8 @@ result["resumed_weights"] = [w.tolist() for w in interrupted.get_weights()]
 # Creating an iterator must not consume the position: Keras creates one it never reads
 # at the end of each epoch, before the next on_epoch_begin sets the position.
 data.set_position(0)
-probe = data.pipeline((x, y), args.global_batch // replicas, seed=9)
+with tfdist.scope():  # built inside the scope: its state must still be plain host variables
+    probe = data.pipeline((x, y), args.global_batch // replicas, seed=9)
 iterator = iter(strategy.experimental_distribute_dataset(probe))
 time.sleep(1.0)  # time for any background prefetch to start (none should)
 result["position_after_iter"] = list(astuple(data.position(probe)))
