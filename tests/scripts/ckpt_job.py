@@ -164,7 +164,11 @@ class Record(keras.callbacks.Callback):
                     "unix": time.time(),
                     "step": step,
                     "at": [self._epoch, self._offset + batch],
-                    "process_start_unix": time.time() - (time.perf_counter() - T0),
+                    "times": {
+                        "import_and_setup": t_restore - T0,
+                        "make_or_restore": t_restored - t_restore,
+                        "fit_start_to_first_step": self.first_step_time - t_fit,
+                    },
                 }
                 print(json.dumps({"first_step": first}), flush=True)
         self.steps.append([self._epoch, self._offset + batch, step])
