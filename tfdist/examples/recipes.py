@@ -294,7 +294,8 @@ class Recipe:
         reference_batch: global batch ``base_learning_rate`` is tuned for; the learning
             rate scales linearly with ``global_batch / reference_batch`` (with a warm-up).
             None keeps ``base_learning_rate`` whatever the batch (the guides' way).
-        warmup_epochs: length of the linear warm-up, in epochs (with ``reference_batch``).
+        warmup_epochs: length of the linear warm-up from 0 to the scaled peak, in epochs
+            (used with ``reference_batch``).
         epoch_decay: epoch -> learning rate, for a ``LearningRateScheduler`` callback
             (the guides' way); None when the schedule lives in the optimizer.
         augment: maps a scaled training batch ``(images, labels)`` to an augmented one,
@@ -410,13 +411,25 @@ class Recipe:
             return self.base_learning_rate
         total = self.epochs * steps_per_epoch
         warmup = min(round(self.warmup_epochs * steps_per_epoch), total - 1)
-        return ScaledWarmupCosineDecay(
+        schedule = ScaledWarmupCosineDecay(
             self.base_learning_rate,
             global_batch=self.global_batch(num_replicas),
             reference_batch=self.reference_batch,
             warmup_steps=warmup,
             decay_steps=total - warmup,
         )
+        logger.info(
+            "recipe %s: peak learning rate %g = %g x global batch %d / %d, linear warm-up "
+            "over %d steps, cosine decay over %d steps",
+            self.name,
+            schedule.peak_learning_rate,
+            self.base_learning_rate,
+            schedule.global_batch,
+            self.reference_batch,
+            warmup,
+            total - warmup,
+        )
+        return schedule
 
     def optimizer(self, num_replicas: int, *, steps_per_epoch: int) -> keras.optimizers.Adam:
         """A new Adam with ``learning_rate(num_replicas, steps_per_epoch=...)``.
@@ -497,9 +510,9 @@ TUTORIAL = Recipe(
 
 FAST = Recipe(
     name="fast",
-    summary="two-conv convnet, Adam 5e-3 x replicas with warm-up + cosine decay, 6 epochs",
+    summary="two-conv convnet, Adam 5e-3 x replicas with warm-up + cosine decay, 5 epochs",
     build_model=fast_model,
-    epochs=6,
+    epochs=5,
     per_replica_batch=128,
     base_learning_rate=5e-3,
     reference_batch=128,
