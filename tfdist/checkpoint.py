@@ -536,30 +536,22 @@ def _skip_corrupt(path: str, reason: str, role: _saving.WriteRole) -> None:
 # --------------------------------------------------------------------------- data position
 
 
-_warned_no_data = False
-
-
 def _set_data_position(epoch: int, skip: int) -> None:
     """Tells tfdist.data pipelines which epoch starts and how many batches to skip."""
-    global _warned_no_data
-    try:
-        from tfdist import data as _data
-    except ModuleNotFoundError as err:
-        if err.name not in ("tfdist.data", "tfdist"):
-            raise
-        _data = None
-    setter = getattr(_data, "set_position", None)
-    if setter is None:
-        if skip and not _warned_no_data:
-            _warned_no_data = True
-            logger.warning(
-                "tfdist: tfdist.data.set_position is unavailable, so the resumed epoch %d "
-                "cannot skip its first %d batch(es): they will be trained again.",
-                epoch,
-                skip,
-            )
-        return
-    setter(epoch, skip)
+    # Imported here: tfdist.data is only needed once training starts.
+    from tfdist import data as _data
+
+    _data.set_position(epoch, skip)
+    # Only seeded tfdist.data pipelines can skip; say so when none exists, since the
+    # alternative is a silent replay of the batches already trained.
+    if skip and not len(getattr(_data, "_registry", (None,))):
+        logger.warning(
+            "tfdist: the resumed epoch %d should skip its first %d batch(es), but no seeded "
+            "tfdist.data pipeline exists, so they will be trained again. Build the training "
+            "data with tfdist.data.pipeline(..., seed=...) for exact resume.",
+            epoch,
+            skip,
+        )
 
 
 # Keras's epoch iterator learns the number of steps of an epoch from the first epoch

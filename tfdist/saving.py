@@ -368,18 +368,20 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
         )
     final = os.path.abspath(text)
     role = write_role()
+    # Checked on every worker, not only the chief: a worker that went on into the save's
+    # collectives while the chief stopped here would wait for it (shared storage assumed).
+    if os.path.lexists(final) and not overwrite:
+        raise FileExistsError(
+            f"tfdist.save: {final!r} exists and overwrite=False. Received: path={text!r}. "
+            "Pass overwrite=True or choose another path."
+        )
+    parent = os.path.dirname(final)
+    if os.path.isfile(parent):
+        raise NotADirectoryError(
+            f"tfdist.save: the parent of path is a file, not a directory. "
+            f"Received: path={text!r}. Choose a path inside a directory."
+        )
     if role.is_chief:
-        if os.path.lexists(final) and not overwrite:
-            raise FileExistsError(
-                f"tfdist.save: {final!r} exists and overwrite=False. Received: path={text!r}. "
-                "Pass overwrite=True or choose another path."
-            )
-        parent = os.path.dirname(final)
-        if os.path.isfile(parent):
-            raise NotADirectoryError(
-                f"tfdist.save: the parent of path is a file, not a directory. "
-                f"Received: path={text!r}. Choose a path inside a directory."
-            )
         os.makedirs(parent, exist_ok=True)
     with atomic_output(final, role=role) as staging:
         if fmt == "keras":
