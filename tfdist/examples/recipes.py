@@ -11,7 +11,7 @@ never create a strategy; build the model inside the caller's ``strategy.scope()`
   test accuracy. As in the guides, its learning rate does not grow with the replicas.
 * ``fast`` (the default) reaches >= 99.0% in less wall time. Its learning rate follows the
   linear scaling rule (``base_learning_rate * global_batch / reference_batch``) with a
-  linear warm-up, then a cosine decay, all by optimizer step (``ScaledWarmupCosineDecay``),
+  linear warm-up, then a cosine decay, all by optimizer step (``scaled_warmup_cosine_decay``),
   so a run restored from a checkpoint continues from ``optimizer.iterations`` exactly.
 
 Example:
@@ -39,7 +39,8 @@ __all__ = [
     "DEFAULT_RECIPE",
     "Recipe",
     "RECIPES",
-    "ScaledWarmupCosineDecay",
+    "scaled_warmup_cosine_decay",
+    "peak_learning_rate",
     "get_recipe",
     "recipe_names",
     "tutorial_model",
@@ -157,19 +158,26 @@ def fast_model() -> keras.Model:
     )
 
 
-@keras.saving.register_keras_serializable(package="tfdist")
-class ScaledWarmupCosineDecay(keras.optimizers.schedules.CosineDecay):
+def scaled_warmup_cosine_decay(
+    base_learning_rate: float,
+    *,
+    global_batch: int,
+    reference_batch: int,
+    warmup_steps: int,
+    decay_steps: int,
+    alpha: float = 0.0,
+) -> keras.optimizers.schedules.CosineDecay:
     """Linear scaling rule + linear warm-up + cosine decay, as a function of the step.
 
     The peak learning rate is ``base_learning_rate * global_batch / reference_batch``
     (the linear scaling rule of Goyal et al., 2017). The rate rises linearly from 0 to
     the peak over ``warmup_steps`` (a large rate on freshly initialised weights is what
     diverges, and Adam's first steps are its noisiest), then follows a cosine down to
-    ``alpha * peak`` over ``decay_steps``. The arithmetic is Keras' own ``CosineDecay``;
-    this class derives its arguments and keeps the ones a reader cares about in
-    ``get_config()``, so a checkpointed optimizer saves and restores it (it is
-    registered as ``tfdist>ScaledWarmupCosineDecay``). It depends only on the step, so
-    a restored optimizer continues from ``optimizer.iterations`` exactly.
+    ``alpha * peak`` over ``decay_steps``. It returns Keras' own ``CosineDecay`` (whose
+    ``warmup_target`` is the peak) rather than a subclass, so a model saved with this
+    optimizer loads with plain ``keras.models.load_model``, without importing tfdist. It
+    depends only on the step, so a restored optimizer continues from
+    ``optimizer.iterations`` exactly.
 
     Args:
         base_learning_rate: the peak learning rate tuned at ``reference_batch``.
@@ -178,86 +186,54 @@ class ScaledWarmupCosineDecay(keras.optimizers.schedules.CosineDecay):
         warmup_steps: steps of linear warm-up (0 for none).
         decay_steps: steps of cosine decay after the warm-up.
         alpha: final learning rate as a fraction of the peak.
-        name: name scope of the ops.
 
     Example:
-        >>> s = ScaledWarmupCosineDecay(1e-3, global_batch=256, reference_batch=128,
-        ...                             warmup_steps=10, decay_steps=90)
+        >>> s = scaled_warmup_cosine_decay(1e-3, global_batch=256, reference_batch=128,
+        ...                                warmup_steps=10, decay_steps=90)
         >>> round(float(s(5)), 6), round(float(s(10)), 6)  # half-way up; the peak 2e-3
         (0.001, 0.002)
     """
+    where = "scaled_warmup_cosine_decay"
+    base_learning_rate = _finite_float(
+        base_learning_rate,
+        "base_learning_rate",
+        where,
+        "Pass the learning rate tuned at reference_batch, e.g. 1e-3.",
+        low=0.0,
+        low_ok=False,
+    )
+    global_batch = _positive_int(
+        global_batch, "global_batch", where, "Pass per-replica batch x replicas."
+    )
+    reference_batch = _positive_int(
+        reference_batch,
+        "reference_batch",
+        where,
+        "Pass the global batch base_learning_rate was tuned for.",
+    )
+    warmup_steps = _non_negative_int(warmup_steps, "warmup_steps", where, "Pass 0 for no warm-up.")
+    decay_steps = _positive_int(
+        decay_steps, "decay_steps", where, "Pass the training steps after the warm-up."
+    )
+    alpha = _finite_float(
+        alpha, "alpha", where, "Pass a fraction in [0, 1], e.g. 0.0.", low=0.0, low_ok=True
+    )
+    if alpha > 1.0:
+        raise ValueError(
+            f"{where}: alpha must be in [0, 1]. Received: alpha={alpha!r}. "
+            "It is the final learning rate as a fraction of the peak."
+        )
+    peak = base_learning_rate * global_batch / reference_batch
+    if warmup_steps:
+        return keras.optimizers.schedules.CosineDecay(
+            0.0, decay_steps, alpha=alpha, warmup_target=peak, warmup_steps=warmup_steps
+        )
+    return keras.optimizers.schedules.CosineDecay(peak, decay_steps, alpha=alpha)
 
-    def __init__(
-        self,
-        base_learning_rate: float,
-        *,
-        global_batch: int,
-        reference_batch: int,
-        warmup_steps: int,
-        decay_steps: int,
-        alpha: float = 0.0,
-        name: str = "ScaledWarmupCosineDecay",
-    ):
-        where = "ScaledWarmupCosineDecay"
-        self.base_learning_rate = _finite_float(
-            base_learning_rate,
-            "base_learning_rate",
-            where,
-            "Pass the learning rate tuned at reference_batch, e.g. 1e-3.",
-            low=0.0,
-            low_ok=False,
-        )
-        self.global_batch = _positive_int(
-            global_batch, "global_batch", where, "Pass per-replica batch x replicas."
-        )
-        self.reference_batch = _positive_int(
-            reference_batch,
-            "reference_batch",
-            where,
-            "Pass the global batch base_learning_rate was tuned for.",
-        )
-        warmup_steps = _non_negative_int(
-            warmup_steps, "warmup_steps", where, "Pass 0 for no warm-up."
-        )
-        decay_steps = _positive_int(
-            decay_steps, "decay_steps", where, "Pass the training steps after the warm-up."
-        )
-        alpha = _finite_float(
-            alpha, "alpha", where, "Pass a fraction in [0, 1], e.g. 0.0.", low=0.0, low_ok=True
-        )
-        if alpha > 1.0:
-            raise ValueError(
-                f"{where}: alpha must be in [0, 1]. Received: alpha={alpha!r}. "
-                "It is the final learning rate as a fraction of the peak."
-            )
-        peak = self.base_learning_rate * self.global_batch / self.reference_batch
-        if warmup_steps:
-            super().__init__(
-                0.0,
-                decay_steps,
-                alpha=alpha,
-                name=name,
-                warmup_target=peak,
-                warmup_steps=warmup_steps,
-            )
-        else:
-            super().__init__(peak, decay_steps, alpha=alpha, name=name)
 
-    @property
-    def peak_learning_rate(self) -> float:
-        """``base_learning_rate * global_batch / reference_batch``."""
-        return self.base_learning_rate * self.global_batch / self.reference_batch
-
-    def get_config(self) -> dict:
-        return {
-            "base_learning_rate": self.base_learning_rate,
-            "global_batch": self.global_batch,
-            "reference_batch": self.reference_batch,
-            "warmup_steps": self.warmup_steps,
-            "decay_steps": self.decay_steps,
-            "alpha": self.alpha,
-            "name": self.name,
-        }
+def peak_learning_rate(schedule: keras.optimizers.schedules.CosineDecay) -> float:
+    """The highest rate of a ``scaled_warmup_cosine_decay`` schedule (its warm-up target)."""
+    return float(schedule.warmup_target or schedule.initial_learning_rate)
 
 
 # --- input -------------------------------------------------------------------------
@@ -393,7 +369,7 @@ class Recipe:
     ) -> float | keras.optimizers.schedules.LearningRateSchedule:
         """The optimizer's ``learning_rate`` for this many replicas.
 
-        A ``ScaledWarmupCosineDecay`` over ``epochs * steps_per_epoch`` steps when the
+        A ``scaled_warmup_cosine_decay`` over ``epochs * steps_per_epoch`` steps when the
         recipe has a ``reference_batch``; otherwise the float ``base_learning_rate`` (and
         ``epoch_decay``, if any, is applied by a callback).
 
@@ -411,9 +387,10 @@ class Recipe:
             return self.base_learning_rate
         total = self.epochs * steps_per_epoch
         warmup = min(round(self.warmup_epochs * steps_per_epoch), total - 1)
-        schedule = ScaledWarmupCosineDecay(
+        global_batch = self.global_batch(num_replicas)
+        schedule = scaled_warmup_cosine_decay(
             self.base_learning_rate,
-            global_batch=self.global_batch(num_replicas),
+            global_batch=global_batch,
             reference_batch=self.reference_batch,
             warmup_steps=warmup,
             decay_steps=total - warmup,
@@ -422,9 +399,9 @@ class Recipe:
             "recipe %s: peak learning rate %g = %g x global batch %d / %d, linear warm-up "
             "over %d steps, cosine decay over %d steps",
             self.name,
-            schedule.peak_learning_rate,
+            peak_learning_rate(schedule),
             self.base_learning_rate,
-            schedule.global_batch,
+            global_batch,
             self.reference_batch,
             warmup,
             total - warmup,
