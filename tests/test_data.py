@@ -499,3 +499,21 @@ def test_mnist_not_on_disk_and_not_downloadable_fails_naming_tfds_data_dir(tmp_p
 def test_mnist_split_must_be_a_name(bad):
     with pytest.raises(TypeError, match=r"split must be a tfds split name"):
         data.mnist(bad)
+
+
+@pytest.mark.devices
+@needs_mnist
+def test_loading_mnist_before_the_scope_still_gives_the_configured_devices():
+    # Loading data starts TensorFlow; mnist() creates the strategy first so that
+    # TFDIST_CPU_DEVICES (and multi-worker collectives) still take effect.
+    proc = run_python(
+        """
+        import tfdist
+        train = tfdist.data.mnist("train[:1%]")
+        with tfdist.scope():
+            pass
+        print("replicas", tfdist.num_replicas())
+        """,
+        TFDIST_CPU_DEVICES="2",
+    )
+    assert proc.stdout.split()[-2:] == ["replicas", "2"]

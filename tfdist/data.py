@@ -827,6 +827,22 @@ def _reachable(url: str, timeout: float) -> str | None:
     return result[0] if result else f"no answer within {timeout:.0f} s"
 
 
+def _settle_strategy_before_tensorflow_starts() -> None:
+    """Creates tfdist's strategy if TensorFlow has not started yet.
+
+    Loading data runs TensorFlow ops, which fixes TensorFlow's devices and makes it too
+    late to split the CPU (``TFDIST_CPU_DEVICES``) or to set up multi-worker collectives
+    ("Collective ops must be configured at program startup"). A script that loads MNIST
+    before opening ``tfdist.scope()`` would then fail later; creating the strategy first
+    makes the order not matter. Once TensorFlow has started, nothing is created here.
+    """
+    from tensorflow.python.eager import context
+
+    started = getattr(context.context(), "_context_handle", True) is not None
+    if not started and _strategy.current_plan() is None:
+        _strategy.strategy()
+
+
 def mnist(
     split: str = "train",
     *,
@@ -874,6 +890,7 @@ def mnist(
         )
     data_dir = os.fspath(data_dir)
 
+    _settle_strategy_before_tensorflow_starts()
     import tensorflow_datasets as tfds  # imported late: it costs seconds
 
     builder = tfds.builder("mnist", data_dir=data_dir)
