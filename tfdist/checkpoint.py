@@ -554,54 +554,20 @@ def _set_data_position(epoch: int, skip: int) -> None:
         )
 
 
-# Keras's epoch iterator learns the number of steps of an epoch from the first epoch
-# that ends by running out of data, and stops every later epoch there. A resumed epoch
-# is deliberately short (the batches already trained are skipped), so without this
-# every later epoch would be cut short too. While a resumed partial epoch runs, the
-# learned length is not kept, and Keras's "ran out of data" warning is silenced.
-_partial_epoch = [False]
-
-
-def _install_epoch_length_fix() -> None:
-    try:
-        from keras.src.trainers import epoch_iterator
-    except ImportError:  # a Keras layout this fix was not written for
-        return
-    cls = epoch_iterator.EpochIterator
-    original = getattr(cls, "catch_stop_iteration", None)
-    if original is None or getattr(original, "_tfdist_partial_epoch_fix", False):
-        return
-
-    @contextlib.contextmanager
-    def catch_stop_iteration(self):
-        partial = _partial_epoch[0]
-        known = getattr(self, "_num_batches", None)
-        with warnings.catch_warnings():
-            if partial:
-                warnings.filterwarnings("ignore", message="Your input ran out of data")
-            with original(self):
-                yield
-        if partial and known is None:
-            self._num_batches = None
-
-    catch_stop_iteration._tfdist_partial_epoch_fix = True
-    cls.catch_stop_iteration = catch_stop_iteration
-
-
 def _phantom_prone_variables(model) -> list:
     """State a train step changes without reading its batch: the step counter, RNG states."""
     return [model.optimizer.iterations] + [g.state for g in _seed_generators(model)]
 
 
-# With a dataset of unknown length (a ``tfdist.data`` pipeline, ``from_generator``,
-# ``flat_map``...), Keras ends each epoch by calling the train step once more; its
-# ``get_next`` fails, but the ops that do not depend on the batch, the optimizer's
-# ``iterations.assign_add(1)`` and the dropout seed generators' advance, sometimes run
-# anyway (it is a race). The weights are untouched, but the step counter (learning-rate
-# schedules, Adam's bias correction) and the dropout masks of later epochs then differ
-# from run to run, and a resumed job could not match an uninterrupted one. The
-# checkpoint callback copies that state after every real step (on the device, no host
-# sync) and puts the copy back when the epoch ends.
+# When an epoch's data ends before Keras expected (a resumed epoch, which skips the
+# batches already trained; or any dataset of unknown length: ``from_generator``,
+# ``flat_map``...), Keras calls the train step once more; its ``get_next`` fails, but
+# the ops that do not depend on the batch, the optimizer's ``iterations.assign_add(1)``
+# and the dropout seed generators' advance, sometimes run anyway (a race). The weights
+# are untouched, but the step counter (learning-rate schedules, Adam's bias correction)
+# and the dropout masks of later epochs then differ from run to run, and a resumed job
+# could not match an uninterrupted one. The checkpoint callback copies that state after
+# every real step (on the device, no host sync) and puts the copy back at epoch end.
 
 
 # --------------------------------------------------------------------------- preemption
@@ -795,6 +761,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._phantom_prone: list = []
         self._snapshot: list | None = None
         self._epoch_length: int | None = None  # batches in a full epoch, once seen
+        self._quiet = None  # a warnings.catch_warnings() open during a resumed partial epoch
         self._current_epoch = 0
 
     # -- Keras hooks
@@ -804,7 +771,6 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         if self.role.is_chief:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             _saving.remove_stale_staging(self.checkpoint_dir)
-        _install_epoch_length_fix()
         self._resume = resume_state(self.model)
         if self._resume is not None and self._resume.step is not None:
             self._step = self._resume.step
@@ -848,7 +814,13 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._first_epoch = False
         self._skip = skip
         self._step_at_epoch_begin = self._step
-        _partial_epoch[0] = skip > 0
+        if skip:
+            # The resumed epoch ends early on purpose (its first batches were trained
+            # before the restart); Keras's "Your input ran out of data" warning would
+            # say otherwise.
+            self._quiet = warnings.catch_warnings()
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
         _set_data_position(epoch, skip)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -862,7 +834,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             self._save_model(epoch=self._current_epoch, batch=batch, logs=logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        _partial_epoch[0] = False
+        self._end_quiet()
         if self._snapshot is not None:
             for variable, value in zip(self._phantom_prone, self._snapshot, strict=True):
                 variable.assign(value)
@@ -877,12 +849,17 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             self._exit_for_restart()
 
     def on_train_end(self, logs=None):
-        _partial_epoch[0] = False
+        self._end_quiet()
         self._resume = None
         _resumed.pop(self.model, None)  # a later fit of this model starts where this one ended
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
+
+    def _end_quiet(self) -> None:
+        if self._quiet is not None:
+            self._quiet.__exit__(None, None, None)
+            self._quiet = None
 
     # -- ModelCheckpoint's extension points
 
