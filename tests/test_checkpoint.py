@@ -16,6 +16,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 import keras
@@ -140,10 +141,11 @@ def _unwritable_dir(tmp_path):
     # root ignores permission bits; a read-only mount still refuses writes
     for candidate in ("/sys/fs", "/sys", "/proc/sys"):
         try:
-            with open(os.path.join(candidate, ".tfdist-probe"), "w"):
-                pass
+            fd, probe = tempfile.mkstemp(dir=candidate)
         except OSError:
             return candidate
+        os.close(fd)
+        os.remove(probe)
     pytest.skip("no directory this user cannot write to")
 
 

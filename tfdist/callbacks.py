@@ -244,7 +244,7 @@ def scale_learning_rate(base_lr: float, *, strategy=None) -> float:
         strategy: defaults to the current strategy (``tfdist.strategy()``).
 
     Example:
-        >>> scale_learning_rate(1e-3)  # doctest: +SKIP   (with 4 replicas)
+        >>> scale_learning_rate(1e-3)  # with 4 replicas  # doctest: +SKIP
         0.004
     """
     base_lr = _positive_float(base_lr, "base_lr", "scale_learning_rate")

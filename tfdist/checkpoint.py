@@ -60,8 +60,10 @@ __all__ = [
     "checkpoint_name",
     "parse_checkpoint_name",
     "resume_state",
+    "is_resumed_partial_epoch",
     "read_resume_metadata",
     "RESUME_MEMBER",
+    "CORRUPT_SUFFIX",
 ]
 
 logger = logging.getLogger(__name__)
@@ -191,7 +193,16 @@ def resume_state(model) -> ResumeState | None:
 
 
 def is_resumed_partial_epoch(model, epoch: int) -> bool:
-    """Whether ``epoch`` is the epoch ``model`` resumes in the middle of."""
+    """Whether ``epoch`` is the epoch ``model`` resumes in the middle of.
+
+    Callbacks that act at epoch begin (like ``decay``) use it to leave alone state the
+    checkpoint already holds for that epoch.
+
+    Example:
+        >>> # model restored from ckpt-3-50.keras: 50 batches into epoch index 2
+        >>> is_resumed_partial_epoch(model, 2)  # doctest: +SKIP
+        True
+    """
     state = resume_state(model)
     return state is not None and state.batch > 0 and epoch == state.epoch
 

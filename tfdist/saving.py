@@ -153,7 +153,12 @@ def staging_path(
 
 
 def is_staging_name(name: str) -> bool:
-    """Whether a directory entry is a chief's staging file or directory."""
+    """Whether a directory entry is a chief's staging file or directory.
+
+    Example:
+        >>> is_staging_name(".tmp-4242-host-ckpt-3.keras"), is_staging_name("ckpt-3.keras")
+        (True, False)
+    """
     return name.startswith(_STAGING_PREFIX)
 
 
@@ -312,7 +317,12 @@ def add_archive_member(archive_path: str, member: str, data: bytes) -> None:
 
 
 def read_archive_member(archive_path: str, member: str) -> bytes | None:
-    """The bytes of one member of a zip archive, or None when it has no such member."""
+    """The bytes of one member of a zip archive, or None when it has no such member.
+
+    Example:
+        >>> read_archive_member("ckpt-3.keras", "tfdist/resume.json")  # doctest: +SKIP
+        b'{"format": 1, "epoch": 3, ...}'
+    """
     with zipfile.ZipFile(archive_path, "r") as zf:
         if member not in zf.namelist():
             return None
@@ -347,7 +357,7 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
         ...     model = build_and_compile()
         >>> tfdist.save(model, "out/model.keras")      # doctest: +SKIP
         '/abs/out/model.keras'
-        >>> tfdist.save(model, "export/1")             # doctest: +SKIP  (SavedModel)
+        >>> tfdist.save(model, "export/1")  # a SavedModel  # doctest: +SKIP
     """
     import keras
 
