@@ -151,7 +151,7 @@ def _epoch_steps(model, dataset) -> tuple[list[float], float]:
     return list(np.diff(clock.times[1:])), clock.cpu
 
 
-def input_bound(*, rounds: int = 3, map_on: str = "auto") -> dict:
+def input_bound(*, rounds: int = 3, map_on: str = "auto", split: str = "train") -> dict:
     """Step time of a small convnet fed by the pipeline / fed batches already in memory.
 
     Both models train one epoch per measurement, alternated; the first epoch of each
@@ -163,11 +163,12 @@ def input_bound(*, rounds: int = 3, map_on: str = "auto") -> dict:
     Args:
         rounds: measured epochs per feed.
         map_on: ``map_on`` of the pipeline under test.
+        split: the MNIST split to train on (e.g. ``"train[:20%]"`` for a quick run).
 
     Returns:
         A dict with the step times (ms: median, mean, CPU) and their ratios.
     """
-    raw = data.mnist("train")
+    raw = data.mnist(split)
     images, labels = next(iter(raw.batch(60_000)))
     steps = int(images.shape[0]) // BATCH
     x = tf.reshape(tf.cast(images[: steps * BATCH], tf.float32) / 255.0, (steps, BATCH, 28, 28, 1))

@@ -162,7 +162,237 @@ def _cli_row(quick: bool, pairs: int) -> Result:
     )
 
 
+# --- rows measured in a fresh process each (TensorFlow fixes its devices per process) ---
+
+
+def _ratios(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b, strict=True)]
+
+
+def _child_overhead(quick: bool, pairs: int) -> dict:
+    import bench_overhead
+
+    f = bench_overhead.measure(pairs=pairs, split="train[:10%]" if quick else "train[:50%]")
+    med = statistics.median(f["ratios"])
+    return asdict(
+        Result(
+            f["ratios"],
+            met=med <= 1.01,
+            a_values=f["a_epoch_s"],
+            b_values=f["b_epoch_s"],
+            notes=f"epoch time on {f['replicas']} replicas, {f['steps_per_epoch']} steps "
+            f"(A {statistics.median(f['a_epoch_s']):.2f} s, B {statistics.median(f['b_epoch_s']):.2f} s)",
+        )
+    )
+
+
+def _child_pipeline(quick: bool, pairs: int) -> dict:
+    import bench_pipeline
+
+    f = bench_pipeline.throughput(rounds=pairs, epochs=1 if quick else 3)
+    ratios = _ratios(f["naive_wall_s"], f["pipeline_wall_s"])  # = throughput A / throughput B
+    return asdict(
+        Result(
+            ratios,
+            unit="throughput ratio",
+            met=statistics.median(ratios) >= 7,
+            a_values=f["pipeline_wall_s"],
+            b_values=f["naive_wall_s"],
+            notes=f"examples/s over {f['epochs']} epoch(s): pipeline "
+            f"{f['pipeline_examples_per_s']}, naive {f['naive_examples_per_s']}; ratio is "
+            "throughput A / throughput B",
+        )
+    )
+
+
+def _child_input_bound(quick: bool, pairs: int) -> dict:
+    import bench_pipeline
+
+    f = bench_pipeline.input_bound(
+        rounds=1 if quick else pairs, split="train[:20%]" if quick else "train"
+    )
+    return asdict(
+        Result(
+            [f["input_bound_ratio"]],
+            met=f["input_bound_ratio"] <= 1.05,
+            a_values=[f["pipeline_step_ms"]],
+            b_values=[f["in_memory_step_ms"]],
+            value_unit="ms/step",
+            notes=f"median step {f['pipeline_step_ms']} ms vs {f['in_memory_step_ms']} ms "
+            f"over {f['rounds']} alternated epoch(s) each; CPU-time ratio "
+            f"{f['input_bound_ratio_cpu']}",
+        )
+    )
+
+
+def _child_time_to_accuracy(quick: bool, pairs: int) -> dict:
+    import bench_recipes
+
+    f = bench_recipes.benchmark(quick=quick, seeds=list(range(1 if quick else pairs)))
+    summary = f["summary"]
+    fast, tutorial = summary["recipes"]["fast"], summary["recipes"]["tutorial"]
+    ratios = summary["ratios_by_round"]
+    reaches = fast["all_reach_0.99"]
+    return asdict(
+        Result(
+            ratios,
+            met=None if quick else (statistics.median(ratios) < 1 and reaches),
+            a_values=fast["train_s"],
+            b_values=tutorial["train_s"],
+            notes=f"test accuracy fast {fast['test_accuracy']} vs tutorial "
+            f"{tutorial['test_accuracy']}; fit time only, each run a fresh process"
+            + (" (quick: 2048 examples, 1 epoch: no accuracy goal)" if quick else ""),
+        )
+    )
+
+
+def _child_restart(quick: bool, pairs: int) -> dict:
+    import bench_restart
+
+    f = bench_restart.run(quick=True) if quick else bench_restart.measure(rounds=pairs)
+    ratios = _ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
+    work_ok = f["batches_applied_twice"] == 0 and f["steps_recomputed_goal_met"]
+    return asdict(
+        Result(
+            ratios,
+            met=statistics.median(ratios) <= 1.2 and work_ok,
+            a_values=f["resumed_to_first_step_s"],
+            b_values=f["fresh_to_first_step_s"],
+            notes=f"after kill -9 at step {f['killed_after_step']} (save_freq "
+            f"{f['save_freq']}): {f['steps_recomputed']} step(s) recomputed, "
+            f"{f['batches_applied_twice']} batch(es) applied twice, {f['batches_skipped']} "
+            f"skipped; restore + first step adds {f['restart_extra_s']} s in-process",
+        )
+    )
+
+
+def _child_launcher(quick: bool, pairs: int) -> dict:
+    import bench_launcher
+
+    f = bench_launcher.startup(pairs=pairs)
+    return asdict(
+        Result(
+            f["ratios"],
+            met=f["ratio_median"] <= 1.1,
+            a_values=f["a"],
+            b_values=f["b"],
+            notes=f"launch to first step: {f['a_median']:.2f} s vs {f['b_median']:.2f} s",
+        )
+    )
+
+
+def _child_multi_worker_step(quick: bool, pairs: int) -> dict:
+    import bench_launcher
+
+    f = bench_launcher.per_step(pairs=pairs, steps=30 if quick else 60, warmup=5 if quick else 10)
+    return asdict(
+        Result(
+            f["ratios"],
+            a_values=f["a"],
+            b_values=f["b"],
+            value_unit="ms/step",
+            notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per step (gRPC all-reduce "
+            "between processes against in-process all-reduce)",
+        )
+    )
+
+
+CHILD_ROWS = {
+    "overhead": (_child_overhead, {"TFDIST_CPU_DEVICES": "2"}),
+    "pipeline": (_child_pipeline, {}),
+    "input-bound": (_child_input_bound, {}),
+    "time-to-accuracy": (_child_time_to_accuracy, {}),
+    "restart": (_child_restart, {}),
+    "launcher": (_child_launcher, {}),
+    "multi-worker-step": (_child_multi_worker_step, {}),
+}
+ROW_TIMEOUT_S = 3600
+
+
+def _in_child(name: str) -> Callable[[bool, int], Result]:
+    """Runs row ``name`` in a fresh interpreter and reads its Result back."""
+
+    def run(quick: bool, pairs: int) -> Result:
+        import subprocess
+
+        env = dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **CHILD_ROWS[name][1]
+        )
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            name,
+            "--pairs",
+            str(pairs),
+        ]
+        proc = subprocess.run(
+            cmd + (["--quick"] if quick else []),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=ROW_TIMEOUT_S,
+        )
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(
+                f"row {name!r} exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"
+            )
+        return Result(**json.loads(lines[-1]))
+
+    return run
+
+
 COMPARISONS = [
+    Comparison(
+        "overhead",
+        "tfdist.scope + tfdist.data.pipeline, epoch time",
+        "hand-written MirroredStrategy + map/cache/shuffle/batch/prefetch",
+        "<= 1.01",
+        _in_child("overhead"),
+    ),
+    Comparison(
+        "pipeline",
+        "tfdist.data.pipeline throughput (MNIST, 3 epochs)",
+        "naive raw.map(scale).batch(128)",
+        ">= 7",
+        _in_child("pipeline"),
+    ),
+    Comparison(
+        "input-bound",
+        "convnet step fed by tfdist.data.pipeline",
+        "fed by in-memory batches",
+        "<= 1.05",
+        _in_child("input-bound"),
+    ),
+    Comparison(
+        "time-to-accuracy",
+        "fast recipe (>= 99.0%)",
+        "tutorial recipe, 12 epochs",
+        "< 1 and reaches 99%",
+        _in_child("time-to-accuracy"),
+    ),
+    Comparison(
+        "restart",
+        "relaunch after kill -9 to first resumed step",
+        "fresh start to first step",
+        "<= 1.2, 0 batches twice",
+        _in_child("restart"),
+    ),
+    Comparison(
+        "launcher",
+        "`tfdist launch -n 2` to first step",
+        "two processes with hand-written TF_CONFIG",
+        "<= 1.1",
+        _in_child("launcher"),
+    ),
+    Comparison(
+        "multi-worker-step",
+        "2 workers, ms/step",
+        "2 logical devices in one process",
+        "none (the cost of gRPC)",
+        _in_child("multi-worker-step"),
+    ),
     Comparison("cli", "`tfdist --help`", "`python -c pass`", "small (< 5)", _cli_row),
 ]
 
@@ -206,13 +436,20 @@ def main(argv: list[str] | None = None) -> int:
         "--only", action="append", metavar="NAME", help="run only this row (repeatable)"
     )
     parser.add_argument(
-        "--pairs", type=int, default=None, help="recorded A/B pairs (default 5, quick 2)"
+        "--pairs", type=int, default=None, help="recorded A/B pairs (default 5, quick 1)"
     )
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument("--child", choices=sorted(CHILD_ROWS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    pairs = args.pairs if args.pairs is not None else (2 if args.quick else 5)
+    pairs = args.pairs if args.pairs is not None else (1 if args.quick else 5)
     if pairs < 1:
         parser.error(f"--pairs must be >= 1. Received: --pairs={pairs}")
+
+    if args.child:  # one row, in this fresh process; the parent reads the JSON line
+        figures = CHILD_ROWS[args.child][0](args.quick, pairs)
+        # numpy scalars (np.float64, np.bool_) from the benchmark modules -> plain Python
+        print(json.dumps(figures, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+        return 0
 
     comparisons = _comparisons()
     names = [c.name for c in comparisons]
