@@ -319,7 +319,6 @@ def _fix_gradient_accumulation() -> None:
     import tensorflow as tf
     from keras.src import backend, ops
     from keras.src.backend.tensorflow import optimizer as tf_optimizer
-    from keras.src.optimizers import base_optimizer
 
     def tf_var(v):
         return v.value if isinstance(v, backend.Variable) else v
@@ -348,12 +347,13 @@ def _fix_gradient_accumulation() -> None:
     def cross_replica_accumulate(distribution, summed, accumulators):
         for grad, acc in zip(summed, accumulators, strict=True):
             distribution.extended.update(
-                tf_var(acc), lambda a, g: a.assign_add(g), args=(grad,), group=False
+                tf_var(acc),
+                lambda a, g: a.assign_add(tf.convert_to_tensor(g)),  # IndexedSlices too
+                args=(grad,),
+                group=False,
             )
 
-    def make(_unused):
-        upstream = base_optimizer.BaseOptimizer._backend_apply_gradients
-
+    def make(upstream):
         def _backend_apply_gradients(self, grads, trainable_variables):
             steps = self.gradient_accumulation_steps
             if (
@@ -398,12 +398,8 @@ def _fix_gradient_accumulation() -> None:
 
         return _backend_apply_gradients
 
-    # Defined on the TensorFlow optimizer class, so it shadows BaseOptimizer's method for
-    # every Keras optimizer on this backend and for nothing else.
-    if "_backend_apply_gradients" not in vars(tf_optimizer.TFOptimizer):
-        tf_optimizer.TFOptimizer._backend_apply_gradients = (
-            base_optimizer.BaseOptimizer._backend_apply_gradients
-        )
+    # Set on the TensorFlow optimizer class (the original is found through its bases), so
+    # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
     _patch(
         tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make
     )

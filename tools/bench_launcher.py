@@ -1,0 +1,240 @@
+"""What `tfdist launch` costs: start-up against hand-started workers, and per-step cost.
+
+Two comparisons, each measured side by side in one run (A B A B ..., the order inside a
+pair alternating), on the job of tests/scripts/mw_bench_job.py (an MLP with 270k
+parameters on MNIST-sized synthetic data, global batch 128):
+
+* ``startup``: time from launch (before the first process starts) to the end of the
+  first training step on worker 0. A: ``tfdist launch -n 2 job.py``; B: two
+  ``python job.py`` processes started by hand, each with a hand-written TF_CONFIG
+  (free loopback ports). Goal: A/B at most 1.1.
+* ``per_step``: steady-state milliseconds per training step (after warm-up steps). A:
+  2 workers (``tfdist launch -n 2``, one CPU device each, gRPC all-reduce); B: 2
+  logical CPU devices in one process (``TFDIST_CPU_DEVICES=2``, MirroredStrategy).
+  The same model, data and global batch; no goal, it is what multi-worker costs.
+
+    python tools/bench_launcher.py            # 3 pairs each
+    python tools/bench_launcher.py --quick    # 1 pair each, fewer steps
+    python tools/bench_launcher.py --json figures.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = REPO / "tests" / "scripts" / "mw_bench_job.py"
+TIMEOUT = 600  # seconds for one measured run
+STARTUP_GOAL = 1.1
+
+if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkout
+    sys.path.insert(0, str(REPO))
+
+from tfdist.cluster import worker_tf_config  # noqa: E402
+from tfdist.launch import free_ports  # noqa: E402
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+    }
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _report(text: str) -> dict:
+    """The JSON line worker 0 printed (``[w0] {...}`` under the launcher)."""
+    for line in reversed(text.splitlines()):
+        start = line.find("{")
+        if start >= 0 and line[:start].strip() in ("", "[w0]"):
+            try:
+                return json.loads(line[start:])
+            except ValueError:
+                continue
+    raise RuntimeError(f"bench_launcher: the job printed no report:\n{text[-3000:]}")
+
+
+def _launcher(job_args: list[str]) -> tuple[float, dict]:
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(JOB), *job_args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"bench_launcher: tfdist launch exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return started, _report(proc.stdout)
+
+
+def _by_hand(job_args: list[str]) -> tuple[float, dict]:
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
+    started = time.time()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(JOB), *job_args],
+            cwd=REPO,
+            env=_env(TF_CONFIG=worker_tf_config(addresses, index)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(2)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (_, err) in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench_launcher: a worker exited {proc.returncode}:\n{err[-3000:]}")
+    return started, _report(outputs[0][0])
+
+
+def _one_process(job_args: list[str]) -> tuple[float, dict]:
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(JOB), *job_args],
+        cwd=REPO,
+        env=_env(TFDIST_CPU_DEVICES="2"),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"bench_launcher: the job exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return started, _report(proc.stdout)
+
+
+def _alternate(a: Callable[[], float], b: Callable[[], float], pairs: int) -> tuple[list, list]:
+    """``pairs`` A/B pairs after one unrecorded warm-up pair (disk caches, compilation)."""
+    a(), b()
+    a_values, b_values = [], []
+    for i in range(pairs):
+        if i % 2 == 0:
+            a_values.append(a())
+            b_values.append(b())
+        else:
+            b_values.append(b())
+            a_values.append(a())
+    return a_values, b_values
+
+
+def _summary(a: list[float], b: list[float]) -> dict:
+    ratios = [x / y for x, y in zip(a, b, strict=True)]
+    return {
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratios": ratios,
+        "a": a,
+        "b": b,
+        "a_median": statistics.median(a),
+        "b_median": statistics.median(b),
+    }
+
+
+def startup(*, pairs: int = 3) -> dict:
+    """Seconds from launch to the end of the first step: tfdist launch (A) vs by hand (B).
+
+    Example:
+        >>> startup(pairs=1)["ratio_median"]  # doctest: +SKIP
+        1.02
+    """
+    args = ["--first-step-only"]
+
+    def measure(run) -> Callable[[], float]:
+        def once() -> float:
+            started, report = run(args)
+            return report["first_step"] - started
+
+        return once
+
+    result = _summary(*_alternate(measure(_launcher), measure(_by_hand), pairs))
+    result.update(unit="s", goal=f"<= {STARTUP_GOAL}", met=result["ratio_median"] <= STARTUP_GOAL)
+    return result
+
+
+def per_step(*, pairs: int = 3, steps: int = 60, warmup: int = 10) -> dict:
+    """Milliseconds per step: 2 workers (A) vs 2 logical devices in one process (B).
+
+    Example:
+        >>> per_step(pairs=1, steps=30)["ratio_median"]  # doctest: +SKIP
+        1.6
+    """
+    args = ["--steps", str(steps), "--warmup", str(warmup)]
+
+    def measure(run, replicas: int) -> Callable[[], float]:
+        def once() -> float:
+            _, report = run(args)
+            if report["replicas"] != replicas:
+                raise RuntimeError(f"bench_launcher: expected {replicas} replicas: {report}")
+            return report["ms_per_step"]
+
+        return once
+
+    result = _summary(*_alternate(measure(_launcher, 2), measure(_one_process, 2), pairs))
+    result.update(unit="ms/step", steps=steps, warmup=warmup)
+    return result
+
+
+def run(*, quick: bool = False, pairs: int | None = None) -> dict:
+    """Both comparisons; ``quick`` runs one pair each and fewer steps.
+
+    Example:
+        >>> figures = run(quick=True)  # doctest: +SKIP
+        >>> sorted(figures)
+        ['per_step', 'startup']
+    """
+    pairs = pairs or (1 if quick else 3)
+    if pairs < 1:
+        raise ValueError(f"bench_launcher: pairs must be >= 1. Received: pairs={pairs}")
+    return {
+        "startup": startup(pairs=pairs),
+        "per_step": per_step(pairs=pairs, steps=30 if quick else 60, warmup=5 if quick else 10),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one pair each, fewer steps")
+    parser.add_argument("--pairs", type=int, default=None, help="A/B pairs (default 3)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    args = parser.parse_args(argv)
+    figures = run(quick=args.quick, pairs=args.pairs)
+    s, p = figures["startup"], figures["per_step"]
+    print(
+        f"startup (launch to end of first step), tfdist launch -n 2 / two processes with "
+        f"hand-written TF_CONFIG: {s['ratio_median']:.3f} (min {s['ratio_min']:.3f}, max "
+        f"{s['ratio_max']:.3f}, n={len(s['ratios'])}); {s['a_median']:.2f} s vs "
+        f"{s['b_median']:.2f} s; goal <= {STARTUP_GOAL}: {'met' if s['met'] else 'NOT met'}"
+    )
+    print(
+        f"per step, 2 workers / 2 logical devices in one process: {p['ratio_median']:.3f} "
+        f"(min {p['ratio_min']:.3f}, max {p['ratio_max']:.3f}, n={len(p['ratios'])}); "
+        f"{p['a_median']:.1f} ms vs {p['b_median']:.1f} ms per step"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
