@@ -111,11 +111,16 @@ class Lines:
 
 
 def gone(pid: int, timeout: float = 15) -> bool:
+    """True once ``pid`` has exited (a zombie waiting for its reaper counts as exited)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
+            if os.path.isdir("/proc"):
+                with open(f"/proc/{pid}/stat") as stat:
+                    if stat.read().rpartition(")")[2].split()[0] == "Z":
+                        return True
+        except (ProcessLookupError, FileNotFoundError):
             return True
         time.sleep(0.05)
     return False
@@ -452,6 +457,20 @@ def test_sigint_to_the_launcher_ends_stubborn_workers_after_the_grace(tmp_path):
     code, out = lines.finish()
     assert code == 128 + signal.SIGINT
     assert "worker w0 did not exit in time: SIGKILL" in out
+
+
+def test_processes_a_worker_leaves_behind_are_stopped(tmp_path):
+    code, out, _ = run(
+        tmp_path,
+        """
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print("CHILD", child.pid, flush=True)
+        """,
+        nproc=1,
+    )
+    assert code == 0
+    assert gone(int(out.split("CHILD ")[1].split()[0])), "the worker's child outlived the job"
 
 
 def test_workers_die_with_a_killed_launcher(tmp_path):

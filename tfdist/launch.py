@@ -462,17 +462,21 @@ class _Worker:
         for reader in self.readers:
             reader.start()
 
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:  # exited between poll and kill
-                pass
+    def signal(self, sig: int, *, only_if_running: bool = True) -> None:
+        if only_if_running and self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the whole group is gone
+            pass
 
     def finish(self) -> None:
-        """Reaps the process (SIGKILL first if needed) and drains its output."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGKILL)
+        """Kills what is left of the worker's process group, reaps it, drains its output.
+
+        The group outlives the worker when the script started processes of its own;
+        its id cannot be reused while any of them lives, so this kills only those.
+        """
+        self.signal(signal.SIGKILL, only_if_running=False)
         try:
             self.proc.wait(timeout=_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
