@@ -204,7 +204,7 @@ def test_worker_envs_give_each_rank_its_tf_config_and_cpu_devices():
     )  # fmt: skip
     addresses = launch.cluster_addresses(opts)
     parent = {"PATH": "/bin", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8"}
-    envs = launch.worker_envs(opts, addresses, parent, restart=2)
+    envs = launch.worker_envs(opts, addresses, environ=parent, restart=2)
     configs = [json.loads(env["TF_CONFIG"]) for env in envs]
     assert [c["task"] for c in configs] == [{"type": "worker", "index": i} for i in (2, 3)]
     assert configs[0]["cluster"] == {"worker": addresses}
@@ -214,28 +214,40 @@ def test_worker_envs_give_each_rank_its_tf_config_and_cpu_devices():
         assert "SLURM_PROCID" not in env and "SLURM_STEP_NUM_TASKS" not in env
     assert parent == {"PATH": "/bin", "SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "8"}
     with pytest.raises(ValueError, match="addresses must list all 4 workers"):
-        launch.worker_envs(opts, addresses[:2], parent)
+        launch.worker_envs(opts, addresses[:2], environ=parent)
 
 
 def test_worker_envs_split_the_visible_gpus():
     addresses = ["127.0.0.1:1", "127.0.0.1:2"]
     four = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TFDIST_CPU_DEVICES": "4"}
-    envs = launch.worker_envs(LaunchOptions(nproc=2, target="t.py"), addresses, four)
+    envs = launch.worker_envs(LaunchOptions(nproc=2, target="t.py"), addresses, environ=four)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
     assert all("TFDIST_CPU_DEVICES" not in e for e in envs)
     one_each = LaunchOptions(nproc=2, target="t.py", devices_per_worker=1)
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in launch.worker_envs(one_each, addresses, four)] == [
+    assert [
+        e["CUDA_VISIBLE_DEVICES"] for e in launch.worker_envs(one_each, addresses, environ=four)
+    ] == [
         "0",
         "1",
     ]
     with pytest.raises(ValueError, match=r"2 workers x 3 GPU\(s\) need 6 GPUs, but 4 are visible"):
         launch.worker_envs(
-            LaunchOptions(nproc=2, target="t.py", devices_per_worker=3), addresses, four
+            LaunchOptions(nproc=2, target="t.py", devices_per_worker=3), addresses, environ=four
         )
     with pytest.raises(ValueError, match=r"3 visible GPU\(s\).*cannot be split evenly"):
         launch.worker_envs(
-            LaunchOptions(nproc=2, target="t.py"), addresses, {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+            LaunchOptions(nproc=2, target="t.py"),
+            addresses,
+            environ={"CUDA_VISIBLE_DEVICES": "0,1,2"},
         )
+
+
+def test_functions_take_launch_options_only():
+    for fn in (launch.worker_command, launch.cluster_addresses, launch.run):
+        with pytest.raises(TypeError, match=r"options must be a tfdist.launch.LaunchOptions"):
+            fn({"nproc": 2})
+    with pytest.raises(TypeError, match=r"options must be .* Received: options=\{'nproc': 2\}"):
+        launch.worker_envs({"nproc": 2}, ["127.0.0.1:1"])
 
 
 def test_worker_command_runs_the_compat_bootstrap_unless_told_not_to():

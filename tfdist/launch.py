@@ -76,6 +76,14 @@ _READER_JOIN_S = 5.0  # output still buffered in a pipe after its worker exited
 _KILL_WAIT_S = 10.0  # a SIGKILLed process is gone long before this
 
 
+def _check_options(options, where: str) -> None:
+    if not isinstance(options, LaunchOptions):
+        raise TypeError(
+            f"{where}: options must be a tfdist.launch.LaunchOptions. Received: "
+            f"options={options!r}. Build one with LaunchOptions(nproc=2, target='train.py')."
+        )
+
+
 def _positive(value, name: str, *, zero_ok: bool = False) -> int:
     low = 0 if zero_ok else 1
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -234,7 +242,7 @@ class LaunchOptions:
         return range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc)
 
 
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+def free_ports(n: int, *, host: str = LOOPBACK) -> list[int]:
     """``n`` distinct TCP ports that are free on ``host`` right now (loopback only).
 
     The ports are only reserved while this function runs, so a worker should bind them
@@ -308,6 +316,7 @@ def cluster_addresses(options: LaunchOptions, ports: Sequence[int] | None = None
         >>> cluster_addresses(LaunchOptions(nproc=2, target="t.py", port=2222))
         ['127.0.0.1:2222', '127.0.0.1:2223']
     """
+    _check_options(options, "cluster_addresses")
     split = [_split_host(h) for h in options.hosts]
     if options.port is not None or all(port is not None for _, port in split):
         return [
@@ -330,6 +339,7 @@ def worker_command(options: LaunchOptions) -> list[str]:
         >>> worker_command(LaunchOptions(nproc=1, target="t.py", args=("-x",)))[1:]
         ['-m', 'tfdist.compat', 't.py', '-x']
     """
+    _check_options(options, "worker_command")
     target = ["-m", options.target] if options.module else [options.target]
     if options.fixes:
         return [options.python, "-m", "tfdist.compat", *target, *options.args]
@@ -339,8 +349,8 @@ def worker_command(options: LaunchOptions) -> list[str]:
 def worker_envs(
     options: LaunchOptions,
     addresses: Sequence[str],
-    environ: Mapping[str, str] | None = None,
     *,
+    environ: Mapping[str, str] | None = None,
     restart: int = 0,
 ) -> list[dict[str, str]]:
     """The environment of each of this node's workers (a pure function).
@@ -355,12 +365,13 @@ def worker_envs(
 
     Example:
         >>> envs = worker_envs(LaunchOptions(nproc=2, target="t.py", devices_per_worker=2),
-        ...                    ["127.0.0.1:1", "127.0.0.1:2"], {})
+        ...                    ["127.0.0.1:1", "127.0.0.1:2"], environ={})
         >>> envs[1]["TFDIST_CPU_DEVICES"], envs[1]["TF_CONFIG"][-30:]
         ('2', '"type": "worker", "index": 1}}')
     """
+    _check_options(options, "worker_envs")
     env = dict(os.environ if environ is None else environ)
-    if len(addresses) != options.world_size:
+    if isinstance(addresses, str) or len(addresses) != options.world_size:
         raise ValueError(
             f"worker_envs: addresses must list all {options.world_size} workers of the job. "
             f"Received: addresses={list(addresses)!r}"
@@ -673,8 +684,7 @@ def run(
         >>> run(LaunchOptions(nproc=2, target="train.py"))  # doctest: +SKIP
         0
     """
-    if not isinstance(options, LaunchOptions):
-        raise TypeError(f"run: options must be a LaunchOptions. Received: options={options!r}")
+    _check_options(options, "run")
     out = stdout or sys.stdout
     err = stderr or sys.stderr
     if not options.module and not os.path.isfile(options.target):
