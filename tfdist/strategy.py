@@ -336,7 +336,9 @@ def slurm_cluster_resolver(
     so that two jobs sharing a node do not collide.
 
     Example:
-        >>> slurm_cluster_resolver().cluster_spec()  # doctest: +SKIP   (in an srun step)
+        In an ``srun --ntasks=2 --nodes=2`` step:
+
+        >>> slurm_cluster_resolver().cluster_spec()  # doctest: +SKIP
         ClusterSpec({'worker': ['node01:23456', 'node02:23456']})
     """
     env = os.environ if environ is None else environ
