@@ -107,7 +107,7 @@ def test_fast_schedule_scales_linearly_with_a_linear_warmup(replicas):
     assert type(s) is CosineDecay  # Keras' own class: loads without tfdist
     peak = BASE * replicas * r.per_replica_batch / r.reference_batch
     warm = s.warmup_steps
-    assert warm == round(r.warmup_epochs * steps) > 0
+    assert warm == max(round(r.warmup_epochs * steps), r.min_warmup_steps) > 0
     assert warm + s.decay_steps == r.epochs * steps  # the schedule spans the whole run
     assert math.isclose(peak_learning_rate(s), peak)
     assert _lr(s, 0) == 0.0
@@ -123,6 +123,18 @@ def test_fast_schedule_scales_linearly_with_a_linear_warmup(replicas):
 
     for step in (1, warm // 2, warm - 1, warm + 1, warm + s.decay_steps // 2, 3 * steps):
         assert math.isclose(_lr(s, step), expected(step), rel_tol=1e-4), step
+
+
+def test_warmup_lasts_at_least_min_warmup_steps_but_leaves_steps_to_decay():
+    r = get_recipe("fast")
+    many = r.learning_rate(8, steps_per_epoch=r.steps_per_epoch(8))  # 59 steps an epoch
+    assert round(r.warmup_epochs * r.steps_per_epoch(8)) < r.min_warmup_steps
+    assert many.warmup_steps == r.min_warmup_steps
+    assert math.isclose(_lr(many, r.min_warmup_steps), 8 * BASE, rel_tol=1e-5)
+    few = r.learning_rate(1, steps_per_epoch=20)  # a short smoke run: 5 x 20 steps
+    assert (few.warmup_steps, few.decay_steps) == (50, 50)  # at most half the run
+    tiny = get_recipe("fast", epochs=1).learning_rate(1, steps_per_epoch=1)
+    assert (tiny.warmup_steps, tiny.decay_steps) == (0, 1)
 
 
 def test_fast_schedule_scales_with_the_global_batch_not_the_replica_count():
@@ -248,6 +260,7 @@ def test_recipe_names_and_default():
         (lambda: get_recipe("fast", base_learning_rate=float("nan")), r"base_learning_rate=nan"),
         (lambda: get_recipe("fast", warmup_epochs=-0.5), r"Received: warmup_epochs=-0\.5"),
         (lambda: get_recipe("fast", build_model="cnn"), r"build_model must be callable"),
+        (lambda: get_recipe("fast", min_warmup_steps=-1), r"Received: min_warmup_steps=-1"),
         (
             lambda: get_recipe("fast", epoch_decay=recipes.tutorial_decay),
             r"either epoch_decay .* or reference_batch",
