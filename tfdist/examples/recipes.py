@@ -232,7 +232,14 @@ def scaled_warmup_cosine_decay(
 
 
 def peak_learning_rate(schedule: keras.optimizers.schedules.CosineDecay) -> float:
-    """The highest rate of a ``scaled_warmup_cosine_decay`` schedule (its warm-up target)."""
+    """The highest rate of a ``scaled_warmup_cosine_decay`` schedule (its warm-up target).
+
+    Example:
+        >>> s = scaled_warmup_cosine_decay(5e-3, global_batch=512, reference_batch=128,
+        ...                                warmup_steps=100, decay_steps=195)
+        >>> peak_learning_rate(s)
+        0.02
+    """
     return float(schedule.warmup_target or schedule.initial_learning_rate)
 
 
