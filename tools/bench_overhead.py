@@ -29,22 +29,14 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
     import tensorflow as tf
 
     import tfdist
+    from tfdist.examples.recipes import tutorial_model
 
     strategy_a = tfdist.strategy()
     devices = list(tfdist.strategy.current_plan().devices)
     raw = tfdist.data.mnist(split)
 
     def build():
-        model = keras.Sequential(
-            [
-                keras.Input((28, 28, 1)),
-                keras.layers.Conv2D(32, 3, activation="relu"),
-                keras.layers.MaxPooling2D(),
-                keras.layers.Flatten(),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
+        model = tutorial_model()  # the guides' small convnet
         model.compile(
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -114,16 +114,9 @@ def throughput(*, rounds: int = 3, epochs: int = EPOCHS, cold: bool = False) -> 
 def _convnet():
     import keras
 
-    model = keras.Sequential(
-        [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    from tfdist.examples.recipes import tutorial_model  # the guides' small convnet
+
+    model = tutorial_model()
     model.compile(
         optimizer="adam",
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
