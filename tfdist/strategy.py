@@ -524,7 +524,7 @@ def global_batch_size(per_replica: int, *, strategy: tf.distribute.Strategy | No
         strategy: defaults to the current strategy.
 
     Example:
-        >>> global_batch_size(64)  # doctest: +SKIP   (with 2 replicas)
+        >>> global_batch_size(64)  # doctest: +SKIP
         128
     """
     per_replica = _positive_int(
