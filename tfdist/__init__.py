@@ -1,4 +1,4 @@
-"""tfdist: distributed training of Keras 3 models with TensorFlow, made real, easy and safe.
+"""tfdist: distributed training of Keras 3 models, made real, easy and safe.
 
 Example:
     >>> import tfdist
@@ -6,67 +6,62 @@ Example:
     ...     model = build_and_compile()
     >>> batch = tfdist.global_batch_size(64)  # doctest: +SKIP
 
-The names below are loaded on first use, so ``import tfdist`` (and ``tfdist --help``)
-does not pay TensorFlow's import time until a TensorFlow-backed name is touched.
+``import tfdist`` is cheap and TensorFlow-free: it installs the start-up hooks
+(``tfdist.startup``) and loads each name below on first use.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+
+from tfdist import startup
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it (the one list of tfdist's exports)
 _EXPORTS = {
-    "scope": "tfdist.strategy",
-    "num_replicas": "tfdist.strategy",
-    "global_batch_size": "tfdist.strategy",
-    "configure_cpu_devices": "tfdist.strategy",
-    "is_chief": "tfdist.cluster",
+    "scope": "tfdist.distribute",
+    "strategy": "tfdist.distribute",
+    "num_replicas": "tfdist.distribute",
+    "global_batch_size": "tfdist.distribute",
+    "num_workers": "tfdist.distribute",
+    "worker_index": "tfdist.distribute",
+    "is_chief": "tfdist.distribute",
+    "configure_cpu_devices": "tfdist.backends.tensorflow",
     "ClusterInfo": "tfdist.cluster",
     "cluster_from_env": "tfdist.cluster",
+    "ConfigError": "tfdist.config",
     "make_or_restore": "tfdist.checkpoint",
     "save": "tfdist.saving",
     "load": "tfdist.saving",
+    # submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...
+    **{
+        name: f"tfdist.{name}"
+        for name in (
+            "callbacks",
+            "checkpoint",
+            "cluster",
+            "compat",
+            "config",
+            "data",
+            "distribute",
+            "launch",
+            "saving",
+        )
+    },
 }
-# submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...
-# ``tfdist.strategy`` is the submodule, made callable (see strategy.py), because any
-# ``import tfdist.strategy`` rebinds the package attribute to the module anyway.
-_SUBMODULES = (
-    "strategy",
-    "cluster",
-    "compat",
-    "data",
-    "callbacks",
-    "checkpoint",
-    "saving",
-    "launch",
-)
 
-__all__ = ["__version__", *_EXPORTS, *_SUBMODULES]
+__all__ = ["__version__", *_EXPORTS]
 
-if TYPE_CHECKING:  # for IDEs and type checkers; at run time __getattr__ loads these
-    from tfdist import strategy  # noqa: F401
-    from tfdist.checkpoint import make_or_restore  # noqa: F401
-    from tfdist.cluster import ClusterInfo, cluster_from_env, is_chief  # noqa: F401
-    from tfdist.saving import load, save  # noqa: F401
-    from tfdist.strategy import (  # noqa: F401
-        configure_cpu_devices,
-        global_batch_size,
-        num_replicas,
-        scope,
-    )
+startup.install()
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
-        module = importlib.import_module(_EXPORTS[name])
-        value = getattr(module, name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"tfdist.{name}")
-    else:
+    target = _EXPORTS.get(name)
+    if target is None:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    module = importlib.import_module(target)
+    value = module if target == f"tfdist.{name}" else getattr(module, name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

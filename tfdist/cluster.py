@@ -17,19 +17,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tfdist.config import ConfigError
+
 __all__ = [
     "ClusterInfo",
     "cluster_from_env",
     "parse_tf_config",
     "worker_tf_config",
     "is_chief",
-    "RESTART_EXIT_CODE",
 ]
-
-# Exit code of a worker that saved its state and asks to be started again (preemption,
-# SIGTERM). 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again". The launcher
-# treats it as "restart", not "failed".
-RESTART_EXIT_CODE = 75
 
 # Jobs whose tasks train (take part in the all-reduce); "evaluator" and "ps" do not.
 TRAINING_JOBS = ("chief", "worker")
@@ -96,8 +92,8 @@ class ClusterInfo:
         }
 
 
-def _tf_config_error(problem: str, received: object) -> ValueError:
-    return ValueError(
+def _tf_config_error(problem: str, received: object) -> ConfigError:
+    return ConfigError(
         f"TF_CONFIG: {problem}. Received: TF_CONFIG={received!r}. TF_CONFIG must be JSON like "
         '{"cluster": {"worker": ["host1:2222", "host2:2222"]}, '
         '"task": {"type": "worker", "index": 0}}; unset it to train on one machine.'
@@ -181,7 +177,7 @@ def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(
+        raise ConfigError(
             f"{name} must be an integer. Received: {name}={text!r}. "
             "It is set by SLURM's srun; unset it if this is not a SLURM job step."
         ) from None

@@ -1,0 +1,391 @@
+"""Every private TensorFlow and Keras name tfdist touches, behind one named helper each.
+
+Upstream has no public way to do these things; each helper says why tfdist needs it.
+``tests/test_private.py`` checks that every name still exists in the installed versions,
+so an upgrade that moves one fails that test, naming the helper, instead of breaking
+training somewhere else. Nothing outside this module spells a private upstream name.
+
+Heavy imports happen inside the helpers: importing this module is free.
+
+Example:
+    >>> from tfdist import _private
+    >>> _private.REQUIRED["tensorflow"][0]
+    'tensorflow.python.eager.context:Context.ensure_initialized'
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "REQUIRED",
+    "INSTANCE_ATTRIBUTES",
+    "resolve",
+    "tf_context",
+    "tf_context_initialized",
+    "tf_collectives_configured",
+    "tf_context_class",
+    "tf_collective_extended_class",
+    "tf_collective_options",
+    "tf_in_multi_worker_mode",
+    "tf_communication_options",
+    "tf_set_communication_options",
+    "tf_collectives_enabled",
+    "tf_mark_server_started",
+    "tf_configure_coordination",
+    "tf_key_value_set",
+    "tf_key_value_get",
+    "tf_per_replica_spec_class",
+    "tf_per_replica_component_spec",
+    "tf_distributed_dataset",
+    "tf_dataset_variant",
+    "tf_dataset_graph_def",
+    "keras_tf_trainer_module",
+    "keras_tf_optimizer_module",
+    "keras_tree",
+    "keras_backend_variable_class",
+    "keras_ops",
+    "keras_progbar_logger_class",
+    "keras_seed_generators",
+    "keras_optimizer_learning_rate",
+    "keras_model_strategy_or_none",
+    "keras_symbolic_build",
+    "keras_optimizer_accumulators",
+    "keras_optimizer_clip",
+    "keras_optimizer_uses_weight_decay",
+    "keras_optimizer_distributed_update",
+    "keras_optimizer_ema_step",
+    "MODEL_CHECKPOINT_HOOKS",
+]
+
+# "module:attribute.path" of every private name used below, per package (tested).
+REQUIRED = {
+    "tensorflow": [
+        "tensorflow.python.eager.context:Context.ensure_initialized",
+        "tensorflow.python.eager.context:Context.configure_coordination_service",
+        "tensorflow.python.eager.context:Context.coordination_service",
+        "tensorflow.python.eager.context:Context.set_config_key_value",
+        "tensorflow.python.eager.context:Context.get_config_key_value",
+        "tensorflow.python.distribute.collective_all_reduce_strategy:"
+        "CollectiveAllReduceExtended._initialize_multi_worker",
+        "tensorflow.python.distribute.collective_all_reduce_strategy:"
+        "CollectiveAllReduceExtended._initialize_local_devices",
+        "tensorflow.python.distribute.collective_all_reduce_strategy:"
+        "CollectiveAllReduceExtended._in_multi_worker_mode",
+        "tensorflow.python.distribute.collective_util:Options",
+        "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
+        "tensorflow.python.distribute.multi_worker_util:coordination_leader",
+        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
+        "tensorflow.python.data.ops.dataset_ops:DatasetV2._variant_tensor",
+        "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
+    ],
+    "keras": [
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
+        "keras.src.backend.tensorflow.trainer:reduce_per_replica",
+        "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
+        "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
+        "keras.src.tree:map_structure",
+        "keras.src.ops:cond",
+        "keras.src.backend:Variable",
+        "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
+        "keras.src.layers.layer:Layer._flatten_layers",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._use_weight_decay",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._update_model_variables_moving_average",
+        "keras.src.optimizers.base_optimizer:"
+        "BaseOptimizer._overwrite_model_variables_with_average_value",
+        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._should_save_on_batch",
+        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._get_file_path",
+        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model",
+    ],
+}
+
+# Private attributes that exist only on instances: "what: attribute" (the test builds
+# each instance and checks the attribute).
+INSTANCE_ATTRIBUTES = {
+    "eager context": ["_context_handle", "_collective_leader", "_collective_ops_server_def"],
+    "CollectiveAllReduceExtended": ["_communication_options"],
+    "PerReplicaSpec": ["_component_specs"],
+    "keras TFEpochIterator": ["_distributed_dataset"],
+    "keras optimizer": ["_learning_rate", "_accumulated_gradients", "_trainable_variables"],
+    "keras model": ["_distribute_strategy"],
+    "keras layer": ["_seed_generators"],
+}
+
+# ModelCheckpoint's hooks that tfdist's checkpoint callback overrides (no public hook
+# exists for "save to this exact file at this exact step").
+MODEL_CHECKPOINT_HOOKS = ("_should_save_on_batch", "_get_file_path", "_save_model")
+
+
+def resolve(entry: str):
+    """Imports ``"module:Attr.path"`` and returns the attribute (AttributeError if gone).
+
+    Instance attributes set in ``__init__`` (``Context._context_handle``) are checked on
+    a fresh object by the test; here a class-level lookup is tried first.
+
+    Example:
+        >>> resolve("keras.src.tree:map_structure")  # doctest: +SKIP
+        <function map_structure at ...>
+    """
+    module_name, _, path = entry.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def tf_context_class():
+    """TensorFlow's eager ``Context`` class: tfdist wraps ``ensure_initialized`` to set
+    the process up (devices, collectives) before the context exists."""
+    from tensorflow.python.eager import context
+
+    return context.Context
+
+
+def tf_context():
+    """The process's eager context (coordination service, key-value store, collectives)."""
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+def tf_context_initialized(ctx=None) -> bool:
+    """Whether TensorFlow has created its context (after which devices are fixed).
+
+    Reads ``Context._context_handle``: ``tf.executing_eagerly()`` and friends would
+    create the context instead of telling whether it exists.
+    """
+    ctx = tf_context() if ctx is None else ctx
+    return getattr(ctx, "_context_handle", None) is not None
+
+
+def tf_collectives_configured(ctx=None) -> bool:
+    """Whether some MultiWorkerMirroredStrategy already configured collective ops."""
+    ctx = tf_context() if ctx is None else ctx
+    return getattr(ctx, "_collective_leader", None) is not None
+
+
+def tf_collective_extended_class():
+    """``CollectiveAllReduceExtended``: its multi-worker and local-device set-up is where
+    the timeouts and logical-CPU fixes hook in."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+    return cars.CollectiveAllReduceExtended
+
+
+def tf_collective_options(**kwargs):
+    """``collective_util.Options`` (the strategy's internal form of CommunicationOptions),
+    needed to merge a timeout into options a strategy already holds."""
+    from tensorflow.python.distribute import collective_util
+
+    return collective_util.Options(**kwargs)
+
+
+def tf_in_multi_worker_mode(strategy) -> bool:
+    """Whether a MultiWorkerMirroredStrategy really spans several workers (a strategy
+    built without a cluster is single-worker; only ``extended`` knows)."""
+    import tensorflow as tf
+
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+def tf_configure_coordination(cluster_resolver, *, register_ms, heartbeat_ms, shutdown_ms):
+    """Configures TensorFlow's coordination service as upstream would, plus timeouts.
+
+    Returns False (and changes nothing) when one is configured already or this task
+    does not join it (evaluators). Upstream exposes no timeouts on this path.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+
+    ctx = tf_context()
+    if ctx.coordination_service is not None:
+        return False
+    if cluster_resolver.task_type not in ("chief", "worker"):
+        return False
+    spec = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=register_ms,
+        heartbeat_timeout_in_ms=heartbeat_ms,
+        shutdown_barrier_timeout_in_ms=shutdown_ms,
+    )
+    # Registration then waits at a barrier, so the register timeout also bounds the wait
+    # for a peer that never starts (without it, task 0 waits forever).
+    ctx.coordination_service.cluster_register_with_barrier = True
+    return True
+
+
+def tf_key_value_set(key: str, value: str) -> None:
+    """Publishes ``key=value`` in the coordination service's store (all workers see it)."""
+    tf_context().set_config_key_value(key, value)
+
+
+def tf_key_value_get(key: str, timeout_ms: int) -> str:
+    """Waits up to ``timeout_ms`` for ``key`` in the coordination service's store.
+
+    Raises ``tf.errors.DeadlineExceededError`` when it does not appear in time, and
+    another ``tf.errors.OpError`` when the service is gone.
+    """
+    return tf_context().get_config_key_value(key, timeout_in_ms=timeout_ms)
+
+
+def tf_per_replica_spec_class():
+    """``PerReplicaSpec``: the element spec of a distributed dataset, one per replica."""
+    from tensorflow.python.distribute.values import PerReplicaSpec
+
+    return PerReplicaSpec
+
+
+def tf_per_replica_component_spec(spec):
+    """The spec of one replica's part of a ``PerReplicaSpec`` (all parts are alike)."""
+    return spec._component_specs[0]
+
+
+def tf_distributed_dataset(iterator):
+    """The distributed dataset a Keras ``TFEpochIterator`` step iterator reads, or None."""
+    return getattr(iterator, "_distributed_dataset", None)
+
+
+def tf_dataset_variant(dataset):
+    """A dataset's variant tensor, to wrap the same graph in a ``tf.data.Dataset``
+    subclass that reports another cardinality."""
+    return dataset._variant_tensor
+
+
+def tf_dataset_graph_def(dataset, **kwargs):
+    """A dataset's serialized graph: the only way to count the files it reads."""
+    return dataset._as_serialized_graph(**kwargs)
+
+
+# --------------------------------------------------------------------------- Keras
+
+
+def keras_tf_trainer_module():
+    """``keras.src.backend.tensorflow.trainer``: the symbolic-build and metric-reduction
+    fixes replace ``TensorFlowTrainer._maybe_symbolic_build`` and ``reduce_per_replica``."""
+    return importlib.import_module("keras.src.backend.tensorflow.trainer")
+
+
+def keras_tf_optimizer_module():
+    """``keras.src.backend.tensorflow.optimizer``: the gradient-accumulation fix."""
+    return importlib.import_module("keras.src.backend.tensorflow.optimizer")
+
+
+def keras_tree():
+    """``keras.src.tree``: Keras's own nest utilities, as ``reduce_per_replica`` uses."""
+    return importlib.import_module("keras.src.tree")
+
+
+def keras_backend_variable_class():
+    """``keras.src.backend.Variable``: unwrapped to its tf.Variable for strategy updates."""
+    return importlib.import_module("keras.src.backend").Variable
+
+
+def keras_ops():
+    """``keras.src.ops`` as the optimizer code being fixed uses it."""
+    return importlib.import_module("keras.src.ops")
+
+
+def keras_progbar_logger_class():
+    """``ProgbarLogger``: made silent on non-chief workers."""
+    return importlib.import_module("keras.src.callbacks.progbar_logger").ProgbarLogger
+
+
+def keras_seed_generators(model) -> list:
+    """Every ``SeedGenerator`` of a model's layers (dropout, random augmentation), whose
+    states a checkpoint must hold for an exact resume. Keras saves none of them."""
+    generators = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        generators.extend(getattr(layer, "_seed_generators", ()))
+    return generators
+
+
+def keras_optimizer_learning_rate(optimizer):
+    """The optimizer's learning rate as configured: a float variable or a schedule object
+    (``optimizer.learning_rate`` evaluates a schedule instead of returning it)."""
+    return optimizer._learning_rate
+
+
+def keras_model_strategy_or_none(model):
+    """The strategy a Keras model was built under, or None (``model.distribute_strategy``
+    falls back to the default strategy and cannot tell)."""
+    return model._distribute_strategy
+
+
+def keras_symbolic_build(model, data_batch) -> None:
+    """Builds a model, its metrics and loss from a (symbolic) batch, as ``fit`` does."""
+    model._symbolic_build(data_batch=data_batch)
+
+
+def keras_optimizer_accumulators(optimizer, variables) -> list:
+    """The gradient accumulators of ``variables``, in order."""
+    return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+
+
+def keras_optimizer_clip(optimizer, grads) -> list:
+    """Gradients clipped by the optimizer's ``clipnorm``/``clipvalue``/``global_clipnorm``."""
+    return optimizer._clip_gradients(grads)
+
+
+def keras_optimizer_uses_weight_decay(optimizer, variable) -> bool:
+    """Whether weight decay applies to ``variable`` (``exclude_from_weight_decay``)."""
+    return optimizer._use_weight_decay(variable)
+
+
+def keras_optimizer_distributed_update(optimizer, distribution, grads_and_vars, lr) -> None:
+    """The TensorFlow optimizer's update of every variable under a strategy."""
+    optimizer._distributed_tf_update_step(distribution, grads_and_vars, lr)
+
+
+def keras_optimizer_ema_step(optimizer) -> None:
+    """Upstream's moving average of the weights after an update, if ``use_ema``."""
+    if not optimizer.use_ema:
+        return
+    ops = keras_ops()
+    optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
+    if optimizer.ema_overwrite_frequency:
+        should_overwrite = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+        ops.cond(
+            should_overwrite,
+            lambda: optimizer._overwrite_model_variables_with_average_value(
+                optimizer._trainable_variables
+            ),
+            lambda: None,
+        )
+
+
+def tf_communication_options(extended):
+    """The ``collective_util.Options`` a collective strategy's ``extended`` holds."""
+    return extended._communication_options
+
+
+def tf_set_communication_options(extended, options) -> None:
+    """Replaces them (to merge tfdist's collective timeout in before initialisation)."""
+    extended._communication_options = options
+
+
+def tf_collectives_enabled(ctx=None) -> bool:
+    """Whether this process's collective ops (and their gRPC server) are running."""
+    ctx = tf_context() if ctx is None else ctx
+    return tf_context_initialized(ctx) and ctx._collective_ops_server_def is not None
+
+
+def tf_mark_server_started(extended) -> None:
+    """Tells a collective strategy that the process's gRPC server already runs, so it
+    shares it instead of starting a second one on the same port."""
+    extended._std_server_started = True

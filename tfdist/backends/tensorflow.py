@@ -1,0 +1,414 @@
+"""The TensorFlow backend: ``tf.distribute`` strategies, planned from arguments and environment.
+
+``auto`` means MultiWorkerMirroredStrategy when a cluster of more than one training task
+is configured (TF_CONFIG or a SLURM step), MirroredStrategy when more than one GPU (or
+logical CPU) exists, and the default strategy otherwise. The strategy is created once per
+process and kept in ``tfdist.process``.
+
+Example:
+    >>> from tfdist.backends import tensorflow as tf_backend
+    >>> tf_backend.plan("auto").kind  # doctest: +SKIP
+    'default'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from tfdist import _private, cluster, compat, config, process, validate
+from tfdist.config import ConfigError, MultiWorkerTimeouts
+
+__all__ = [
+    "NAME",
+    "KINDS",
+    "StrategyPlan",
+    "configure_cpu_devices",
+    "plan",
+    "strategy",
+    "scope",
+    "current",
+    "num_replicas",
+    "num_workers",
+    "worker_index",
+    "is_chief",
+    "describe",
+    "current_plan",
+    "slurm_cluster_resolver",
+    "before_context",
+]
+
+logger = logging.getLogger(__name__)
+
+NAME = "tensorflow"
+KINDS = ("auto", "mirrored", "multi_worker", "one_device", "default")
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """What ``strategy()`` builds: resolved once from arguments, environment and devices.
+
+    Attributes:
+        kind: one of ``mirrored``, ``multi_worker``, ``one_device``, ``default``.
+        devices: the local devices that hold a replica.
+        num_workers: training processes in the cluster (1 without one).
+        cluster_source: ``TF_CONFIG``, ``SLURM`` or ``none``.
+        timeouts: for ``multi_worker`` only: how long the job waits for its peers.
+    """
+
+    kind: str
+    devices: tuple[str, ...]
+    num_workers: int = 1
+    cluster_source: str = "none"
+    timeouts: MultiWorkerTimeouts | None = None
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in sync: local devices times workers."""
+        return max(len(self.devices), 1) * self.num_workers
+
+
+def configure_cpu_devices(n: int) -> list[str]:
+    """Splits the CPU into ``n`` logical devices so MirroredStrategy can run with no GPU.
+
+    TensorFlow fixes its devices the first time it runs an op, so call this (or set
+    ``TFDIST_CPU_DEVICES``) before any tensor is created. Calling it again with the same
+    ``n`` is a no-op.
+
+    Args:
+        n: number of logical CPU devices (>= 1).
+
+    Returns:
+        The logical CPU device names, e.g. ``["/device:CPU:0", "/device:CPU:1"]``.
+
+    Raises:
+        RuntimeError: TensorFlow already initialised its devices with another count.
+
+    Example:
+        >>> configure_cpu_devices(2)  # doctest: +SKIP
+        ['/device:CPU:0', '/device:CPU:1']
+    """
+    n = validate.positive_int(
+        n, "n", "configure_cpu_devices", "Pass the number of logical CPUs wanted."
+    )
+    # Only physical-device queries and device configuration here: listing logical devices
+    # would initialise TensorFlow's context, after which MultiWorkerMirroredStrategy can
+    # no longer configure its collectives.
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if (current is None and n > 1) or (current is not None and len(current) != n):
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+            )
+        except RuntimeError:  # already initialised: say whether the count matches
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have != n:
+                raise RuntimeError(
+                    f"configure_cpu_devices: TensorFlow already initialised its devices with "
+                    f"{have} logical CPU(s), so it cannot be split into {n}. Received: n={n}. "
+                    f"Set {config.CPU_DEVICES_ENV}={n} (or call tfdist.strategy(cpu_devices={n})) "
+                    "before anything creates a tensor, or run in a new process."
+                ) from None
+    process.state().devices_configured = n
+    return [f"/device:CPU:{i}" for i in range(n)]
+
+
+def _check_plan_args(kind, devices, timeouts) -> None:
+    validate.one_of(
+        kind, KINDS, "kind", "strategy", "Use 'auto' to let tfdist choose from the cluster and devices."
+    )
+    if devices is not None and (isinstance(devices, str) or not devices):
+        raise ValueError(
+            validate.message(
+                "strategy",
+                "devices",
+                "a non-empty list of device names such as ['/gpu:0', '/gpu:1']",
+                devices,
+            )
+        )
+    if timeouts is not None:
+        validate.instance(
+            timeouts,
+            MultiWorkerTimeouts,
+            "timeouts",
+            "strategy",
+            "a tfdist.config.MultiWorkerTimeouts or None",
+        )
+
+
+def _auto_kind(info: cluster.ClusterInfo, devices, local: tuple[str, ...]) -> str:
+    if info.is_multi_worker:
+        return "multi_worker"
+    if devices is not None:
+        return "mirrored" if len(devices) > 1 else "one_device"
+    return "mirrored" if len(local) > 1 else "default"
+
+
+def _multi_worker_plan(info, devices, local, timeouts, env) -> StrategyPlan:
+    if not info.is_multi_worker:
+        raise ConfigError(
+            "strategy: kind='multi_worker' needs a cluster of more than one training task. "
+            f"Received: TF_CONFIG={env.get('TF_CONFIG')!r}. Start the workers with "
+            "`tfdist launch -n N script.py`, or set TF_CONFIG for each process."
+        )
+    if devices is not None:
+        raise ConfigError(
+            "strategy: devices cannot be chosen for kind='multi_worker': every worker "
+            f"uses all its GPUs (or TFDIST_CPU_DEVICES logical CPUs). Received: "
+            f"devices={devices!r}. Limit the GPUs with CUDA_VISIBLE_DEVICES, or use "
+            "`tfdist launch --devices-per-worker K`."
+        )
+    timeouts = timeouts or MultiWorkerTimeouts.from_env(env)
+    return StrategyPlan("multi_worker", local, info.num_workers, info.source, timeouts)
+
+
+def plan(
+    kind: str = "auto",
+    *,
+    devices: Sequence[str] | None = None,
+    cpu_devices: int | None = None,
+    timeouts: MultiWorkerTimeouts | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> StrategyPlan:
+    """Resolves which strategy ``strategy()`` would build, without building it.
+
+    Precedence: explicit arguments, then ``TF_CONFIG``/SLURM and ``TFDIST_CPU_DEVICES``,
+    then the devices present. A multi-worker plan has one replica per local GPU, else
+    per logical CPU, else one. Configures logical CPUs as a side effect; nothing here
+    initialises TensorFlow's context (which would stop collectives from being configured).
+
+    Example:
+        >>> plan("auto").kind  # doctest: +SKIP
+        'default'
+    """
+    _check_plan_args(kind, devices, timeouts)
+    env = os.environ if environ is None else environ
+    wanted = config.cpu_devices(cpu_devices, environ=env)
+    cpus = configure_cpu_devices(wanted) if wanted else None
+    local = _local_devices(cpus)
+    info = cluster.cluster_from_env(env)
+    if kind == "auto":
+        kind = _auto_kind(info, devices, local)
+    if kind == "multi_worker":
+        return _multi_worker_plan(info, devices, local, timeouts, env)
+    chosen = tuple(devices) if devices else local
+    if kind == "mirrored":
+        return StrategyPlan(kind, chosen)
+    if kind == "one_device":
+        return StrategyPlan(kind, chosen[:1])
+    return StrategyPlan("default", (local[0],))
+
+
+def _local_devices(cpus: list[str] | None) -> tuple[str, ...]:
+    """Devices that each hold a replica: logical CPUs when asked for, else GPUs, else the CPU."""
+    if cpus and len(cpus) > 1:
+        return tuple(cpus)
+    gpus = tf.config.list_physical_devices("GPU")  # physical: does not initialise TensorFlow
+    return tuple(f"/device:GPU:{i}" for i in range(len(gpus))) if gpus else ("/device:CPU:0",)
+
+
+def slurm_cluster_resolver(
+    environ: Mapping[str, str] | None = None,
+) -> tf.distribute.cluster_resolver.ClusterResolver:
+    """The cluster of a SLURM ``srun`` step, resolved with TensorFlow's SlurmClusterResolver.
+
+    ``SlurmClusterResolver`` expands ``SLURM_STEP_NODELIST`` and gives the tasks of a
+    node consecutive ports from a base port (``tfdist.config.slurm_port_base``). Its GPU
+    bookkeeping pairs every task with GPU slots, which fails on CPU-only nodes and fights
+    the GPU binding srun already did; so tfdist uses it for the cluster only (one
+    bookkeeping slot per task, ``auto_set_gpu=False``) and reports the GPUs this task sees.
+
+    Example:
+        In an ``srun --ntasks=2 --nodes=2`` step:
+
+        >>> slurm_cluster_resolver().cluster_spec()  # doctest: +SKIP
+        ClusterSpec({'worker': ['node01:23456', 'node02:23456']})
+    """
+    env = os.environ if environ is None else environ
+    info = cluster.cluster_from_env(env)
+    if info.source != "SLURM":
+        raise ConfigError(
+            "slurm_cluster_resolver: this is not a SLURM job step with more than one task. "
+            f"Received: SLURM_STEP_NUM_TASKS={env.get('SLURM_STEP_NUM_TASKS')!r}, "
+            f"TF_CONFIG set={bool(env.get('TF_CONFIG'))}. Start the workers with "
+            "`srun --ntasks=N python train.py` (and unset TF_CONFIG)."
+        )
+    slurm = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=config.slurm_port_base(env),
+        gpus_per_node=info.num_workers,  # one bookkeeping slot per task, see above
+        gpus_per_task=1,
+        auto_set_gpu=False,
+    )
+    gpus = len(tf.config.list_physical_devices("GPU"))  # physical: no context yet
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        slurm.cluster_spec(),
+        task_type=slurm.task_type,
+        task_id=slurm.task_id,
+        num_accelerators={"GPU": gpus} if gpus else {},
+        rpc_layer="grpc",
+    )
+
+
+def _build(p: StrategyPlan) -> tf.distribute.Strategy:
+    if p.kind == "mirrored":
+        return tf.distribute.MirroredStrategy(devices=list(p.devices))
+    if p.kind == "one_device":
+        return tf.distribute.OneDeviceStrategy(p.devices[0])
+    if p.kind == "multi_worker":
+        return _build_multi_worker(p)
+    return tf.distribute.get_strategy()
+
+
+def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
+    if p.cluster_source == "SLURM":
+        resolver = slurm_cluster_resolver()
+    else:
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    options = tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=p.timeouts.collective
+    )
+    # The coordination-service timeouts are applied by compat's tf_multi_worker_timeouts
+    # fix while the strategy initialises; it reads them from the process state.
+    process.state().multi_worker_timeouts = p.timeouts
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=resolver, communication_options=options
+    )
+
+
+def _check_same(existing: StrategyPlan, kind, devices, cpu_devices, timeouts) -> None:
+    # Compare only what the caller asked for explicitly: the environment was already
+    # read when the strategy was created.
+    conflicts = (
+        (kind != "auto" and kind != existing.kind)
+        or (devices is not None and tuple(devices) != existing.devices)
+        or (cpu_devices is not None and cpu_devices != len(existing.devices))
+        or (timeouts is not None and timeouts != existing.timeouts)
+    )
+    if conflicts:
+        raise RuntimeError(
+            f"strategy: this process already has a {existing.kind!r} strategy on "
+            f"{list(existing.devices)}; it cannot also have kind={kind!r}, "
+            f"devices={devices!r}, cpu_devices={cpu_devices!r}, timeouts={timeouts!r}. "
+            "Create the strategy once, before building models (call tfdist.strategy(...) "
+            "first), or use a new process."
+        )
+
+
+def strategy(
+    kind: str = "auto",
+    *,
+    devices: Sequence[str] | None = None,
+    cpu_devices: int | None = None,
+    timeouts: MultiWorkerTimeouts | None = None,
+) -> tf.distribute.Strategy:
+    """The process's strategy: created on the first call, the same object afterwards.
+
+    Args:
+        kind: ``auto`` (default), ``mirrored``, ``multi_worker``, ``one_device`` or ``default``.
+        devices: local devices for ``mirrored``/``one_device``; all GPUs (or logical CPUs)
+            when None.
+        cpu_devices: split the CPU into this many logical devices (overrides
+            ``TFDIST_CPU_DEVICES``); only possible before TensorFlow initialises devices.
+        timeouts: for multi-worker: how long to wait for peers (overrides the
+            ``TFDIST_*_TIMEOUT`` variables; see ``tfdist.config.MultiWorkerTimeouts``).
+
+    Raises:
+        RuntimeError: a strategy of another kind or on other devices already exists.
+
+    Example:
+        >>> s = strategy()            # doctest: +SKIP
+        >>> s is strategy()           # doctest: +SKIP
+        True
+    """
+    st = process.state()
+    with st.lock:
+        if st.distribution is not None:
+            _check_same(st.distribution[0], kind, devices, cpu_devices, timeouts)
+            return st.distribution[1]
+        wanted = plan(kind, devices=devices, cpu_devices=cpu_devices, timeouts=timeouts)
+        compat.apply_all()
+        obj = _build(wanted)
+        st.distribution = (wanted, obj)
+    logger.info(
+        "tfdist: %s strategy with %d replica(s) on %s",
+        wanted.kind,
+        obj.num_replicas_in_sync,
+        list(wanted.devices),
+    )
+    return obj
+
+
+def current_plan() -> StrategyPlan | None:
+    """The plan of the strategy ``strategy()`` created, or None before the first call."""
+    created = process.state().distribution
+    return created[0] if created else None
+
+
+def current(explicit: tf.distribute.Strategy | None = None) -> tf.distribute.Strategy:
+    """An explicit strategy, else the one whose scope is open, else tfdist's own."""
+    if explicit is not None:
+        return validate.instance(
+            explicit, tf.distribute.Strategy, "strategy", "tfdist", "a tf.distribute.Strategy or None"
+        )
+    if tf.distribute.has_strategy():
+        return tf.distribute.get_strategy()
+    return strategy()
+
+
+def scope(**kwargs):
+    """``with scope():`` opens the scope of ``strategy(**kwargs)``."""
+    return strategy(**kwargs).scope()
+
+
+def num_replicas(explicit: tf.distribute.Strategy | None = None) -> int:
+    """Replicas in sync under ``explicit`` (or the current strategy)."""
+    return current(explicit).num_replicas_in_sync
+
+
+def num_workers(explicit: tf.distribute.Strategy | None = None) -> int:
+    """Training processes the strategy spans (1 unless it is multi-worker)."""
+    s = current(explicit)
+    if not isinstance(s, tf.distribute.MultiWorkerMirroredStrategy):
+        return 1
+    local = max(len(s.extended.worker_devices), 1)
+    return max(s.num_replicas_in_sync // local, 1)
+
+
+def worker_index(explicit: tf.distribute.Strategy | None = None) -> int:
+    """This process's index among the training tasks, chief first (0 without a cluster)."""
+    resolver = getattr(current(explicit), "cluster_resolver", None)
+    if resolver is None or not resolver.task_type:
+        return 0
+    spec = resolver.cluster_spec().as_dict()
+    if resolver.task_type == "worker" and "chief" in spec:
+        return len(spec["chief"]) + int(resolver.task_id)
+    return int(resolver.task_id or 0)
+
+
+def is_chief() -> bool:
+    """Whether this process is the chief (always True on one machine)."""
+    return cluster.is_chief()
+
+
+def describe(environ: Mapping[str, str] | None = None) -> dict:
+    """Devices and the strategy ``auto`` picks (planned, never created: no server starts)."""
+    env = os.environ if environ is None else environ
+    p = current_plan() or plan("auto", environ=env)
+    return {
+        "devices": {
+            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")],
+            "cpus": [d.name for d in tf.config.list_logical_devices("CPU")],
+            config.CPU_DEVICES_ENV: env.get(config.CPU_DEVICES_ENV) or None,
+        },
+        "strategy": {
+            "kind": p.kind,
+            "num_replicas": p.num_replicas,
+            "devices": list(p.devices),
+            "num_workers": p.num_workers,
+        },
+    }

@@ -1,0 +1,65 @@
+"""Runs a script as ``__main__`` in a process set up by tfdist: what ``tfdist launch`` runs.
+
+``python -m tfdist.bootstrap train.py ARGS`` installs tfdist's start-up hooks
+(``tfdist.startup``: fixes applied when TensorFlow and Keras are imported, logical CPUs
+and the multi-worker strategy set up before TensorFlow's first op), then runs the script
+exactly as ``python train.py ARGS`` would: same ``sys.argv``, same ``sys.path[0]``, its
+exit status is the process's. So scripts that never import tfdist, and build
+``tf.distribute.MultiWorkerMirroredStrategy()`` themselves, get the same set-up.
+
+Example:
+    $ python -m tfdist.bootstrap train.py --epochs 3
+    $ python -m tfdist.bootstrap -m mypackage.train --epochs 3
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from tfdist import startup
+
+__all__ = ["main"]
+
+_USAGE = (
+    "usage: python -m tfdist.bootstrap SCRIPT [ARGS...]\n"
+    "       python -m tfdist.bootstrap -m MODULE [ARGS...]\n"
+    "Sets the process up as tfdist does (fixes, TFDIST_CPU_DEVICES, multi-worker), then runs "
+    "SCRIPT or MODULE as __main__."
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Installs tfdist's start-up hooks, then runs a script or module as ``__main__``.
+
+    Args:
+        argv: ``[SCRIPT, *ARGS]`` or ``["-m", MODULE, *ARGS]``; defaults to ``sys.argv[1:]``.
+
+    Example:
+        >>> main(["train.py", "--epochs", "3"])  # doctest: +SKIP
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or (args[0] == "-m" and len(args) < 2):
+        print(_USAGE, file=sys.stderr)
+        raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
+    module = args[0] == "-m"
+    target = args[1] if module else args[0]
+    if not module and not os.path.isfile(target):
+        print(f"python -m tfdist.bootstrap: cannot open file {target!r}", file=sys.stderr)
+        raise SystemExit(2)
+    startup.install()
+    # sys.path[0] is the current directory under `python -m tfdist.bootstrap`, as it is for
+    # `python -m MODULE`; `python SCRIPT` puts the script's directory there instead.
+    if module:
+        sys.argv = [target, *args[2:]]
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [target, *args[1:]]
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""Fixes to Keras 3 on the TensorFlow backend that break distributed training upstream.
+
+Each ``_fix_*`` function's docstring says what breaks, what the fix changes and why the
+result is the one upstream computes on one device. Every private Keras/TensorFlow name
+used comes from ``tfdist._private``.
+"""
+
+from __future__ import annotations
+
+from tfdist import _private
+from tfdist.compat.registry import patch
+
+__all__ = [
+    "fix_symbolic_build",
+    "fix_multi_worker_mean",
+    "fix_gradient_accumulation",
+    "fix_progbar_chief_only",
+]
+
+
+# ------------------------------------------------- fix: symbolic build from the spec
+
+
+def _symbolic_batch(iterator):
+    """KerasTensors shaped like one replica's batch, from the dataset's element_spec.
+
+    Returns None when a spec has an unknown rank (a ``py_function`` without
+    ``set_shape``): then only a real batch tells the shapes.
+    """
+    import keras
+    import tensorflow as tf
+
+    per_replica_spec = _private.tf_per_replica_spec_class()
+    dataset = _private.tf_distributed_dataset(iterator)
+    if dataset is None:
+        return None
+
+    class _UnknownRank(Exception):
+        pass
+
+    def to_symbolic(spec):
+        if isinstance(spec, per_replica_spec):  # one spec per local replica, all alike
+            spec = _private.tf_per_replica_component_spec(spec)
+        if isinstance(spec, tf.OptionalSpec) or type(spec).__name__ == "NoneTensorSpec":
+            return None  # the trainer turns optionals and Nones into None too
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None:
+            raise _UnknownRank
+        return keras.KerasTensor(
+            tuple(shape.as_list()), dtype=keras.backend.standardize_dtype(spec.dtype)
+        )
+
+    try:
+        return tf.nest.map_structure(to_symbolic, dataset.element_spec)
+    except _UnknownRank:
+        return None
+
+
+def _local_batch(strategy, iterator):
+    """One real batch as this worker's first replica sees it: no cross-worker reduce."""
+    import tensorflow as tf
+
+    for _, _, it in iterator:
+        batch = next(it)
+        break
+    else:  # pragma: no cover - an empty dataset fails later, in the trainer, with its message
+        return None
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    return tf.nest.map_structure(local, batch)
+
+
+def fix_symbolic_build() -> None:
+    """Builds the model for ``fit``/``evaluate`` from the dataset's spec, not a real batch.
+
+    Upstream ``TensorFlowTrainer._maybe_symbolic_build`` pulls one batch from the
+    distributed iterator and averages it across replicas with
+    ``strategy.reduce("MEAN", batch, axis=None)``, only to read its shapes and dtypes.
+    Under MultiWorkerMirroredStrategy that reduce is a cross-worker collective on a
+    nested batch and fails ("Attempt to convert a value (PerReplica...)"). It also
+    costs every ``fit``/``evaluate`` one extra pass over a batch, which a pipeline that
+    counts its iterations sees.
+
+    The fix passes KerasTensors made from the distributed dataset's ``element_spec``
+    (the spec of one replica's batch) to the same ``_symbolic_build``. That is exactly
+    the information the averaged batch carried (shape and dtype; the batch dimension
+    may be None, as for any ``keras.Input``), so the model, metrics and loss are built
+    identically, and no data is read. When a spec has an unknown rank, it falls back
+    to one real batch and takes this worker's first replica's part of it (shapes are
+    equal on all replicas), which needs no cross-worker reduce either.
+    """
+    tf_trainer = _private.keras_tf_trainer_module()
+
+    def make(original):
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            explicit = _private.keras_model_strategy_or_none(self)
+            if explicit is None or iterator is None or data_batch is not None:
+                return original(self, iterator=iterator, data_batch=data_batch)
+            batch = _symbolic_batch(iterator)
+            if batch is None:
+                batch = _local_batch(self.distribute_strategy, iterator)
+            with self.distribute_strategy.scope():
+                _private.keras_symbolic_build(self, batch)
+
+        return _maybe_symbolic_build
+
+    patch(
+        tf_trainer.TensorFlowTrainer,
+        "_maybe_symbolic_build",
+        "keras_symbolic_build_from_spec",
+        make,
+    )
+
+
+# ------------------------------------------------- fix: multi-worker metric reduction
+
+
+def fix_multi_worker_mean() -> None:
+    """Averages per-replica step results across workers with ``axis=None``.
+
+    ``train_function``/``test_function`` return each replica's metric results and
+    upstream ``reduce_per_replica(..., reduction="auto")`` averages them. On one
+    worker it stacks the local results and takes ``tf.reduce_mean(..., axis=0)``: the
+    mean across replicas. Under multi-worker it instead calls
+    ``strategy.reduce("MEAN", v, axis=0)``, which also reduces along the value's own
+    first axis; metric results are scalars, so it fails ("Invalid reduction dimension
+    0 for input with 0 dimensions"), and for a non-scalar it would average the wrong
+    axis. ``axis=None`` is the cross-worker form of the single-worker branch: the
+    mean across all replicas of all workers. Other reductions (``sum``, ``concat`` for
+    ``predict``, ``first``) are left to upstream.
+    """
+    import tensorflow as tf
+
+    tree = _private.keras_tree()
+    tf_trainer = _private.keras_tf_trainer_module()
+
+    def make(original):
+        def reduce_per_replica(values, strategy, reduction):
+            tpu = isinstance(strategy, tf.distribute.TPUStrategy)
+            if reduction in ("auto", "mean") and not tpu and _private.tf_in_multi_worker_mode(strategy):
+                return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+            return original(values, strategy, reduction)
+
+        return reduce_per_replica
+
+    patch(tf_trainer, "reduce_per_replica", "keras_multi_worker_mean", make)
+
+
+def _tf_var(v):
+    """The tf.Variable behind a Keras variable (strategies update tf.Variables)."""
+    return v.value if isinstance(v, _private.keras_backend_variable_class()) else v
+
+
+def _accumulate_in_replica_context(optimizer, grads, variables) -> None:
+    """Steps 1-3 of the gradient-accumulation fix (see ``fix_gradient_accumulation``)."""
+    import tensorflow as tf
+
+    steps = optimizer.gradient_accumulation_steps
+    context = tf.distribute.get_replica_context()
+    accumulators = _private.keras_optimizer_accumulators(optimizer, variables)
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
+    candidate = [(g + acc) / steps for g, acc in zip(summed, accumulators, strict=True)]
+    clipped = _private.keras_optimizer_clip(optimizer, candidate)
+
+    def merge_fn(distribution, summed, clipped):
+        tf.cond(
+            (optimizer.iterations + 1) % steps == 0,
+            lambda: _cross_replica_update(
+                optimizer, distribution, clipped, variables, accumulators
+            ),
+            lambda: _cross_replica_accumulate(distribution, summed, accumulators),
+        )
+
+    context.merge_call(merge_fn, args=(summed, clipped))
+
+
+def _cross_replica_update(optimizer, distribution, clipped, variables, accumulators) -> None:
+    """The update step: weight decay, the optimizer's update, accumulators zeroed."""
+    import tensorflow as tf
+
+    if optimizer.weight_decay is not None:
+
+        def weight_decay_fn(variable):
+            if _private.keras_optimizer_uses_weight_decay(optimizer, variable):
+                lr = tf.cast(optimizer.learning_rate, variable.dtype)
+                wd = tf.cast(optimizer.weight_decay, variable.dtype)
+                variable.assign_sub(variable * wd * lr)
+
+        for variable in variables:
+            distribution.extended.update(_tf_var(variable), weight_decay_fn, group=False)
+    _private.keras_optimizer_distributed_update(
+        optimizer,
+        distribution,
+        list(zip(clipped, [_tf_var(v) for v in variables], strict=True)),
+        optimizer.learning_rate,
+    )
+    for acc in accumulators:
+        distribution.extended.update(
+            _tf_var(acc), lambda a: a.assign(tf.zeros_like(a)), group=False
+        )
+
+
+def _cross_replica_accumulate(distribution, summed, accumulators) -> None:
+    """The accumulate step: the all-reduced gradient added to every replica's accumulator."""
+    import tensorflow as tf
+
+    for grad, acc in zip(summed, accumulators, strict=True):
+        distribution.extended.update(
+            _tf_var(acc),
+            lambda a, g: a.assign_add(tf.convert_to_tensor(g)),  # IndexedSlices too
+            args=(grad,),
+            group=False,
+        )
+
+
+# ------------------------------------------------- fix: gradient accumulation
+
+
+def fix_gradient_accumulation() -> None:
+    """Makes ``gradient_accumulation_steps`` work under Mirrored/MultiWorkerMirrored.
+
+    Upstream ``BaseOptimizer._backend_apply_gradients`` wraps "update" and
+    "accumulate" in ``ops.cond`` in replica context, and both branches reach
+    ``merge_call`` (the TF optimizer's all-reduce and variable updates). A
+    ``merge_call`` inside a ``tf.cond`` branch is not allowed ("merge_call called while
+    defining a new graph"), so any strategy with more than one replica fails.
+
+    The fix keeps the same arithmetic but moves the synchronisation out of the cond:
+
+    1. in replica context, all-reduce (SUM) this step's gradients once. The loss is
+       already scaled by 1/replicas, so this is the gradient of the global batch, the
+       same value the non-accumulating path all-reduces;
+    2. still in replica context, form the update candidate ``(g + acc) / k`` and clip
+       it (``clipnorm``/``global_clipnorm`` see the global gradient, as on one device);
+    3. one ``merge_call``; in cross-replica context, ``tf.cond(is_update_step, ...)``
+       either applies weight decay, the optimizer update (``update_step`` on every
+       variable, via ``extended.update``) and zeroes the accumulators, or adds the
+       all-reduced gradient to the accumulators.
+
+    Every replica holds identical accumulators (they only ever receive all-reduced
+    values), so the result equals accumulation on one device with the same global
+    batch. Without a strategy, or in cross-replica context, upstream's code runs.
+    """
+    def make(upstream):
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            import tensorflow as tf
+
+            if (
+                not self.gradient_accumulation_steps
+                or not tf.distribute.has_strategy()
+                or tf.distribute.in_cross_replica_context()
+            ):
+                return upstream(self, grads, trainable_variables)
+            _accumulate_in_replica_context(self, grads, trainable_variables)
+            # Unchanged from upstream: the moving average of the weights, if asked for.
+            _private.keras_optimizer_ema_step(self)
+
+        return _backend_apply_gradients
+
+    # Set on the TensorFlow optimizer class (the original is found through its bases), so
+    # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
+    tf_optimizer = _private.keras_tf_optimizer_module()
+    patch(
+        tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make
+    )
+
+
+# ------------------------------------------------- fix: progress bars on the chief only
+
+
+def fix_progbar_chief_only() -> None:
+    """Silences Keras' progress bar on the non-chief workers of a multi-worker job.
+
+    Every worker of a MultiWorkerMirroredStrategy job runs the same ``fit`` and computes
+    the same global metrics (the epoch logs come from all-reduced metric variables), so
+    N workers print N copies of every progress bar and epoch summary. Keras 3 has no
+    chief logic. The fix sets ``verbose=0`` on ``keras.callbacks.ProgbarLogger`` when
+    the model's strategy spans several workers and this worker is not the one that
+    writes summaries (``strategy.extended.should_save_summary``, True on the chief
+    only). Nothing else changes: callbacks, History and the returned logs are the same
+    on every worker.
+    """
+
+    def make(original):
+        def set_params(self, params):
+            original(self, params)
+            strategy = getattr(getattr(self, "model", None), "distribute_strategy", None)
+            if strategy is not None and _private.tf_in_multi_worker_mode(strategy):
+                if not strategy.extended.should_save_summary:
+                    self.verbose = 0
+
+        return set_params
+
+    patch(_private.keras_progbar_logger_class(), "set_params", "keras_progbar_chief_only", make)

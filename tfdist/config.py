@@ -1,0 +1,244 @@
+"""Every tfdist knob in one TensorFlow-free leaf: names, defaults, and their precedence.
+
+Precedence, everywhere: an explicit argument, then the environment variable, then the
+default. Environment values are parsed here, once, with errors that name the variable
+and echo its value (``ConfigError``, which the ``tfdist`` command prints as one line).
+
+=============================  ==========  ================================================
+variable                       default     meaning
+=============================  ==========  ================================================
+``TFDIST_CPU_DEVICES``         unset       split the CPU into N logical devices
+``TFDIST_REGISTER_TIMEOUT``    300         s for every worker to start and register
+``TFDIST_HEARTBEAT_TIMEOUT``   10          s without a heartbeat before a worker is dead
+``TFDIST_SHUTDOWN_TIMEOUT``    60          s a worker waits for the others at exit
+``TFDIST_COLLECTIVE_TIMEOUT``  none        s limit per collective op (off by default)
+``TFDIST_COMPAT_EXCLUDE``      empty       comma-separated fixes not to apply
+``TFDIST_SLURM_PORT_BASE``     from job    first port of a SLURM step's workers
+``TFDIST_RESTART``             0           set by ``tfdist launch``: group restarts so far
+``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
+=============================  ==========  ================================================
+
+Example:
+    >>> cpu_devices(environ={"TFDIST_CPU_DEVICES": "2"})
+    2
+    >>> MultiWorkerTimeouts.from_env({"TFDIST_HEARTBEAT_TIMEOUT": "30"}).heartbeat
+    30.0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from tfdist import validate
+
+__all__ = [
+    "ConfigError",
+    "RESTART_EXIT_CODE",
+    "CPU_DEVICES_ENV",
+    "COMPAT_EXCLUDE_ENV",
+    "SLURM_PORT_BASE_ENV",
+    "RESTART_ENV",
+    "MultiWorkerTimeouts",
+    "cpu_devices",
+    "compat_exclude",
+    "slurm_port_base",
+    "keras_backend",
+    "restart_count",
+]
+
+
+class ConfigError(ValueError):
+    """A tfdist setting is wrong: an argument, a ``TFDIST_*`` variable, TF_CONFIG, an option.
+
+    A ``ValueError``, so ``except ValueError`` keeps working; the ``tfdist`` command turns
+    exactly this type into one line and exit code 2 (anything else keeps its traceback).
+    """
+
+
+# Exit code of a worker that saved its state and asks to be started again (preemption,
+# SIGTERM). 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
+RESTART_EXIT_CODE = 75
+
+CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
+COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
+SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
+RESTART_ENV = "TFDIST_RESTART"
+TIMEOUT_ENV = {
+    "register": "TFDIST_REGISTER_TIMEOUT",
+    "heartbeat": "TFDIST_HEARTBEAT_TIMEOUT",
+    "shutdown": "TFDIST_SHUTDOWN_TIMEOUT",
+    "collective": "TFDIST_COLLECTIVE_TIMEOUT",
+}
+
+# Waits that are not knobs, in seconds: each ends in an error that names what it waited for.
+SEED_AGREEMENT_TIMEOUT_S = 300.0  # workers agreeing on a pipeline's random seed
+HOST_CALL_TIMEOUT_S = 300.0  # a tf.data host-side call (reading a source into memory)
+DOWNLOAD_PROBE_TIMEOUT_S = 30.0  # the MNIST download server answering
+PREEMPTION_TIMEOUT_S = 60.0  # workers agreeing on the step to save at after SIGTERM
+
+
+def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def _env_text(env: Mapping[str, str], var: str) -> str:
+    return env.get(var, "").strip()
+
+
+def _env_int(env: Mapping[str, str], var: str, hint: str) -> int | None:
+    text = _env_text(env, var)
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 1:
+        raise ConfigError(f"{var} must be a positive int. Received: {var}={text!r}. {hint}")
+    return value
+
+
+def cpu_devices(arg: int | None = None, *, environ: Mapping[str, str] | None = None):
+    """Logical CPU devices wanted: ``arg``, else ``TFDIST_CPU_DEVICES``, else None.
+
+    Example:
+        >>> cpu_devices(4, environ={"TFDIST_CPU_DEVICES": "2"})
+        4
+    """
+    if arg is not None:
+        return validate.positive_int(
+            arg, "cpu_devices", "tfdist", "Pass the number of logical CPUs wanted."
+        )
+    return _env_int(
+        _env(environ), CPU_DEVICES_ENV, "Set it to the number of logical CPU devices, e.g. 2."
+    )
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times ``tfdist launch`` restarted this worker's group (0 at first start)."""
+    return _env_int(_env(environ), RESTART_ENV, "tfdist launch sets it; do not set it.") or 0
+
+
+def compat_exclude(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Fix names listed in ``TFDIST_COMPAT_EXCLUDE`` (comma-separated)."""
+    text = _env(environ).get(COMPAT_EXCLUDE_ENV, "")
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def slurm_port_base(environ: Mapping[str, str] | None = None) -> int:
+    """``TFDIST_SLURM_PORT_BASE``, else ``20000 + SLURM_JOB_ID % 20000``.
+
+    Example:
+        >>> slurm_port_base({"SLURM_JOB_ID": "12345"})
+        32345
+    """
+    env = _env(environ)
+    text = _env_text(env, SLURM_PORT_BASE_ENV)
+    if not text:
+        job = env.get("SLURM_JOB_ID", "0").strip()
+        return 20000 + (int(job) if job.isdigit() else 0) % 20000
+    port = int(text) if text.isdigit() else -1
+    if not 1024 <= port <= 65000:
+        raise ConfigError(
+            f"{SLURM_PORT_BASE_ENV} must be a port number in [1024, 65000]. Received: "
+            f"{SLURM_PORT_BASE_ENV}={text!r}"
+        )
+    return port
+
+
+def keras_backend(environ: Mapping[str, str] | None = None) -> str:
+    """The Keras backend this process will use, found the way Keras finds it, without Keras.
+
+    ``KERAS_BACKEND``, else ``backend`` in ``$KERAS_HOME/keras.json`` (default
+    ``~/.keras``), else ``tensorflow``. If Keras is already imported its answer wins.
+
+    Example:
+        >>> keras_backend({"KERAS_BACKEND": "jax"})
+        'jax'
+    """
+    import sys
+
+    keras = sys.modules.get("keras")
+    if environ is None and keras is not None and hasattr(keras, "backend"):
+        return keras.backend.backend()
+    env = _env(environ)
+    if env.get("KERAS_BACKEND"):
+        return env["KERAS_BACKEND"]
+    home = env.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as f:
+            return json.load(f).get("backend", "tensorflow")
+    except (OSError, ValueError):
+        return "tensorflow"
+
+
+@dataclass(frozen=True)
+class MultiWorkerTimeouts:
+    """How long a multi-worker job waits before it gives up, in seconds.
+
+    Attributes:
+        register: every worker must have started and registered within this time
+            (``TFDIST_REGISTER_TIMEOUT``, default 300).
+        heartbeat: a worker that sends no heartbeat for this long is declared dead and
+            the others' collectives fail with an error naming it
+            (``TFDIST_HEARTBEAT_TIMEOUT``, default 10).
+        shutdown: at exit, how long a worker waits for the others
+            (``TFDIST_SHUTDOWN_TIMEOUT``, default 60).
+        collective: limit for each collective op, or None for none
+            (``TFDIST_COLLECTIVE_TIMEOUT``, default None). TensorFlow spends one thread
+            per in-flight collective on it, so keep it off unless debugging.
+
+    Example:
+        >>> MultiWorkerTimeouts(heartbeat=20).register
+        300.0
+    """
+
+    register: float = 300.0
+    heartbeat: float = 10.0
+    shutdown: float = 60.0
+    collective: float | None = None
+
+    def __post_init__(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.name == "collective" and value is None:
+                continue
+            what = "a positive number of seconds"
+            if field.name == "collective":
+                what += " or None"
+            try:
+                value = validate.positive_number(value, field.name, "MultiWorkerTimeouts")
+            except (TypeError, ValueError):  # one error type for a timeout, as before
+                raise ValueError(
+                    validate.message("MultiWorkerTimeouts", field.name, what, value)
+                ) from None
+            object.__setattr__(self, field.name, value)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> MultiWorkerTimeouts:
+        """The defaults, overridden by the ``TFDIST_*_TIMEOUT`` variables that are set.
+
+        Example:
+            >>> MultiWorkerTimeouts.from_env({"TFDIST_COLLECTIVE_TIMEOUT": "off"}).collective
+        """
+        env = _env(environ)
+        values = {}
+        for name, var in TIMEOUT_ENV.items():
+            text = _env_text(env, var)
+            if not text:
+                continue
+            if name == "collective" and text.lower() in ("0", "none", "off"):
+                values[name] = None
+                continue
+            try:
+                values[name] = float(text)
+            except ValueError:
+                values[name] = -1.0
+            if not values[name] > 0:
+                raise ConfigError(
+                    f"{var} must be a positive number of seconds. Received: {var}={text!r}"
+                )
+        return cls(**values)

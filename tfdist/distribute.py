@@ -1,0 +1,145 @@
+"""The public distribution functions: each is one line that delegates to the backend.
+
+Example:
+    >>> import tfdist
+    >>> with tfdist.scope():                 # doctest: +SKIP
+    ...     model = build_and_compile()
+    >>> tfdist.global_batch_size(64)         # doctest: +SKIP
+    128
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+from collections.abc import Mapping
+
+from tfdist import backends, cluster, validate
+
+__all__ = [
+    "strategy",
+    "scope",
+    "current",
+    "num_replicas",
+    "global_batch_size",
+    "num_workers",
+    "worker_index",
+    "is_chief",
+    "describe",
+]
+
+
+def strategy(kind: str = "auto", **options):
+    """The process's ``tf.distribute`` strategy: created on the first call, then the same.
+
+    ``kind``: ``auto`` (default), ``mirrored``, ``multi_worker``, ``one_device`` or
+    ``default``; ``devices=``, ``cpu_devices=``, ``timeouts=`` as in
+    ``tfdist.backends.tensorflow.strategy``. TensorFlow backend only.
+
+    Example:
+        >>> s = tfdist.strategy()     # doctest: +SKIP
+        >>> s is tfdist.strategy()    # doctest: +SKIP
+        True
+    """
+    from tfdist.backends import tensorflow as tf_backend
+
+    backends.name()  # a clear error under a backend tfdist does not support
+    return tf_backend.strategy(kind, **options)
+
+
+def scope(**options):
+    """``with tfdist.scope():`` distributes what is built inside over this process's devices.
+
+    Example:
+        >>> with scope():  # doctest: +SKIP
+        ...     model = keras.Sequential([keras.layers.Dense(1)])
+    """
+    return backends.get().scope(**options)
+
+
+def current(strategy=None):
+    """The distribution in effect: ``strategy`` if given, else the open scope's, else tfdist's."""
+    return backends.get().current(strategy)
+
+
+def num_replicas(*, strategy=None) -> int:
+    """Replicas in sync (the data-parallel size).
+
+    Example:
+        >>> num_replicas()  # doctest: +SKIP
+        2
+    """
+    return backends.get().num_replicas(strategy)
+
+
+def global_batch_size(per_replica: int, *, strategy=None) -> int:
+    """The global batch: ``per_replica`` times the number of replicas.
+
+    Example:
+        >>> global_batch_size(64)  # doctest: +SKIP
+        128
+    """
+    per_replica = validate.positive_int(
+        per_replica,
+        "per_replica",
+        "global_batch_size",
+        "Pass the batch size of one replica as an int, e.g. global_batch_size(64).",
+    )
+    return per_replica * num_replicas(strategy=strategy)
+
+
+def num_workers(strategy=None) -> int:
+    """Training processes in the job (1 on one machine)."""
+    return backends.get().num_workers(strategy)
+
+
+def worker_index(strategy=None) -> int:
+    """This process's index among the training processes, chief first (0 on one machine)."""
+    return backends.get().worker_index(strategy)
+
+
+def is_chief() -> bool:
+    """Whether this process is the chief (always True on one machine).
+
+    Example:
+        >>> is_chief()  # doctest: +SKIP
+        True
+    """
+    return backends.get().is_chief()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def describe(environ: Mapping[str, str] | None = None) -> dict:
+    """What this process sees: versions, devices, the distribution ``auto`` picks, the cluster.
+
+    Used by ``tfdist info``. It plans without creating anything, so it never starts a
+    server or waits for other workers.
+
+    Example:
+        >>> describe()["strategy"]["kind"]  # doctest: +SKIP
+        'default'
+    """
+    from tfdist import __version__
+
+    env = os.environ if environ is None else environ
+    backend = backends.get()
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            "tensorflow": _version("tensorflow"),
+            "keras": _version("keras"),
+            "tensorflow_datasets": _version("tensorflow-datasets"),
+            "tfdist": __version__,
+        },
+        "backend": backend.NAME,
+        **backend.describe(env),
+        "cluster": cluster.cluster_from_env(env).summary(),
+        "TFDS_DATA_DIR": env.get("TFDS_DATA_DIR") or None,
+    }

@@ -1,0 +1,169 @@
+"""Process set-up that does not depend on the order of a script's statements.
+
+TensorFlow fixes its devices and its collective ops when it creates its eager context,
+at the first op, and refuses to change them afterwards. Scripts do not all create the
+strategy first: the tutorials load data (``tfds.load``) before ``with strategy.scope()``.
+So tfdist sets the process up at the one moment that works for every order:
+
+1. ``install()`` (run by ``import tfdist`` and by ``python -m tfdist.bootstrap``) adds
+   an import hook and touches nothing else: TensorFlow is not imported.
+2. When ``tensorflow`` is imported, its runtime fixes are applied and the context's
+   ``ensure_initialized`` is wrapped; when ``keras`` is imported, its fixes are applied.
+3. Just before TensorFlow creates its context (whatever op comes first), tfdist splits
+   the CPU into ``TFDIST_CPU_DEVICES`` logical devices and, in a multi-worker cluster,
+   creates the process's MultiWorkerMirroredStrategy, which configures the collectives
+   and starts the worker's server. A strategy built by hand later shares that server.
+
+If TensorFlow already created its context before tfdist was imported, nothing can be
+changed any more: ``tfdist.scope()`` then fails with an error that says so.
+
+Under the JAX backend nothing here touches TensorFlow.
+
+Example:
+    >>> from tfdist import startup
+    >>> startup.install()        # idempotent; import tfdist already did it
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import threading
+
+from tfdist import backends, cluster, config, process
+
+__all__ = ["install", "installed", "auto_strategy"]
+
+logger = logging.getLogger(__name__)
+
+_installed = False
+_setting_up = threading.local()  # re-entry guard: set-up itself initialises the context
+
+
+class _RunAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``callback(module)`` right after the top-level module ``name`` is executed."""
+
+    def __init__(self, name: str, callback):
+        self.name = name
+        self.callback = callback
+        self._finding = False
+        self._loader = None
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self._finding:
+            return None
+        self._finding = True  # find the real spec through the other finders
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
+        if spec is None or spec.loader is None:
+            return None
+        self._loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = self._loader
+        module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _remove_finder(self)
+        self.callback(module)
+
+
+def _remove_finder(finder) -> None:
+    if finder in sys.meta_path:
+        sys.meta_path.remove(finder)
+
+
+def _after_import(name: str, callback) -> None:
+    """``callback(module)`` now if ``name`` is imported, else right after its import."""
+    module = sys.modules.get(name)
+    if module is not None and getattr(module, "__spec__", None) is not None:
+        callback(module)
+        return
+    sys.meta_path.insert(0, _RunAfterImport(name, callback))
+
+
+def install() -> None:
+    """Sets the process up to be configured before its framework starts (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        backend = backends.name()
+    except config.ConfigError:
+        return  # an unsupported backend: tfdist's functions say so when called
+    if backend == "tensorflow":
+        _after_import("tensorflow", _on_tensorflow_import)
+        _after_import("keras", _on_keras_import)
+
+
+def installed() -> bool:
+    """Whether ``install()`` ran in this process."""
+    return _installed
+
+
+def _on_tensorflow_import(_module) -> None:
+    from tfdist import _private, compat
+    from tfdist.compat import registry
+
+    compat.apply_all(package="tensorflow")
+    registry.patch(
+        _private.tf_context_class(), "ensure_initialized", "tfdist_startup", _wrap_ensure
+    )
+
+
+def _on_keras_import(_module) -> None:
+    from tfdist import compat
+
+    compat.apply_all()
+
+
+def _wrap_ensure(original):
+    def ensure_initialized(self):
+        from tfdist import _private
+
+        if not getattr(_setting_up, "active", False) and not _private.tf_context_initialized(
+            self
+        ):
+            _setting_up.active = True
+            try:
+                _before_context(self)
+            finally:
+                _setting_up.active = False
+        return original(self)
+
+    return ensure_initialized
+
+
+def auto_strategy(enabled: bool) -> None:
+    """Whether the first op of a multi-worker process creates its strategy (default True).
+
+    ``tfdist info`` turns it off: describing the process must never start a server.
+    """
+    process.state().auto_strategy = bool(enabled)
+
+
+def _before_context(ctx) -> None:
+    """Devices, then (multi-worker) the strategy: the last moment either can be set."""
+    from tfdist import _private
+    from tfdist.backends import tensorflow as tf_backend
+
+    wanted = config.cpu_devices()
+    if wanted and wanted > 1:
+        tf_backend.configure_cpu_devices(wanted)
+    st = process.state()
+    if (
+        st.auto_strategy
+        and st.distribution is None
+        and cluster.cluster_from_env().is_multi_worker
+        and not _private.tf_collectives_configured(ctx)
+    ):
+        logger.info("tfdist: creating the multi-worker strategy before TensorFlow starts")
+        tf_backend.strategy()
