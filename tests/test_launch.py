@@ -23,6 +23,7 @@ import pytest
 
 from tfdist import launch
 from tfdist.cli import build_parser, main
+from tfdist.config import ConfigError
 from tfdist.launch import LaunchOptions
 
 from conftest import REPO, child_env
@@ -136,16 +137,42 @@ def gone(pid: int, timeout: float = 15) -> bool:
         ({"nproc": 2, "max_restarts": -1}, r"max_restarts must be a non-negative int.*=-1"),
         ({"nproc": 2, "devices_per_worker": 0}, r"devices_per_worker must be a positive int"),
         ({"nproc": 2, "port": 80}, r"port must be an int in \[1024, .*Received: port=80"),
-        ({"nproc": 1, "nnodes": 2, "node_rank": 2, "port": 2222}, r"node_rank must be in \[0"),
+        ({"nproc": 1, "nnodes": 2, "node_rank": 2, "port": 2222}, r"node_rank must be an int in \[0"),
         ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1",), "port": 2222}, r"one address per"),
         ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1", "127.0.0.1")}, r"needs fixed ports"),
         ({"nproc": 1, "grace": 0}, r"grace must be a positive number of seconds"),
-        ({"nproc": 1, "args": "--epochs 3"}, r"args must be a sequence of strings"),
+        ({"nproc": 1, "target": ""}, r"target must be a script path or module name"),
     ],
 )
-def test_bad_options_are_named_and_echoed(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        LaunchOptions(target="train.py", **kwargs)
+def test_bad_options_are_config_errors_named_and_echoed(kwargs, match):
+    kwargs.setdefault("target", "train.py")
+    with pytest.raises(ConfigError, match=match):
+        LaunchOptions(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nproc": "2"}, r"nproc must be a positive int\. Received: nproc='2'"),
+        ({"nproc": True}, r"nproc must be a positive int"),
+        ({"nproc": 1, "args": "--epochs 3"}, r"args must be a sequence of strings"),
+        ({"nproc": 1, "target": None}, r"target must be a script path"),
+        ({"nproc": 1, "grace": "1"}, r"grace must be a positive number of seconds"),
+        ({"nproc": 1, "hosts": (None,)}, r"hosts must be a sequence of"),
+    ],
+)
+def test_options_of_the_wrong_type_are_type_errors(kwargs, match):
+    kwargs.setdefault("target", "train.py")
+    with pytest.raises(TypeError, match=match):
+        LaunchOptions(**kwargs)
+
+
+def test_options_are_normalized_and_frozen():
+    opts = LaunchOptions(nproc=2, target="t.py", args=["-x"], hosts="127.0.0.1", grace=1)
+    assert opts.args == ("-x",) and opts.hosts == ("127.0.0.1",) and opts.grace == 1.0
+    assert LaunchOptions(nproc=1, target="t.py", finish_timeout=float("inf")).finish_timeout
+    with pytest.raises(AttributeError):
+        opts.nproc = 3
 
 
 def test_non_loopback_hosts_need_an_explicit_flag():
@@ -250,11 +277,13 @@ def test_functions_take_launch_options_only():
         launch.worker_envs({"nproc": 2}, ["127.0.0.1:1"])
 
 
-def test_worker_command_runs_the_compat_bootstrap_unless_told_not_to():
+def test_worker_command_runs_the_bootstrap_unless_told_not_to():
     opts = LaunchOptions(nproc=1, target="train.py", args=("--epochs", "3"), python="py")
-    assert launch.worker_command(opts) == ["py", "-m", "tfdist.compat", "train.py", "--epochs", "3"]
+    assert launch.worker_command(opts) == [
+        "py", "-m", "tfdist.bootstrap", "train.py", "--epochs", "3"
+    ]  # fmt: skip
     module = LaunchOptions(nproc=1, target="pkg.train", module=True, python="py")
-    assert launch.worker_command(module) == ["py", "-m", "tfdist.compat", "-m", "pkg.train"]
+    assert launch.worker_command(module) == ["py", "-m", "tfdist.bootstrap", "-m", "pkg.train"]
     plain = LaunchOptions(nproc=1, target="pkg.train", module=True, python="py", fixes=False)
     assert launch.worker_command(plain) == ["py", "-m", "pkg.train"]
 
@@ -436,7 +465,7 @@ def test_a_taken_port_is_named(tmp_path):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"port {port} on 127.0.0.1 is in use"):
+        with pytest.raises(ConfigError, match=rf"port {port} on 127.0.0.1 is in use"):
             run(tmp_path, "pass\n", nproc=1, port=port)
 
 

@@ -191,9 +191,10 @@ def tf_in_multi_worker_mode(strategy) -> bool:
     built without a cluster is single-worker; only ``extended`` knows)."""
     import tensorflow as tf
 
-    return isinstance(
-        strategy, tf.distribute.MultiWorkerMirroredStrategy
-    ) and strategy.extended._in_multi_worker_mode()
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
 
 
 def tf_configure_coordination(cluster_resolver, *, register_ms, heartbeat_ms, shutdown_ms):

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from tfdist import __version__
+from tfdist.config import ConfigError  # a TensorFlow-free leaf
 
 __all__ = ["main", "build_parser", "console_main"]
 
@@ -29,7 +30,7 @@ def _quiet_tensorflow() -> None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist.strategy import describe
+    from tfdist.distribute import describe
 
     report = describe()
     if args.json:
@@ -72,25 +73,29 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def _cmd_launch(args: argparse.Namespace) -> int:
-    # TensorFlow-free: the launcher only builds environments and supervises processes.
-    from tfdist import launch
-
+def _configure_launch_log(verbose: bool) -> None:
+    """The launcher's own messages, once, on stderr, as ``tfdist launch: ...``."""
     log = logging.getLogger("tfdist.launch")
     if not any(isinstance(h, _StderrHandler) for h in log.handlers):
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("tfdist launch: %(message)s"))
         log.addHandler(handler)
-        log.propagate = False  # the launcher's own messages, once, on stderr
-    log.setLevel(logging.DEBUG if args.verbose else logging.INFO)
+        log.propagate = False
+    log.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _launch_options(args: argparse.Namespace):
+    """``tfdist.launch.LaunchOptions`` from the parsed flags (it checks them)."""
+    from tfdist import launch
+
     if args.script is None:
-        raise ValueError(
+        raise ConfigError(
             "launch: missing the script to run. Received: no SCRIPT. "
             "Usage: tfdist launch -n N script.py [ARGS...] (or -m MODULE [ARGS...])."
         )
     hosts = tuple(h.strip() for h in args.hosts.split(",")) if args.hosts else None
     nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else 1)
-    options = launch.LaunchOptions(
+    return launch.LaunchOptions(
         nproc=args.nproc,
         target=args.script,
         args=tuple(args.args),
@@ -106,26 +111,33 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         grace=args.grace,
         finish_timeout=args.finish_timeout,
     )
-    return launch.run(options)
 
 
-def _add_launch_parser(sub) -> None:
-    launch = sub.add_parser(
-        "launch",
-        help="run a training script as N workers on this host (TF_CONFIG set for each)",
-        description="Start N worker processes of a multi-worker job on this host, each "
-        "with TF_CONFIG (free ports on 127.0.0.1) and tfdist's compat fixes applied "
-        "before the script runs. Output lines are prefixed [w0], [w1], ...; when a "
-        "worker fails the others are stopped (fail fast); --max-restarts restarts the "
-        "group. Exit code: 0, the failed worker's code, or 75 when a restart was "
-        "requested and none are left.",
-        epilog="examples:\n"
-        "  tfdist launch -n 2 train.py --epochs 3\n"
-        "  tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train\n"
-        "  tfdist launch -n 1 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 "
-        "--port 23456 --allow-remote train.py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def _cmd_launch(args: argparse.Namespace) -> int:
+    # TensorFlow-free: the launcher only builds environments and supervises processes.
+    from tfdist import launch
+
+    _configure_launch_log(args.verbose)
+    return launch.run(_launch_options(args))
+
+
+_LAUNCH_DESCRIPTION = (
+    "Start N worker processes of a multi-worker job on this host, each with TF_CONFIG "
+    "(free ports on 127.0.0.1) and tfdist's fixes applied before the script runs. Output "
+    "lines are prefixed [w0], [w1], ...; when a worker fails the others are stopped (fail "
+    "fast); --max-restarts restarts the group. Exit code: 0, the failed worker's code, or "
+    "75 when a restart was requested and none are left."
+)
+_LAUNCH_EPILOG = (
+    "examples:\n"
+    "  tfdist launch -n 2 train.py --epochs 3\n"
+    "  tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train\n"
+    "  tfdist launch -n 1 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 "
+    "--port 23456 --allow-remote train.py"
+)
+
+
+def _add_worker_flags(launch: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "-n", "--nproc", type=int, default=1, metavar="N", help="workers on this node (default 1)"
     )
@@ -145,6 +157,14 @@ def _add_launch_parser(sub) -> None:
         "(exit code 75); the job resumes from its checkpoints (default 0)",
     )
     launch.add_argument(
+        "--no-fixes",
+        action="store_true",
+        help="run the script with plain python, without tfdist's fixes",
+    )
+
+
+def _add_network_flags(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument(
         "--port",
         type=int,
         metavar="P",
@@ -152,10 +172,7 @@ def _add_launch_parser(sub) -> None:
         "--nnodes > 1)",
     )
     launch.add_argument(
-        "--nnodes",
-        type=int,
-        metavar="M",
-        help="nodes in the job (default: number of --hosts, or 1)",
+        "--nnodes", type=int, metavar="M", help="nodes in the job (default: number of --hosts, or 1)"
     )
     launch.add_argument(
         "--node-rank", type=int, default=0, metavar="I", help="this node's index in --hosts"
@@ -169,11 +186,9 @@ def _add_launch_parser(sub) -> None:
         help="allow non-loopback --hosts. TensorFlow's gRPC server has no authentication and "
         "listens on all interfaces: use only on a private network",
     )
-    launch.add_argument(
-        "--no-fixes",
-        action="store_true",
-        help="run the script with plain python, without tfdist's compat fixes",
-    )
+
+
+def _add_supervision_flags(launch: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--grace",
         type=float,
@@ -189,6 +204,19 @@ def _add_launch_parser(sub) -> None:
         help="once a worker finished, seconds the others may still run (default 600)",
     )
     launch.add_argument("-v", "--verbose", action="store_true", help="more launcher messages")
+
+
+def _add_launch_parser(sub) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run a training script as N workers on this host (TF_CONFIG set for each)",
+        description=_LAUNCH_DESCRIPTION,
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_worker_flags(launch)
+    _add_network_flags(launch)
+    _add_supervision_flags(launch)
     launch.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name (like python -m)"
     )
@@ -285,8 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, RuntimeError, FileNotFoundError) as err:
-        # Input and configuration errors: one clear line, not a traceback.
+    except ConfigError as err:
+        # A wrong tfdist setting (option, TFDIST_* variable, TF_CONFIG): one clear line.
+        # Anything else is a bug or an unexpected failure and keeps its traceback.
         print(f"tfdist {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -129,9 +129,7 @@ def _wrap_ensure(original):
     def ensure_initialized(self):
         from tfdist import _private
 
-        if not getattr(_setting_up, "active", False) and not _private.tf_context_initialized(
-            self
-        ):
+        if not getattr(_setting_up, "active", False) and not _private.tf_context_initialized(self):
             _setting_up.active = True
             try:
                 _before_context(self)

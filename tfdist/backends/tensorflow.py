@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import _private, cluster, compat, config, process, validate
+from tfdist import cluster, compat, config, process, validate
 from tfdist.config import ConfigError, MultiWorkerTimeouts
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "describe",
     "current_plan",
     "slurm_cluster_resolver",
-    "before_context",
 ]
 
 logger = logging.getLogger(__name__)
@@ -120,7 +119,11 @@ def configure_cpu_devices(n: int) -> list[str]:
 
 def _check_plan_args(kind, devices, timeouts) -> None:
     validate.one_of(
-        kind, KINDS, "kind", "strategy", "Use 'auto' to let tfdist choose from the cluster and devices."
+        kind,
+        KINDS,
+        "kind",
+        "strategy",
+        "Use 'auto' to let tfdist choose from the cluster and devices.",
     )
     if devices is not None and (isinstance(devices, str) or not devices):
         raise ValueError(
@@ -269,9 +272,7 @@ def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
         resolver = slurm_cluster_resolver()
     else:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    options = tf.distribute.experimental.CommunicationOptions(
-        timeout_seconds=p.timeouts.collective
-    )
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=p.timeouts.collective)
     # The coordination-service timeouts are applied by compat's tf_multi_worker_timeouts
     # fix while the strategy initialises; it reads them from the process state.
     process.state().multi_worker_timeouts = p.timeouts
@@ -353,7 +354,11 @@ def current(explicit: tf.distribute.Strategy | None = None) -> tf.distribute.Str
     """An explicit strategy, else the one whose scope is open, else tfdist's own."""
     if explicit is not None:
         return validate.instance(
-            explicit, tf.distribute.Strategy, "strategy", "tfdist", "a tf.distribute.Strategy or None"
+            explicit,
+            tf.distribute.Strategy,
+            "strategy",
+            "tfdist",
+            "a tf.distribute.Strategy or None",
         )
     if tf.distribute.has_strategy():
         return tf.distribute.get_strategy()

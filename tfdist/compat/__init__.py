@@ -102,7 +102,6 @@ FIXES: list[Fix] = [
 ]
 
 
-
 def fix_names() -> list[str]:
     """Names of all known fixes, in the order ``apply_all`` applies them.
 

@@ -141,7 +141,11 @@ def fix_multi_worker_mean() -> None:
     def make(original):
         def reduce_per_replica(values, strategy, reduction):
             tpu = isinstance(strategy, tf.distribute.TPUStrategy)
-            if reduction in ("auto", "mean") and not tpu and _private.tf_in_multi_worker_mode(strategy):
+            if (
+                reduction in ("auto", "mean")
+                and not tpu
+                and _private.tf_in_multi_worker_mode(strategy)
+            ):
                 return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
             return original(values, strategy, reduction)
 
@@ -245,6 +249,7 @@ def fix_gradient_accumulation() -> None:
     values), so the result equals accumulation on one device with the same global
     batch. Without a strategy, or in cross-replica context, upstream's code runs.
     """
+
     def make(upstream):
         def _backend_apply_gradients(self, grads, trainable_variables):
             import tensorflow as tf
@@ -264,9 +269,7 @@ def fix_gradient_accumulation() -> None:
     # Set on the TensorFlow optimizer class (the original is found through its bases), so
     # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
     tf_optimizer = _private.keras_tf_optimizer_module()
-    patch(
-        tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make
-    )
+    patch(tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make)
 
 
 # ------------------------------------------------- fix: progress bars on the chief only

@@ -93,5 +93,3 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
     setattr(patched, _MARK, name)
     patched.__wrapped__ = original
     setattr(owner, attr, patched)
-
-
