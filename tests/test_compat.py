@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 
-from tfdist import compat, launch
+from tfdist import compat, config, launch, process
 from tfdist.cluster import worker_tf_config
+from tfdist.compat import registry, tf_fixes
 
 from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
 
@@ -36,9 +37,9 @@ def test_every_fix_is_named_once_and_documented():
 
 
 def test_version_parsing_reads_leading_numbers():
-    assert compat._version_tuple("2.21.0rc1") == (2, 21, 0)
-    assert compat._version_tuple("3.15.1.dev2025") == (3, 15, 1)
-    assert compat._version_tuple("nightly") == ()
+    assert registry._version_tuple("2.21.0rc1") == (2, 21, 0)
+    assert registry._version_tuple("3.15.1.dev2025") == (3, 15, 1)
+    assert registry._version_tuple("nightly") == ()
 
 
 def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):
@@ -51,11 +52,20 @@ def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):
         return compat.Fix(name, "test fix", lambda: applies, apply)
 
     monkeypatch.setattr(compat, "FIXES", [fix("a", True), fix("old", False), fix("c", True)])
-    monkeypatch.setattr(compat, "_applied", [])
+    monkeypatch.setattr(process, "_STATE", process.ProcessState())
     assert compat.apply_all(environ={"TFDIST_COMPAT_EXCLUDE": "c"}) == ["a"]
     assert compat.apply_all(environ={}) == ["a", "c"]
     assert compat.apply_all(environ={}) == ["a", "c"]
     assert calls == ["a", "c"]  # each applied once, "old" never
+    process.reset()
+    assert compat.apply_all(environ={"TFDIST_COMPAT_EXCLUDE": "all"}) == []
+    assert compat.apply_all(exclude=[], environ={"TFDIST_COMPAT_EXCLUDE": "all"}) == ["a", "c"]
+
+
+def test_fixes_are_recorded_per_package():
+    tf_only = [fix.name for fix in compat.FIXES if fix.package == "tensorflow"]
+    assert tf_only == ["tf_multi_worker_timeouts", "tf_multi_worker_logical_cpus"]
+    assert {fix.package for fix in compat.FIXES} == {"tensorflow", "keras"}
 
 
 def test_bad_exclusions_are_named():
@@ -95,10 +105,12 @@ def test_fixes_apply_to_the_installed_versions_and_are_idempotent():
         assert patched.__tfdist_fix__ == name and not hasattr(patched.__wrapped__, "__tfdist_fix__")
 
 
-def test_multi_worker_timeouts_takes_only_timeouts():
-    with pytest.raises(TypeError, match=r"timeouts must be a tfdist.strategy.MultiWorkerTimeouts"):
-        with compat.multi_worker_timeouts({"heartbeat": 5}):
-            pass
+def test_the_timeouts_fix_reads_the_strategy_plan_then_the_environment(monkeypatch):
+    monkeypatch.setattr(process, "_STATE", process.ProcessState())
+    monkeypatch.setenv("TFDIST_HEARTBEAT_TIMEOUT", "7")
+    assert tf_fixes._timeouts() == config.MultiWorkerTimeouts(heartbeat=7)
+    process.state().multi_worker_timeouts = config.MultiWorkerTimeouts(register=9)
+    assert tf_fixes._timeouts() == config.MultiWorkerTimeouts(register=9)
 
 
 # ------------------------------------------------------------------ the bootstrap
@@ -106,15 +118,15 @@ def test_multi_worker_timeouts_takes_only_timeouts():
 
 def test_bootstrap_usage_and_missing_script_fail_without_loading_tensorflow():
     usage = subprocess.run(
-        [sys.executable, "-m", "tfdist.compat"],
+        [sys.executable, "-m", "tfdist.bootstrap"],
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert usage.returncode == 2 and "python -m tfdist.compat SCRIPT" in usage.stderr
+    assert usage.returncode == 2 and "python -m tfdist.bootstrap SCRIPT" in usage.stderr
     missing = subprocess.run(
-        [sys.executable, "-m", "tfdist.compat", "nope.py"],
+        [sys.executable, "-m", "tfdist.bootstrap", "nope.py"],
         env=child_env(),
         capture_output=True,
         text=True,
@@ -128,6 +140,7 @@ def test_bootstrap_applies_the_fixes_then_runs_the_script_or_module_as_main(tmp_
     report = """
         import json, sys
         import tensorflow as tf
+        import keras
         from tfdist import compat
         print(json.dumps({"name": __name__, "argv": sys.argv, "path0": sys.path[0],
                           "applied": compat.applied(),
@@ -140,7 +153,7 @@ def test_bootstrap_applies_the_fixes_then_runs_the_script_or_module_as_main(tmp_
     env = child_env(TFDIST_CPU_DEVICES="2")
     procs = [  # both at once: most of their time is TensorFlow's import
         subprocess.Popen(
-            [sys.executable, "-m", "tfdist.compat", *target, "--epochs", "3"],
+            [sys.executable, "-m", "tfdist.bootstrap", *target, "--epochs", "3"],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
@@ -172,6 +185,7 @@ def test_mirrored_upstream_failures_and_fixes():
         f"import runpy; runpy.run_path({str(SCRIPTS / 'mw_mirrored_probe.py')!r}, "
         "run_name='__main__')",
         TFDIST_CPU_DEVICES="2",
+        TFDIST_COMPAT_EXCLUDE="all",  # nothing patched at import: the probe applies them
         timeout=300,
     )
     result = last_json_line(proc.stdout)
@@ -253,8 +267,8 @@ def test_a_peer_that_never_starts_hangs_upstream_and_fails_clearly_with_the_fix(
             text=True,
         )
 
-    upstream = lone_worker()
-    fixed = lone_worker("-m", "tfdist.compat", TFDIST_REGISTER_TIMEOUT="5")
+    upstream = lone_worker(TFDIST_COMPAT_EXCLUDE="all")
+    fixed = lone_worker("-m", "tfdist.bootstrap", TFDIST_REGISTER_TIMEOUT="5")
     try:
         out, _ = fixed.communicate(timeout=240)
         # Started first and given at least as long, upstream is still waiting for task 1.

@@ -24,7 +24,8 @@ import pytest
 from tfdist import launch
 from tfdist.cli import build_parser, main
 from tfdist.config import ConfigError
-from tfdist.launch import LaunchOptions
+from tfdist.launch import LaunchOptions, Outcome, supervise
+from tfdist.launch.supervise import Phase
 
 from conftest import REPO, child_env
 
@@ -137,7 +138,10 @@ def gone(pid: int, timeout: float = 15) -> bool:
         ({"nproc": 2, "max_restarts": -1}, r"max_restarts must be a non-negative int.*=-1"),
         ({"nproc": 2, "devices_per_worker": 0}, r"devices_per_worker must be a positive int"),
         ({"nproc": 2, "port": 80}, r"port must be an int in \[1024, .*Received: port=80"),
-        ({"nproc": 1, "nnodes": 2, "node_rank": 2, "port": 2222}, r"node_rank must be an int in \[0"),
+        (
+            {"nproc": 1, "nnodes": 2, "node_rank": 2, "port": 2222},
+            r"node_rank must be an int in \[0, nnodes=2\)",
+        ),
         ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1",), "port": 2222}, r"one address per"),
         ({"nproc": 1, "nnodes": 2, "hosts": ("127.0.0.1", "127.0.0.1")}, r"needs fixed ports"),
         ({"nproc": 1, "grace": 0}, r"grace must be a positive number of seconds"),
@@ -308,6 +312,116 @@ def test_cli_reports_bad_launches_as_one_line(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("tfdist launch: error: launch:") and message in err
     assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ policy and state machine
+
+
+@pytest.mark.parametrize(
+    ("outcome", "restarts", "signalled", "restart", "code"),
+    [
+        (Outcome("ok"), (0, 2), False, False, 0),
+        (Outcome("failed", 1, 3), (0, 2), False, True, 3),
+        (Outcome("failed", 1, 3), (2, 2), False, False, 3),  # the budget is spent
+        (Outcome("failed", 1, -9), (0, 2), False, True, 128 + 9),
+        (Outcome("failed", 1, None), (0, 2), False, True, 1),  # did not finish in time
+        (Outcome("failed", 1, 3), (0, 2), True, False, 3),  # a stopped launcher never restarts
+        (Outcome("restart", 0, 75), (1, 2), False, True, 75),
+        (Outcome("restart", 0, 75), (0, 0), False, False, 75),
+        (Outcome("signalled", codes={0: 0, 1: 0}), (0, 2), True, False, 0),
+        (Outcome("signalled", codes={0: 75, 1: 0}), (0, 2), True, False, 75),
+        (Outcome("signalled", codes={0: -15, 1: 75}), (0, 2), True, False, 128 + signal.SIGINT),
+    ],
+)
+def test_restart_policy_and_exit_codes(outcome, restarts, signalled, restart, code):
+    done, budget = restarts
+    assert supervise.should_restart(outcome, done, budget, signalled=signalled) is restart
+    assert supervise.exit_code(outcome, signal.SIGINT) == code
+
+
+class FakeWorker:
+    """Stands in for tfdist.launch.workers.Worker: an exit code the test sets, signals kept."""
+
+    def __init__(self, rank):
+        self.rank, self.code, self.got = rank, None, []
+        self.proc = self  # .pid and .returncode, as on a Popen
+
+    pid = property(lambda self: 1000 + self.rank)
+    returncode = property(lambda self: self.code)
+
+    def poll(self):
+        return self.code
+
+    def signal(self, sig, *, only_if_running=True):
+        self.got.append(signal.Signals(sig).name)
+
+
+def supervisor(n=2, **options):
+    signals = type("Signals", (), {"count": 0, "received": None})()
+    workers = [FakeWorker(rank) for rank in range(n)]
+    opts = LaunchOptions(nproc=n, target="t.py", grace=10, stop_grace=2, **options)
+    return supervise.GroupSupervisor(opts, workers, signals), workers, signals
+
+
+def test_supervisor_stops_the_others_when_one_fails_then_kills_them():
+    sup, (w0, w1), _ = supervisor()
+    sup.step(0.0)
+    assert sup.phase is Phase.RUNNING
+    w1.code = 3
+    sup.step(1.0)
+    assert sup.phase is Phase.STOPPING and w0.got == ["SIGTERM"] and w1.got == []
+    sup.step(2.9)
+    assert w0.got == ["SIGTERM"]
+    sup.step(3.0)  # stop_grace=2 after the failure
+    assert sup.phase is Phase.KILLED and w0.got == ["SIGTERM", "SIGKILL"]
+    w0.code = -9
+    sup.step(3.1)
+    assert sup.phase is Phase.DONE
+    assert sup.outcome == Outcome("failed", 1, 3, {0: -9, 1: 3})
+
+
+def test_supervisor_blames_a_killed_worker_over_one_that_exited_in_the_same_poll():
+    sup, (w0, w1), _ = supervisor()
+    w0.code, w1.code = 1, -9
+    sup.step(0.0)
+    assert sup.outcome == Outcome("failed", 1, -9, {0: 1, 1: -9})
+
+
+def test_supervisor_gives_the_rest_finish_timeout_after_the_first_finished():
+    sup, (w0, w1), _ = supervisor(finish_timeout=5)
+    w0.code = 0
+    sup.step(1.0)
+    assert sup.phase is Phase.FINISHING
+    sup.step(6.0)
+    assert sup.phase is Phase.FINISHING and w1.got == []
+    sup.step(6.1)
+    assert sup.phase is Phase.STOPPING and w1.got == ["SIGTERM"]
+    w1.code = -15
+    sup.step(6.2)
+    assert sup.outcome == Outcome("failed", 1, None, {0: 0, 1: -15})
+
+
+def test_supervisor_forwards_signals_and_a_second_one_kills_at_once():
+    sup, (w0, w1), signals = supervisor()
+    w1.code = 75  # one worker saved and exited before the signal was seen
+    signals.count, signals.received = 1, signal.SIGTERM
+    sup.step(0.0)
+    assert sup.phase is Phase.STOPPING and w0.got == ["SIGTERM"]
+    signals.count = 2
+    sup.step(1.0)
+    assert sup.phase is Phase.KILLED and w0.got == ["SIGTERM", "SIGTERM", "SIGKILL"]
+    w0.code = 75
+    sup.step(1.1)
+    assert sup.outcome == Outcome("signalled", codes={0: 75, 1: 75})
+    assert supervise.exit_code(sup.outcome, signal.SIGTERM) == 75
+
+
+def test_all_workers_exiting_0_is_ok():
+    sup, workers, _ = supervisor(n=3)
+    for w in workers:
+        w.code = 0
+    sup.step(0.0)
+    assert sup.phase is Phase.DONE and sup.outcome == Outcome("ok", codes={0: 0, 1: 0, 2: 0})
 
 
 # ------------------------------------------------------------------ the supervisor

@@ -172,7 +172,10 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         "--nnodes > 1)",
     )
     launch.add_argument(
-        "--nnodes", type=int, metavar="M", help="nodes in the job (default: number of --hosts, or 1)"
+        "--nnodes",
+        type=int,
+        metavar="M",
+        help="nodes in the job (default: number of --hosts, or 1)",
     )
     launch.add_argument(
         "--node-rank", type=int, default=0, metavar="I", help="this node's index in --hosts"

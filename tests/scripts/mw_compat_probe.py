@@ -27,11 +27,12 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from tfdist import cluster, compat, strategy
+from tfdist import cluster, compat, config
+from tfdist.backends import tensorflow as tf_backend
 
-wanted = strategy.cpu_devices_from_env()
+wanted = config.cpu_devices()
 if wanted:
-    strategy.configure_cpu_devices(wanted)  # logical CPUs exist; upstream ignores them
+    tf_backend.configure_cpu_devices(wanted)  # logical CPUs exist; upstream ignores them
 mwms = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
@@ -92,7 +93,7 @@ compat.apply_all(exclude=["keras_progbar_chief_only"])
 print("STAGE progbar-unfixed", flush=True)
 train(in_scope(), verbose=2)
 sys.stdout.flush()
-compat.apply_all()
+compat.apply_all(exclude=[])
 print("STAGE progbar-fixed", flush=True)
 model = in_scope()
 history = train(model, verbose=2, validation_data=(x_val, y_val))

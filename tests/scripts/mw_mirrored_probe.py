@@ -1,7 +1,7 @@
 """Single-process probe for tests/test_compat.py (run with TFDIST_CPU_DEVICES=2).
 
 Nothing is patched when it starts. Under tf.distribute.MirroredStrategy on 2 logical
-CPUs it records, before and after ``tfdist.compat.apply_all()``:
+CPUs it records, before and after ``tfdist.compat.apply_all(exclude=[])``:
 
 * how many times ``fit(epochs=2)`` starts iterating a dataset (upstream peeks one
   extra batch to build the model; the spec-based build does not);
@@ -18,9 +18,10 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat, strategy
+from tfdist import compat, config
+from tfdist.backends import tensorflow as tf_backend
 
-strategy.configure_cpu_devices(strategy.cpu_devices_from_env() or 2)
+tf_backend.configure_cpu_devices(config.cpu_devices() or 2)
 mirrored = tf.distribute.MirroredStrategy()
 
 import keras  # noqa: E402
@@ -99,7 +100,7 @@ result["accumulation_unfixed"] = failure(
     lambda: build(accumulate=2).fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 )
 
-result["applied"] = compat.apply_all()
+result["applied"] = compat.apply_all(exclude=[])
 result["iterations_fixed"] = iterations_of_fit()
 
 accumulating = build(accumulate=2)

@@ -404,10 +404,17 @@ def describe(environ: Mapping[str, str] | None = None) -> dict:
     """Devices and the strategy ``auto`` picks (planned, never created: no server starts)."""
     env = os.environ if environ is None else environ
     p = current_plan() or plan("auto", environ=env)
+    st = process.state()
+    auto, st.auto_strategy = st.auto_strategy, False  # listing devices starts TensorFlow
+    try:
+        gpus = [d.name for d in tf.config.list_logical_devices("GPU")]
+        cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+    finally:
+        st.auto_strategy = auto
     return {
         "devices": {
-            "gpus": [d.name for d in tf.config.list_logical_devices("GPU")],
-            "cpus": [d.name for d in tf.config.list_logical_devices("CPU")],
+            "gpus": gpus,
+            "cpus": cpus,
             config.CPU_DEVICES_ENV: env.get(config.CPU_DEVICES_ENV) or None,
         },
         "strategy": {

@@ -31,7 +31,8 @@ each upstream failure without its fix, so we notice when upstream fixes it):
                                            a multi-worker job K replicas on CPU.
 ========================================  =============================================
 
-Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``.
+Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``
+(``all`` for every fix: what ``tfdist launch --no-fixes`` sets).
 Under the JAX backend none of these applies (each is guarded by backend and version).
 
 Layout: ``registry`` (the Fix record, version guards, ``patch``), ``keras_fixes``,
@@ -116,6 +117,8 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
     if exclude is None:
         names, where = config.compat_exclude(environ), config.COMPAT_EXCLUDE_ENV
         received = environ.get(config.COMPAT_EXCLUDE_ENV, "")
+        if names == ["all"]:  # `tfdist launch --no-fixes`: upstream behaviour throughout
+            return set(fix_names())
     else:
         if isinstance(exclude, str):
             raise TypeError(

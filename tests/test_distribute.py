@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist import strategy as strategy_mod
+from tfdist import config
+from tfdist.backends import tensorflow as strategy_mod
 
 from conftest import SCRIPTS, last_json_line, run_python
 
@@ -40,10 +41,10 @@ def test_multi_worker_without_cluster_says_how_to_start_workers():
 
 
 def test_bad_cpu_devices_env_is_named():
-    with pytest.raises(ValueError, match="TFDIST_CPU_DEVICES"):
-        strategy_mod.cpu_devices_from_env({"TFDIST_CPU_DEVICES": "0"})
-    with pytest.raises(TypeError, match="TFDIST_CPU_DEVICES.*'two'"):
-        strategy_mod.cpu_devices_from_env({"TFDIST_CPU_DEVICES": "two"})
+    with pytest.raises(config.ConfigError, match="TFDIST_CPU_DEVICES"):
+        config.cpu_devices(environ={"TFDIST_CPU_DEVICES": "0"})
+    with pytest.raises(config.ConfigError, match="TFDIST_CPU_DEVICES.*'two'"):
+        config.cpu_devices(environ={"TFDIST_CPU_DEVICES": "two"})
 
 
 def test_plan_reads_cluster_without_starting_a_server():

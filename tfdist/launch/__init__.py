@@ -1,0 +1,95 @@
+"""Start and supervise the workers of a multi-worker job on this host, without TensorFlow.
+
+``tfdist launch -n N script.py ARGS`` starts N worker processes, each running
+``python -m tfdist.bootstrap script.py ARGS`` (tfdist's fixes applied before the script
+runs; ``--no-fixes``: ``python script.py ARGS``). Every output line is prefixed with
+its worker (``[w0] ...``). The launcher fails fast: when a worker exits non-zero, the
+others are stopped and the launcher exits non-zero naming the worker and its exit code.
+With ``max_restarts=R`` it restarts the whole group at most R times; the job resumes
+from its own checkpoints. The launcher never imports TensorFlow.
+
+What a worker gets: the launcher's environment, plus
+
+=========================  ==========================================================
+``TF_CONFIG``              the whole job's workers (``host:port``, in rank order) and
+                           this worker's task ``{"type": "worker", "index": RANK}``.
+                           Single node: free ports on 127.0.0.1, new at every restart.
+``TFDIST_RESTART``         how many times the group was restarted (0 at first start).
+``CUDA_VISIBLE_DEVICES``   on a GPU machine: this worker's slice of the visible GPUs
+                           (``devices_per_worker`` each, default an even split).
+``TFDIST_CPU_DEVICES``     without GPUs and with ``devices_per_worker=K``: K logical
+                           CPU devices (removed on a GPU machine).
+``PYTHONUNBUFFERED``       ``1``, so lines arrive as they are printed.
+``TFDIST_COMPAT_EXCLUDE``  ``all`` with ``--no-fixes``: upstream behaviour even for a
+                           script that imports tfdist.
+=========================  ==========================================================
+
+and without ``SLURM_STEP_NUM_TASKS`` and ``SLURM_PROCID`` (a SLURM step around the
+launcher must not make the workers resolve SLURM). Set other ``TFDIST_*`` variables
+(``tfdist.config``) on the launcher; the workers inherit them.
+
+Exit codes and restarts:
+
+* every worker exits 0: the launcher exits 0.
+* a worker exits with ``RESTART_EXIT_CODE`` (75: "saved, restart me", used by the
+  checkpoint module on SIGTERM): the others are stopped and the group is restarted if
+  restarts remain. Restart requests and failures draw on the same ``max_restarts``
+  budget, so a job that keeps asking never loops forever; when the budget is spent the
+  launcher itself exits 75, so an outer scheduler (SLURM ``--requeue``, Kubernetes) can
+  restart it.
+* a worker fails (any other non-zero code, or a signal), or is still running
+  ``finish_timeout`` seconds after another finished: the others are stopped (SIGTERM,
+  SIGKILL after ``stop_grace``); the group is restarted if restarts remain, else the
+  launcher exits with that worker's code (128 + N when signal N killed it; 1 for a
+  worker that did not finish).
+* the launcher gets SIGINT/SIGTERM: it forwards the signal to every worker, waits up
+  to ``grace`` seconds (then SIGKILL; a second signal kills at once), never restarts,
+  and exits 0 if all workers exited 0, 75 if all of them exited 0 or 75 (saved), else
+  128 + the signal number.
+* the launcher is killed: its workers get SIGKILL (Linux), never train on as orphans.
+
+Errors in the options, a missing script, a taken ``--port`` or GPUs that cannot be
+split as asked raise ``tfdist.config.ConfigError`` (``tfdist launch`` prints one line
+and exits 2); an argument of the wrong type raises ``TypeError``.
+
+Security: TensorFlow's gRPC server has no authentication and listens on all
+interfaces. Local jobs therefore use 127.0.0.1 addresses only, and addresses on other
+hosts (multi-node jobs) must be allowed explicitly (``allow_remote=True``,
+``--allow-remote``); keep those ports on a private network (docs/multi_worker.md).
+
+Modules: ``options`` (``LaunchOptions``), ``environment`` (addresses, command line and
+environment of each worker: pure functions), ``workers`` (processes, output, signals),
+``supervise`` (the supervision state machine, the restart policy, ``run``).
+
+Example:
+    >>> opts = LaunchOptions(nproc=2, target="train.py", args=("--epochs", "3"))
+    >>> exit_code = run(opts)  # doctest: +SKIP
+
+    $ tfdist launch -n 2 train.py --epochs 3
+    $ tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train
+"""
+
+from __future__ import annotations
+
+from tfdist.config import RESTART_ENV, RESTART_EXIT_CODE  # noqa: F401  (were attributes here)
+from tfdist.launch.environment import (
+    cluster_addresses,
+    free_ports,
+    visible_gpus,
+    worker_command,
+    worker_envs,
+)
+from tfdist.launch.options import LOOPBACK, LaunchOptions
+from tfdist.launch.supervise import Outcome, run
+
+__all__ = [
+    "LOOPBACK",
+    "LaunchOptions",
+    "Outcome",
+    "free_ports",
+    "visible_gpus",
+    "cluster_addresses",
+    "worker_command",
+    "worker_envs",
+    "run",
+]

@@ -1,0 +1,228 @@
+"""What each worker is started with: addresses, command line and environment.
+
+Pure functions of ``LaunchOptions`` and an environment mapping (``free_ports`` and
+``group_addresses`` also probe this host's ports), so they are tested without starting
+a process.
+
+Example:
+    >>> opts = LaunchOptions(nproc=2, target="train.py", port=2222)
+    >>> cluster_addresses(opts)
+    ['127.0.0.1:2222', '127.0.0.1:2223']
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+
+from tfdist import validate
+from tfdist.cluster import worker_tf_config
+from tfdist.config import COMPAT_EXCLUDE_ENV, CPU_DEVICES_ENV, RESTART_ENV, ConfigError
+from tfdist.launch.options import LOOPBACK, LaunchOptions, check_options, is_loopback, split_host
+
+__all__ = [
+    "BOOTSTRAP_MODULE",
+    "free_ports",
+    "visible_gpus",
+    "cluster_addresses",
+    "group_addresses",
+    "worker_command",
+    "worker_envs",
+]
+
+BOOTSTRAP_MODULE = "tfdist.bootstrap"  # applies tfdist's fixes, then runs the script
+# Set by a SLURM step around the launcher; a worker that saw them would resolve SLURM.
+_SLURM_TASK_VARS = ("SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+
+
+def free_ports(n: int, *, host: str = LOOPBACK) -> list[int]:
+    """``n`` distinct TCP ports that are free on ``host`` right now (loopback only).
+
+    The ports are only reserved while this function runs, so a worker should bind them
+    soon; the launcher picks new ones for every restart.
+
+    Example:
+        >>> len(set(free_ports(3)))
+        3
+    """
+    validate.positive_int(n, "n", "free_ports")
+    if not is_loopback(host):
+        raise ValueError(validate.message("free_ports", "host", "a loopback address", host))
+    sockets = []
+    try:
+        for _ in range(n):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((LOOPBACK if host == "localhost" else host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _check_ports_free(ports: Sequence[int]) -> None:
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError as err:
+                raise ConfigError(
+                    f"launch: port {port} on {LOOPBACK} is in use ({err.strerror}). Received: "
+                    f"ports={list(ports)}. Choose another --port, or leave --port out to use "
+                    "free ports."
+                ) from None
+
+
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """GPU ids this process may hand out, found without TensorFlow.
+
+    ``CUDA_VISIBLE_DEVICES`` when set (an empty value means none; CUDA stops at the
+    first negative id), else one id per NVIDIA GPU in ``/proc/driver/nvidia/gpus``.
+
+    Example:
+        >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "0,2"})
+        ['0', '2']
+    """
+    env = os.environ if environ is None else environ
+    text = env.get("CUDA_VISIBLE_DEVICES")
+    if text is not None:
+        ids = []
+        for item in (part.strip() for part in text.split(",")):
+            if not item or item.startswith("-"):
+                break
+            ids.append(item)
+        return ids
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def cluster_addresses(options: LaunchOptions, ports: Sequence[int] | None = None) -> list[str]:
+    """``host:port`` of every worker of the job, in rank order.
+
+    Args:
+        options: the launch options.
+        ports: this node's ports for a single-node job without a fixed port.
+
+    Example:
+        >>> cluster_addresses(LaunchOptions(nproc=2, target="t.py", port=2222))
+        ['127.0.0.1:2222', '127.0.0.1:2223']
+    """
+    check_options(options, "cluster_addresses")
+    split = [split_host(h) for h in options.hosts]
+    if options.fixed_ports:
+        return [
+            f"{host}:{(port if port is not None else options.port) + i}"
+            for host, port in split
+            for i in range(options.nproc)
+        ]
+    if ports is None or len(ports) != options.nproc:
+        raise ValueError(
+            f"cluster_addresses: ports must list {options.nproc} ports when no fixed port is "
+            f"set. Received: ports={ports!r}"
+        )
+    return [f"{split[0][0]}:{port}" for port in ports]
+
+
+def group_addresses(options: LaunchOptions) -> list[str]:
+    """The addresses for one start of the worker group: fresh free ports, or the fixed ones.
+
+    Raises:
+        ConfigError: a fixed port of this node is taken (checked when every host is
+            this host, instead of letting TensorFlow fail later).
+    """
+    check_options(options, "group_addresses")
+    if not options.fixed_ports:
+        return cluster_addresses(options, free_ports(options.nproc))
+    addresses = cluster_addresses(options)
+    if all(is_loopback(split_host(h)[0]) for h in options.hosts):
+        mine = addresses[options.ranks().start : options.ranks().stop]
+        _check_ports_free([int(a.rpartition(":")[2]) for a in mine])
+    return addresses
+
+
+def worker_command(options: LaunchOptions) -> list[str]:
+    """The command line of every worker.
+
+    Example:
+        >>> worker_command(LaunchOptions(nproc=1, target="t.py", args=("-x",)))[1:]
+        ['-m', 'tfdist.bootstrap', 't.py', '-x']
+    """
+    check_options(options, "worker_command")
+    target = ["-m", options.target] if options.module else [options.target]
+    if options.fixes:
+        return [options.python, "-m", BOOTSTRAP_MODULE, *target, *options.args]
+    return [options.python, *target, *options.args]
+
+
+def _gpus_per_worker(options: LaunchOptions, gpus: list[str]) -> int:
+    per = options.devices_per_worker
+    if per is None:
+        if len(gpus) % options.nproc:
+            raise ConfigError(
+                f"launch: {len(gpus)} visible GPU(s) {gpus} cannot be split evenly between "
+                f"{options.nproc} workers. Received: nproc={options.nproc}. Pass "
+                "--devices-per-worker K, or set CUDA_VISIBLE_DEVICES to the GPUs to use "
+                "(CUDA_VISIBLE_DEVICES= trains on CPU)."
+            )
+        per = len(gpus) // options.nproc
+    if per * options.nproc > len(gpus):
+        raise ConfigError(
+            f"launch: {options.nproc} workers x {per} GPU(s) need {per * options.nproc} "
+            f"GPUs, but {len(gpus)} are visible {gpus}. Received: devices_per_worker="
+            f"{options.devices_per_worker}. Use fewer workers or devices per worker."
+        )
+    return per
+
+
+def worker_envs(
+    options: LaunchOptions,
+    addresses: Sequence[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    restart: int = 0,
+) -> list[dict[str, str]]:
+    """The environment of each of this node's workers (a pure function).
+
+    ``environ`` (default ``os.environ``) plus the variables listed in the
+    ``tfdist.launch`` docstring: ``TF_CONFIG`` for the worker's rank,
+    ``PYTHONUNBUFFERED=1``, ``TFDIST_RESTART=restart``, its devices, and
+    ``TFDIST_COMPAT_EXCLUDE=all`` with ``fixes=False``.
+
+    Raises:
+        ConfigError: the GPUs cannot be split as asked.
+
+    Example:
+        >>> envs = worker_envs(LaunchOptions(nproc=2, target="t.py", devices_per_worker=2),
+        ...                    ["127.0.0.1:1", "127.0.0.1:2"], environ={})
+        >>> envs[1]["TFDIST_CPU_DEVICES"], envs[1]["TF_CONFIG"][-30:]
+        ('2', '"type": "worker", "index": 1}}')
+    """
+    check_options(options, "worker_envs")
+    env = dict(os.environ if environ is None else environ)
+    if isinstance(addresses, str) or len(addresses) != options.world_size:
+        raise ValueError(
+            f"worker_envs: addresses must list all {options.world_size} workers of the job. "
+            f"Received: addresses={list(addresses)!r}"
+        )
+    gpus = visible_gpus(env)
+    per = _gpus_per_worker(options, gpus) if gpus else options.devices_per_worker
+    envs = []
+    for local, rank in enumerate(options.ranks()):
+        child = dict(env)
+        child["TF_CONFIG"] = worker_tf_config(list(addresses), rank)
+        child["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+        child[RESTART_ENV] = str(restart)
+        if gpus:
+            child["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[local * per : (local + 1) * per])
+            child.pop(CPU_DEVICES_ENV, None)
+        elif per is not None:
+            child[CPU_DEVICES_ENV] = str(per)
+        for key in _SLURM_TASK_VARS:
+            child.pop(key, None)
+        if not options.fixes:  # upstream behaviour, also for scripts that import tfdist
+            child[COMPAT_EXCLUDE_ENV] = "all"
+        envs.append(child)
+    return envs

@@ -1,0 +1,168 @@
+"""The mechanism under the supervisor: start, signal and reap worker processes.
+
+Each worker runs in its own process group with its output copied, line by line and
+prefixed ``[wRANK] ``, to the launcher's streams; it gets SIGKILL if the launcher dies.
+``LauncherSignals`` records the SIGINT/SIGTERM the launcher receives. Policy (when to
+stop or restart) lives in ``tfdist.launch.supervise``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import TextIO
+
+__all__ = ["Worker", "LauncherSignals", "prefix_lines"]
+
+logger = logging.getLogger(__name__)
+
+_READER_JOIN_S = 5.0  # output still buffered in a pipe after its worker exited
+_KILL_WAIT_S = 10.0  # a SIGKILLed process is gone long before this
+
+
+class Worker:
+    """One worker process, its output prefixer threads and how to stop it."""
+
+    def __init__(
+        self,
+        rank: int,
+        command: list[str],
+        env: dict[str, str],
+        out: TextIO,
+        err: TextIO,
+        lock: threading.Lock,
+    ):
+        self.rank = rank
+        self.proc = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            # Own process group: signals reach the worker and its children, and a
+            # Ctrl-C in the terminal reaches the launcher only, which forwards it.
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.readers = [
+            threading.Thread(
+                target=prefix_lines, args=(pipe, stream, f"[w{rank}] ", lock), daemon=True
+            )
+            for pipe, stream in ((self.proc.stdout, out), (self.proc.stderr, err))
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while it runs."""
+        return self.proc.poll()
+
+    def signal(self, sig: int, *, only_if_running: bool = True) -> None:
+        """Sends ``sig`` to the worker's whole process group."""
+        if only_if_running and self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):  # the whole group is gone
+            pass
+
+    def finish(self) -> None:
+        """Kills what is left of the worker's process group, reaps it, drains its output.
+
+        The group outlives the worker when the script started processes of its own;
+        its id cannot be reused while any of them lives, so this kills only those.
+        """
+        self.signal(signal.SIGKILL, only_if_running=False)
+        try:
+            self.proc.wait(timeout=_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.error("worker w%d (pid %d) did not die after SIGKILL", self.rank, self.proc.pid)
+        for reader in self.readers:
+            reader.join(timeout=_READER_JOIN_S)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # If the launcher is killed (even with SIGKILL) its workers get SIGKILL too, instead
+    # of training on as orphans holding their ports.
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def _split_ready(pending: bytes, at_end: bool) -> tuple[list[bytes], bytes]:
+    """Complete lines and redraws of ``pending``, and the rest to wait for."""
+    # Hold back a trailing "\r": it may be the first half of "\r\n".
+    cut = len(pending) - 1 if not at_end and pending.endswith(b"\r") else len(pending)
+    ready, rest = pending[:cut], pending[cut:]
+    pieces = ready.replace(b"\r\n", b"\n").splitlines(keepends=True)
+    if pieces and not pieces[-1].endswith((b"\n", b"\r")):
+        if at_end:
+            pieces[-1] += b"\n"  # the worker's last line had no newline
+        else:
+            rest = pieces.pop() + rest  # incomplete: wait for the rest
+    return pieces, rest
+
+
+def prefix_lines(pipe, stream: TextIO, prefix: str, lock: threading.Lock) -> None:
+    """Copies ``pipe`` to ``stream``, starting every line with ``prefix``.
+
+    Progress bars redraw a line with ``\\r``; each redraw keeps its ``\\r`` and gets the
+    prefix too, so a terminal shows one live ``[w0] ...`` bar. Output is forwarded as
+    soon as a line or redraw is complete, not only at newlines.
+    """
+    fd = pipe.fileno()
+    pending = b""
+    with pipe:
+        while True:
+            chunk = os.read(fd, 65536)
+            pieces, pending = _split_ready(pending + chunk, at_end=not chunk)
+            if pieces:
+                text = "".join(prefix + p.decode("utf-8", errors="replace") for p in pieces)
+                with lock:
+                    stream.write(text)
+                    stream.flush()
+            if not chunk:
+                return
+
+
+class LauncherSignals:
+    """Records SIGINT/SIGTERM sent to the launcher while the workers run (a context).
+
+    Handlers are only installed from the main thread; elsewhere nothing is recorded.
+    """
+
+    def __init__(self):
+        self.received: int | None = None  # the last signal
+        self.count = 0
+        self._previous = {}
+
+    def __enter__(self) -> LauncherSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+        self.count += 1
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
