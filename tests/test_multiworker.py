@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from tfdist import launch
-from tfdist import strategy as strategy_mod
-from tfdist.strategy import MultiWorkerTimeouts
+from tfdist.backends import tensorflow as strategy_mod
+from tfdist.config import MultiWorkerTimeouts
 
 from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
 
@@ -99,7 +99,7 @@ def test_timeouts_are_validated_and_read_from_the_environment():
         MultiWorkerTimeouts.from_env({"TFDIST_SHUTDOWN_TIMEOUT": "-1"})
     with pytest.raises(ValueError, match=r"heartbeat must be a positive number .* heartbeat=0"):
         MultiWorkerTimeouts(heartbeat=0)
-    with pytest.raises(TypeError, match=r"timeouts must be a tfdist.strategy.MultiWorkerTimeouts"):
+    with pytest.raises(TypeError, match=r"timeouts must be a tfdist.config.MultiWorkerTimeouts"):
         strategy_mod.plan("auto", timeouts=30, environ={})
 
 

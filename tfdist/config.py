@@ -236,7 +236,9 @@ class MultiWorkerTimeouts:
             try:
                 values[name] = float(text)
             except ValueError:
-                values[name] = -1.0
+                raise ConfigError(
+                    f"{var} must be a number of seconds. Received: {var}={text!r}"
+                ) from None
             if not values[name] > 0:
                 raise ConfigError(
                     f"{var} must be a positive number of seconds. Received: {var}={text!r}"

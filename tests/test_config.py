@@ -1,0 +1,81 @@
+"""tfdist.config and tfdist.validate: precedence, parsing, and the one error rule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tfdist import config, validate
+
+
+def test_argument_wins_over_environment_wins_over_default():
+    env = {"TFDIST_CPU_DEVICES": "2"}
+    assert config.cpu_devices(4, environ=env) == 4
+    assert config.cpu_devices(environ=env) == 2
+    assert config.cpu_devices(environ={}) is None
+    timeouts = config.MultiWorkerTimeouts.from_env({"TFDIST_REGISTER_TIMEOUT": "12"})
+    assert (timeouts.register, timeouts.heartbeat) == (12.0, 10.0)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "two", "1.5"])
+def test_bad_environment_values_are_config_errors_naming_the_variable(text):
+    with pytest.raises(config.ConfigError, match=rf"TFDIST_CPU_DEVICES=.{text}.'"):
+        config.cpu_devices(environ={"TFDIST_CPU_DEVICES": text})
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(config.ConfigError, ValueError)
+
+
+def test_restart_count_and_slurm_port_base():
+    assert config.restart_count({}) == 0
+    assert config.restart_count({"TFDIST_RESTART": "3"}) == 3
+    assert config.slurm_port_base({"SLURM_JOB_ID": "40123"}) == 20000 + 40123 % 20000
+    assert config.slurm_port_base({"TFDIST_SLURM_PORT_BASE": "31000"}) == 31000
+    with pytest.raises(config.ConfigError, match="TFDIST_SLURM_PORT_BASE"):
+        config.slurm_port_base({"TFDIST_SLURM_PORT_BASE": "80"})
+
+
+def test_compat_exclude_is_a_comma_separated_list():
+    assert config.compat_exclude({"TFDIST_COMPAT_EXCLUDE": " a, ,b "}) == ["a", "b"]
+    assert config.compat_exclude({}) == []
+
+
+def test_keras_backend_is_found_like_keras_finds_it(tmp_path):
+    assert config.keras_backend({"KERAS_BACKEND": "jax"}) == "jax"
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "jax"}))
+    assert config.keras_backend({"KERAS_HOME": str(tmp_path)}) == "jax"
+    assert config.keras_backend({"KERAS_HOME": str(tmp_path / "none")}) == "tensorflow"
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(True, TypeError), (2.0, TypeError), ("2", TypeError), (0, ValueError), (-1, ValueError)],
+)
+def test_positive_int_rule(value, error):
+    with pytest.raises(error, match=r"^f: n must be a positive int\. Received: n="):
+        validate.positive_int(value, "n", "f")
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(True, TypeError), ("1", TypeError), (0, ValueError), (math.nan, ValueError)],
+)
+def test_positive_number_rule(value, error):
+    with pytest.raises(error, match=r"f: t must be a positive number\. Received: t="):
+        validate.positive_number(value, "t", "f", "Pass seconds.")
+
+
+def test_messages_echo_the_value_and_say_what_to_do():
+    with pytest.raises(ValueError) as info:
+        validate.one_of("fats", ("fast", "tutorial"), "recipe", "train", "Use --recipe fast.")
+    assert str(info.value) == (
+        "train: recipe must be one of ('fast', 'tutorial'). Received: recipe='fats'. "
+        "Use --recipe fast."
+    )
+    with pytest.raises(TypeError, match="a path"):
+        validate.path_text(3, "path", "save")
+    with pytest.raises(ValueError, match="a non-empty path"):
+        validate.path_text(" ", "path", "save")
