@@ -21,7 +21,7 @@ def test_argument_wins_over_environment_wins_over_default():
 
 @pytest.mark.parametrize("text", ["0", "-1", "two", "1.5"])
 def test_bad_environment_values_are_config_errors_naming_the_variable(text):
-    with pytest.raises(config.ConfigError, match=rf"TFDIST_CPU_DEVICES=.{text}.'"):
+    with pytest.raises(config.ConfigError, match=rf"TFDIST_CPU_DEVICES='{text}'"):
         config.cpu_devices(environ={"TFDIST_CPU_DEVICES": text})
 
 
