@@ -55,11 +55,20 @@ __all__ = [
     "keras_optimizer_uses_weight_decay",
     "keras_optimizer_distributed_update",
     "keras_optimizer_ema_step",
+    "keras_jax_distribution_lib",
+    "keras_trainer_class",
+    "keras_jax_trainer_class",
     "MODEL_CHECKPOINT_HOOKS",
 ]
 
 # "module:attribute.path" of every private name used below, per package (tested).
 REQUIRED = {
+    "jax": [
+        "keras.src.backend.jax.distribution_lib:initialize",
+        "keras.src.backend.jax.distribution_lib:initialize_rng",
+        "keras.src.backend.jax.trainer:JAXTrainer.fit",
+        "keras.src.trainers.trainer:Trainer.__init__",
+    ],
     "tensorflow": [
         "tensorflow.python.eager.context:Context.ensure_initialized",
         "tensorflow.python.eager.context:Context.configure_coordination_service",
@@ -390,3 +399,19 @@ def tf_mark_server_started(extended) -> None:
     """Tells a collective strategy that the process's gRPC server already runs, so it
     shares it instead of starting a second one on the same port."""
     extended._std_server_started = True
+
+
+def keras_jax_distribution_lib():
+    """``keras.src.backend.jax.distribution_lib``: ``initialize`` (jax's multi-process
+    start) and ``initialize_rng`` (a seed agreed across processes) live there."""
+    return importlib.import_module("keras.src.backend.jax.distribution_lib")
+
+
+def keras_trainer_class():
+    """``keras.src.trainers.trainer.Trainer``: every model's ``__init__`` runs through it."""
+    return importlib.import_module("keras.src.trainers.trainer").Trainer
+
+
+def keras_jax_trainer_class():
+    """``JAXTrainer``: ``fit``/``evaluate``/``predict`` of every model on the JAX backend."""
+    return importlib.import_module("keras.src.backend.jax.trainer").JAXTrainer

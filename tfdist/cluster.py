@@ -37,7 +37,8 @@ class ClusterInfo:
     """The cluster this process belongs to.
 
     Attributes:
-        source: where it came from: ``"TF_CONFIG"``, ``"SLURM"`` or ``"none"``.
+        source: where it came from: ``"TF_CONFIG"``, ``"KERAS_DISTRIBUTION"``, ``"SLURM"``
+            or ``"none"``.
         cluster: job name -> task addresses (``host:port``). Empty for SLURM, whose
             addresses TensorFlow's ``SlurmClusterResolver`` resolves later.
         task_type: this process's job (``"worker"``, ``"chief"``, ...), or None.
@@ -79,6 +80,11 @@ class ClusterInfo:
         if self.task_type == "worker" and "chief" in self.cluster:
             return len(self.cluster["chief"]) + self.task_index
         return self.task_index
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The training tasks' ``host:port`` in rank order (chief first); empty for SLURM."""
+        return tuple(a for job in TRAINING_JOBS for a in self.cluster.get(job, ()))
 
     def summary(self) -> dict:
         """A JSON-friendly description, used by ``tfdist info``."""
@@ -184,7 +190,10 @@ def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
 
 
 def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
-    """The cluster described by the environment: TF_CONFIG first, then a SLURM job step.
+    """The cluster described by the environment: TF_CONFIG, Keras's variables, then SLURM.
+
+    Keras's are ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` / ``_NUM_PROCESSES`` /
+    ``_PROCESS_ID`` (the JAX backend's ``keras.distribution.initialize``).
 
     SLURM counts only inside an ``srun`` step with more than one task
     (``SLURM_STEP_NUM_TASKS`` > 1): a batch script that runs one Python process is
@@ -198,11 +207,31 @@ def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
     tf_config = env.get("TF_CONFIG", "")
     if tf_config.strip():
         return parse_tf_config(tf_config)
+    keras_processes = _positive_env_int(env, "KERAS_DISTRIBUTION_NUM_PROCESSES")
+    if keras_processes and keras_processes > 1:
+        return _keras_distribution(env, keras_processes)
     ntasks = _positive_env_int(env, "SLURM_STEP_NUM_TASKS")
     if ntasks and ntasks > 1:
         procid = _positive_env_int(env, "SLURM_PROCID") or 0
         return ClusterInfo("SLURM", {}, "worker", procid, ntasks)
     return ClusterInfo()
+
+
+def _keras_distribution(env: Mapping[str, str], num_processes: int) -> ClusterInfo:
+    """The cluster of Keras's own variables (``keras.distribution.initialize``'s)."""
+    addresses = [a for a in env.get("KERAS_DISTRIBUTION_JOB_ADDRESSES", "").split(",") if a]
+    process_id = _positive_env_int(env, "KERAS_DISTRIBUTION_PROCESS_ID") or 0
+    if not addresses or not 0 <= process_id < num_processes:
+        raise ConfigError(
+            "KERAS_DISTRIBUTION_JOB_ADDRESSES must name the coordinator (or every process) "
+            "and KERAS_DISTRIBUTION_PROCESS_ID must be in [0, KERAS_DISTRIBUTION_NUM_PROCESSES)."
+            f" Received: KERAS_DISTRIBUTION_JOB_ADDRESSES="
+            f"{env.get('KERAS_DISTRIBUTION_JOB_ADDRESSES')!r}, KERAS_DISTRIBUTION_PROCESS_ID="
+            f"{process_id}, KERAS_DISTRIBUTION_NUM_PROCESSES={num_processes}."
+        )
+    return ClusterInfo(
+        "KERAS_DISTRIBUTION", {"worker": tuple(addresses)}, "worker", process_id, num_processes
+    )
 
 
 def is_chief(environ: Mapping[str, str] | None = None) -> bool:

@@ -42,9 +42,14 @@ def strategy(kind: str = "auto", **options):
         >>> s is tfdist.strategy()    # doctest: +SKIP
         True
     """
+    if backends.name() != "tensorflow":
+        raise RuntimeError(
+            "tfdist.strategy() is a tf.distribute strategy: TensorFlow backend only. Received: "
+            f"KERAS_BACKEND={backends.name()!r}. Use `with tfdist.scope():` (a "
+            "keras.distribution DataParallel/ModelParallel under JAX)."
+        )
     from tfdist.backends import tensorflow as tf_backend
 
-    backends.name()  # a clear error under a backend tfdist does not support
     return tf_backend.strategy(kind, **options)
 
 

@@ -45,6 +45,7 @@ class ProcessState:
             MultiWorkerMirroredStrategy uses; None means from the environment.
         auto_strategy: whether a multi-worker process creates its strategy just before
             TensorFlow's first op (see ``tfdist.startup``); ``tfdist info`` turns it off.
+        jax_initialized: whether tfdist called ``jax.distributed.initialize`` (JAX).
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -56,6 +57,7 @@ class ProcessState:
     devices_configured: int | None = None
     multi_worker_timeouts: Any = None
     auto_strategy: bool = True
+    jax_initialized: bool = False
 
 
 _STATE = ProcessState()

@@ -17,7 +17,10 @@ So tfdist sets the process up at the one moment that works for every order:
 If TensorFlow already created its context before tfdist was imported, nothing can be
 changed any more: ``tfdist.scope()`` then fails with an error that says so.
 
-Under the JAX backend nothing here touches TensorFlow.
+Under the JAX backend nothing here touches TensorFlow: ``TFDIST_CPU_DEVICES`` becomes
+``JAX_NUM_CPU_DEVICES`` before jax is imported, and a multi-process job (TF_CONFIG or
+``KERAS_DISTRIBUTION_*``, as ``tfdist launch`` sets) calls ``jax.distributed.initialize``
+right after jax is imported, once, with tfdist's timeouts (jax's own default is minutes).
 
 Example:
     >>> from tfdist import startup
@@ -102,6 +105,10 @@ def install() -> None:
     if backend == "tensorflow":
         _after_import("tensorflow", _on_tensorflow_import)
         _after_import("keras", _on_keras_import)
+    elif backend == "jax":
+        _prepare_jax_devices()
+        _after_import("jax", _on_jax_import)
+        _after_import("keras", _on_keras_import_jax)
 
 
 def installed() -> bool:
@@ -165,3 +172,59 @@ def _before_context(ctx) -> None:
     ):
         logger.info("tfdist: creating the multi-worker strategy before TensorFlow starts")
         tf_backend.strategy()
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def _prepare_jax_devices() -> None:
+    """``TFDIST_CPU_DEVICES=N`` as jax's own knob, read when jax starts its CPU backend."""
+    wanted = config.cpu_devices()
+    if wanted and "jax" not in sys.modules:
+        import os
+
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(wanted)
+
+
+def _on_jax_import(jax) -> None:
+    wanted = config.cpu_devices()
+    if wanted:
+        try:  # jax imported before tfdist, but its backend not started yet
+            jax.config.update("jax_num_cpu_devices", wanted)
+        except RuntimeError:
+            pass  # started already: tfdist.scope() says so with a clear error
+    info = cluster.cluster_from_env()
+    if info.is_multi_worker:
+        _initialize_jax_processes(jax, info)
+
+
+def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
+    """``jax.distributed.initialize`` once, with tfdist's timeouts, naming what it waits for."""
+    timeouts = config.MultiWorkerTimeouts.from_env()
+    coordinator = info.addresses[0]
+    logger.info(
+        "tfdist: process %d of %d joining the job (coordinator %s, waiting up to %.0f s)",
+        info.rank,
+        info.num_workers,
+        coordinator,
+        timeouts.register,
+    )
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=info.num_workers,
+        process_id=info.rank,
+        initialization_timeout=int(timeouts.register),
+        heartbeat_timeout_seconds=max(int(timeouts.heartbeat), 1),
+        shutdown_timeout_seconds=int(timeouts.shutdown),
+    )
+    process.state().jax_initialized = True
+
+
+def _on_keras_import_jax(_keras) -> None:
+    from tfdist import _private, compat
+
+    compat.apply_all()
+    if process.state().jax_initialized:
+        # What keras.distribution.initialize() does after jax's: one random seed for every
+        # process, so unseeded scripts still build the same initial weights everywhere.
+        _private.keras_jax_distribution_lib().initialize_rng()

@@ -14,8 +14,8 @@ a module that provides every function named in ``INTERFACE``:
 ``describe()``      devices and the distribution ``auto`` would pick (``tfdist info``)
 ==================  =========================================================
 
-Today: ``tensorflow`` (``tf.distribute`` strategies). Adding a backend is one new module
-here plus one line in ``_MODULES``.
+Today: ``tensorflow`` (``tf.distribute`` strategies) and ``jax`` (``keras.distribution``).
+Adding a backend is one new module here plus one line in ``_MODULES``.
 
 Example:
     >>> from tfdist import backends
@@ -44,7 +44,7 @@ INTERFACE = (
 )
 # Keras backend name -> the module implementing it (imported on first use: importing
 # tfdist.backends costs nothing, and a JAX process never imports the TensorFlow one).
-_MODULES = {"tensorflow": "tfdist.backends.tensorflow"}
+_MODULES = {"tensorflow": "tfdist.backends.tensorflow", "jax": "tfdist.backends.jax"}
 SUPPORTED = tuple(_MODULES)
 
 

@@ -51,8 +51,8 @@ import os
 from collections.abc import Mapping, Sequence
 
 from tfdist import config, process, validate
-from tfdist.compat import keras_fixes, tf_fixes
-from tfdist.compat.registry import Fix, keras_tf_backend, tensorflow_versions
+from tfdist.compat import jax_fixes, keras_fixes, tf_fixes
+from tfdist.compat.registry import Fix, keras_jax_backend, keras_tf_backend, tensorflow_versions
 
 __all__ = ["Fix", "FIXES", "apply_all", "applied", "fix_names"]
 
@@ -99,6 +99,20 @@ FIXES: list[Fix] = [
         tensorflow_versions((2, 16), (3, 0)),
         tf_fixes.fix_multi_worker_logical_cpus,
         "tensorflow",
+    ),
+    Fix(
+        "keras_jax_initialize_once",
+        "Keras 3 on JAX: keras.distribution.initialize() after jax was initialised (by "
+        "tfdist, with timeouts) fails: 'distributed.initialize should only be called once'",
+        keras_jax_backend((3, 0), (4, 0)),
+        jax_fixes.fix_initialize_once,
+    ),
+    Fix(
+        "keras_jax_model_keeps_distribution",
+        "Keras 3 on JAX: fit after `with distribution.scope():` is no longer data "
+        "parallel (the model does not remember its distribution, as it does on TensorFlow)",
+        keras_jax_backend((3, 0), (4, 0)),
+        jax_fixes.fix_model_keeps_distribution,
     ),
 ]
 

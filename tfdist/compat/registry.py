@@ -11,7 +11,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["Fix", "patch", "keras_tf_backend", "tensorflow_versions"]
+from tfdist import config
+
+__all__ = ["Fix", "patch", "keras_jax_backend", "keras_tf_backend", "tensorflow_versions"]
 
 # Set on every function a fix installs: re-applying (even from a reloaded module) is a no-op.
 _MARK = "__tfdist_fix__"
@@ -75,11 +77,23 @@ def keras_tf_backend(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[]
     return applies
 
 
-def tensorflow_versions(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
-    """Applies to TensorFlow versions in ``[low, high)``."""
+def keras_jax_backend(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
+    """Applies to Keras versions in ``[low, high)`` running on the JAX backend."""
 
     def applies() -> bool:
-        return low <= _tf_version() < high
+        import keras
+
+        return keras.backend.backend() == "jax" and low <= _keras_version() < high
+
+    return applies
+
+
+def tensorflow_versions(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
+    """Applies to TensorFlow versions in ``[low, high)``, under the TensorFlow backend only
+    (a JAX process that uses tf.data for input gets no TensorFlow runtime patches)."""
+
+    def applies() -> bool:
+        return config.keras_backend() == "tensorflow" and low <= _tf_version() < high
 
     return applies
 

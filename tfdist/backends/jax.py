@@ -1,0 +1,201 @@
+"""The JAX backend: ``keras.distribution`` (DataParallel, ModelParallel) over jax's devices.
+
+``scope()`` sets a ``DataParallel`` over every device of the job (all processes), or a
+``ModelParallel`` when given a ``layout_map`` (and optionally its ``mesh``), and restores
+the previous distribution on exit. Replicas are the size of the mesh's data axis; the
+chief is process 0. Multi-process jobs (``tfdist launch`` sets ``KERAS_DISTRIBUTION_*``)
+are initialised once, at start-up, with tfdist's timeouts (see ``tfdist.startup``).
+
+Batches: a dataset given to ``fit`` holds GLOBAL batches on every process; Keras's own
+``distribute_dataset`` (``auto_shard_dataset=True``) gives each process its share of
+each batch. tfdist's pipelines produce global batches and leave the sharding to Keras.
+
+Example:
+    >>> with tfdist.scope():                                    # doctest: +SKIP
+    ...     model = build_and_compile()                         # DataParallel
+    >>> mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"])  # doctest: +SKIP
+    >>> layout = keras.distribution.LayoutMap(mesh)             # doctest: +SKIP
+    >>> layout["dense.*kernel"] = (None, "model")               # doctest: +SKIP
+    >>> with tfdist.scope(layout_map=layout):                   # doctest: +SKIP
+    ...     model = build_and_compile()                         # ModelParallel
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+import keras
+from keras import distribution as kd
+
+from tfdist import config, process, validate
+from tfdist.config import ConfigError
+
+__all__ = [
+    "NAME",
+    "distribution",
+    "scope",
+    "current",
+    "num_replicas",
+    "num_workers",
+    "worker_index",
+    "is_chief",
+    "describe",
+    "data_axis",
+]
+
+logger = logging.getLogger(__name__)
+
+NAME = "jax"
+
+
+def _check_cpu_devices() -> None:
+    wanted = config.cpu_devices()
+    if wanted and jax.default_backend() == "cpu" and jax.local_device_count() != wanted:
+        raise RuntimeError(
+            f"tfdist: TFDIST_CPU_DEVICES={wanted}, but jax started with "
+            f"{jax.local_device_count()} CPU device(s). Import tfdist before jax (or keras), "
+            "or set JAX_NUM_CPU_DEVICES before the process starts."
+        )
+
+
+def _check_layout_map(layout_map, mesh):
+    validate.instance(
+        layout_map, kd.LayoutMap, "layout_map", "scope", "a keras.distribution.LayoutMap"
+    )
+    if mesh is not None:
+        validate.instance(mesh, kd.DeviceMesh, "mesh", "scope", "a keras.distribution.DeviceMesh")
+        if mesh is not layout_map.device_mesh:
+            raise ValueError(
+                "scope: mesh must be the mesh the layout_map was built on. Received: "
+                f"mesh={mesh}, layout_map.device_mesh={layout_map.device_mesh}. "
+                "Pass keras.distribution.LayoutMap(mesh)."
+            )
+    devices = len(jax.devices())
+    mesh = layout_map.device_mesh
+    if mesh.devices.size != devices:
+        shape = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+        raise ConfigError(
+            f"scope: the mesh {shape} has {mesh.devices.size} devices, but the job has "
+            f"{devices}. Build the DeviceMesh over keras.distribution.list_devices()."
+        )
+
+
+def distribution(*, mesh=None, layout_map=None, batch_dim_name: str | None = None):
+    """The ``keras.distribution`` tfdist would set: DataParallel, or ModelParallel.
+
+    Args:
+        mesh: the ``DeviceMesh`` of a ``layout_map`` (optional, checked when given).
+        layout_map: a ``keras.distribution.LayoutMap``: model parallel with its regex keys.
+        batch_dim_name: the mesh axis that splits the batch (default: the first axis).
+
+    Example:
+        >>> distribution().device_mesh.shape  # doctest: +SKIP
+        (4,)
+    """
+    _check_cpu_devices()
+    if layout_map is None:
+        if mesh is not None or batch_dim_name is not None:
+            raise ValueError(
+                "scope: mesh and batch_dim_name need a layout_map (model parallel). "
+                f"Received: mesh={mesh}, batch_dim_name={batch_dim_name!r}, layout_map=None."
+            )
+        return kd.DataParallel(devices=kd.list_devices())
+    _check_layout_map(layout_map, mesh)
+    axis = batch_dim_name or layout_map.device_mesh.axis_names[0]
+    validate.one_of(axis, tuple(layout_map.device_mesh.axis_names), "batch_dim_name", "scope")
+    return kd.ModelParallel(layout_map=layout_map, batch_dim_name=axis)
+
+
+@contextlib.contextmanager
+def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ignored):
+    """Sets tfdist's distribution inside the block and restores the previous one after.
+
+    Example:
+        >>> with scope():  # doctest: +SKIP
+        ...     model = keras.Sequential([keras.layers.Dense(1)])
+    """
+    if ignored:
+        raise TypeError(
+            f"scope: {sorted(ignored)} are TensorFlow-backend options. Received: {ignored}. "
+            "Under KERAS_BACKEND=jax pass mesh=, layout_map= or batch_dim_name=."
+        )
+    chosen = distribution(mesh=mesh, layout_map=layout_map, batch_dim_name=batch_dim_name)
+    st = process.state()
+    previous = kd.distribution()
+    with st.lock:
+        st.distribution = (type(chosen).__name__, chosen)
+    kd.set_distribution(chosen)
+    try:
+        yield chosen
+    finally:
+        kd.set_distribution(previous)
+
+
+def current(explicit=None):
+    """An explicit distribution, else the one set now, else tfdist's (DataParallel)."""
+    if explicit is not None:
+        return validate.instance(
+            explicit,
+            (kd.DataParallel, kd.ModelParallel),
+            "strategy",
+            "tfdist",
+            "a keras.distribution DataParallel or ModelParallel",
+        )
+    active = kd.distribution()
+    if active is not None:
+        return active
+    created = process.state().distribution
+    return created[1] if created else distribution()
+
+
+def data_axis(dist) -> int:
+    """The size of the mesh axis that splits the batch (the data-parallel size)."""
+    mesh = dist.device_mesh
+    name = getattr(dist, "batch_dim_name", None) or mesh.axis_names[0]
+    return int(mesh.shape[list(mesh.axis_names).index(name)])
+
+
+def num_replicas(explicit=None) -> int:
+    """Data-parallel replicas: the size of the data axis of the mesh."""
+    return data_axis(current(explicit))
+
+
+def num_workers(explicit=None) -> int:
+    """Processes in the job (``jax.process_count()``)."""
+    return jax.process_count()
+
+
+def worker_index(explicit=None) -> int:
+    """This process's index (``jax.process_index()``); 0 is the chief."""
+    return jax.process_index()
+
+
+def is_chief() -> bool:
+    """Whether this is process 0."""
+    return jax.process_index() == 0
+
+
+def describe(environ: Mapping[str, str] | None = None) -> dict:
+    """Devices and the mesh tfdist's scope would use (nothing is set)."""
+    env = os.environ if environ is None else environ
+    dist = distribution()
+    mesh = dist.device_mesh
+    return {
+        "devices": {
+            "platform": jax.default_backend(),
+            "devices": [str(d) for d in jax.devices()],
+            "local_devices": jax.local_device_count(),
+            config.CPU_DEVICES_ENV: env.get(config.CPU_DEVICES_ENV) or None,
+        },
+        "strategy": {
+            "kind": type(dist).__name__,
+            "num_replicas": data_axis(dist),
+            "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.shape), strict=True)),
+            "num_workers": jax.process_count(),
+        },
+        "keras": keras.__version__,
+    }

@@ -1,0 +1,109 @@
+"""Fixes to Keras 3 on the JAX backend.
+
+Every private Keras name used comes from ``tfdist._private``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tfdist import _private
+from tfdist.compat.registry import patch
+
+__all__ = ["fix_initialize_once", "fix_model_keeps_distribution"]
+
+_ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
+
+logger = logging.getLogger(__name__)
+
+
+def fix_initialize_once() -> None:
+    """Lets ``keras.distribution.initialize()`` join a job jax was already initialised for.
+
+    ``tfdist launch`` (and any script importing tfdist in a multi-process job) calls
+    ``jax.distributed.initialize`` once, right after jax is imported, with tfdist's
+    timeouts: upstream exposes none, so a dead or never-started peer hangs every process
+    for jax's defaults (300 s to register, 100 s without heartbeat, 300 s at shutdown).
+    A script written for upstream then calls ``keras.distribution.initialize()`` itself,
+    and jax refuses a second initialisation ("distributed.initialize should only be
+    called once"). The fix skips only the jax call when jax is already initialised (for
+    the same job: process count and index are checked against what the script asked
+    for) and keeps the rest of upstream's function: the random seed agreed across
+    processes (``initialize_rng``), so every process builds the same initial weights.
+    Without an earlier initialisation, upstream's function runs unchanged.
+    """
+    module = _private.keras_jax_distribution_lib()
+
+    def make(original):
+        def initialize(job_addresses, num_processes, process_id):
+            import jax
+
+            if not jax.distributed.is_initialized():
+                return original(job_addresses, num_processes, process_id)
+            _check_same_job(jax, num_processes, process_id)
+            logger.debug("tfdist.compat: jax already initialised; agreeing on the seed only")
+            module.initialize_rng()
+
+        return initialize
+
+    patch(module, "initialize", "keras_jax_initialize_once", make)
+
+
+def _check_same_job(jax, num_processes, process_id) -> None:
+    have = (jax.process_count(), jax.process_index())
+    asked = (num_processes, process_id)
+    if any(a is not None and int(a) != h for a, h in zip(asked, have, strict=True)):
+        raise RuntimeError(
+            "keras.distribution.initialize: jax is already initialised as process "
+            f"{have[1]} of {have[0]}, but this call asks for num_processes={num_processes}, "
+            f"process_id={process_id}. Remove the call (tfdist launch initialises the job) "
+            "or make its arguments match."
+        )
+
+
+def fix_model_keeps_distribution() -> None:
+    """Runs ``fit``/``evaluate``/``predict`` under the distribution a model was built in.
+
+    On TensorFlow a model remembers the strategy it was built under, so the guides'
+    order works: build and compile inside ``with strategy.scope():``, call ``fit``
+    after the block. On JAX, Keras reads only the distribution set *now*: after the
+    block, ``fit`` feeds every batch whole to one device and, in a multi-process job,
+    each process its whole dataset, so the step is no longer data parallel (a
+    multi-process job then trains on the wrong batches). The fix records
+    ``keras.distribution.distribution()`` when a model is created and, when a
+    ``fit``/``evaluate``/``predict`` (or ``*_on_batch``) call finds no distribution
+    set, runs it inside the recorded one's ``scope()``. When a distribution is set,
+    or the model was created without one, upstream runs unchanged.
+    """
+    trainer_class = _private.keras_jax_trainer_class()
+    from keras import distribution as kd
+
+    def make_init(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.__dict__["_tfdist_distribution"] = kd.distribution()
+
+        return __init__
+
+    def make_entry(original):
+        def entry(self, *args, **kwargs):
+            recorded = self.__dict__.get("_tfdist_distribution")
+            if recorded is None or kd.distribution() is not None:
+                return original(self, *args, **kwargs)
+            with recorded.scope():
+                return original(self, *args, **kwargs)
+
+        return entry
+
+    patch(
+        _private.keras_trainer_class(), "__init__", "keras_jax_model_keeps_distribution", make_init
+    )
+    for name in _ENTRY_POINTS:
+        patch(trainer_class, name, "keras_jax_model_keeps_distribution", make_entry)
