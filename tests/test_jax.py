@@ -1,0 +1,175 @@
+"""Keras 3 on JAX: the same tfdist script on 1 device, 4 logical devices, 2 processes x 2
+devices and a 2x2 ModelParallel gives the same weights; errors are clear."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+
+pytestmark = pytest.mark.jax
+TOL = 1e-5
+
+
+def _job(mode: str, devices: int | None = None) -> dict:
+    env = {"KERAS_BACKEND": "jax"}
+    if devices:
+        env["TFDIST_CPU_DEVICES"] = str(devices)
+    proc = run_python(
+        f"import runpy, sys; sys.argv = ['jax_job.py', {mode!r}]; "
+        f"runpy.run_path({str(SCRIPTS / 'jax_job.py')!r}, run_name='__main__')",
+        timeout=240,
+        **env,
+    )
+    return last_json_line(proc.stdout)
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    for wa, wb in zip(a["weights"], b["weights"], strict=True):
+        np.testing.assert_allclose(np.array(wb), np.array(wa), atol=TOL, rtol=0)
+
+
+@pytest.mark.devices
+@pytest.mark.slow
+def test_data_parallel_and_model_parallel_match_one_device():
+    one = _job("dp")
+    four = _job("dp", 4)
+    model_parallel = _job("mp", 4)
+    assert (one["replicas"], four["replicas"], model_parallel["replicas"]) == (1, 4, 2)
+    assert model_parallel["kernel_sharding"] in ("P(None, 'model')", "PartitionSpec(None, 'model')")
+    assert one["loss"][-1] < one["loss"][0]  # it trained
+    _assert_same_weights(one, four)
+    _assert_same_weights(one, model_parallel)
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_two_processes_of_two_devices_under_launch_match_one_device():
+    one = _job("dp")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfdist",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-worker",
+            "2",
+            str(SCRIPTS / "jax_job.py"),
+            "dp",
+        ],
+        cwd=REPO,
+        env=child_env(KERAS_BACKEND="jax"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = [
+        last_json_line(line.partition(" ")[2])
+        for line in proc.stdout.splitlines()
+        if line.startswith("[w") and '"mode"' in line
+    ]
+    assert sorted(r["chief"] for r in results) == [False, True]
+    for result in results:
+        assert (result["replicas"], result["workers"]) == (4, 2)
+        _assert_same_weights(one, result)
+
+
+@pytest.mark.devices
+def test_mesh_errors_and_tensorflow_options_are_named():
+    proc = run_python(
+        """
+        import tfdist, keras
+        from keras import distribution as kd
+        mesh = kd.DeviceMesh((2,), ["batch"], devices=kd.list_devices()[:2])
+        layout = kd.LayoutMap(mesh)
+        for call in (lambda: tfdist.scope(layout_map=layout).__enter__(),
+                     lambda: tfdist.scope(cpu_devices=2).__enter__(),
+                     lambda: tfdist.scope(mesh=mesh).__enter__(),
+                     lambda: tfdist.strategy()):
+            try:
+                call()
+            except Exception as err:
+                print(type(err).__name__, "|", err)
+        """,
+        KERAS_BACKEND="jax",
+        TFDIST_CPU_DEVICES="4",
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("ConfigError |") and "has 2 devices, but the job has 4" in lines[0]
+    assert lines[1].startswith("TypeError |") and "TensorFlow-backend options" in lines[1]
+    assert lines[2].startswith("ValueError |") and "need a layout_map" in lines[2]
+    assert lines[3].startswith("RuntimeError |") and "TensorFlow backend only" in lines[3]
+
+
+@pytest.mark.devices
+def test_jax_process_gets_no_tensorflow_runtime_patches_and_its_own_fixes():
+    proc = run_python(
+        """
+        import json
+        import tfdist, keras
+        from tfdist import compat
+        print(json.dumps({"applied": compat.applied()}))
+        """,
+        KERAS_BACKEND="jax",
+    )
+    result = last_json_line(proc.stdout)
+    assert result["applied"] == ["keras_jax_initialize_once", "keras_jax_model_keeps_distribution"]
+
+
+_FIT_SEES = """
+import json
+import tfdist, keras
+from keras import distribution as kd
+seen = []
+class Probe(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        seen.append(type(kd.distribution()).__name__)
+with tfdist.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+model.fit(keras.ops.ones((8, 2)), keras.ops.ones((8, 1)), batch_size=4, callbacks=[Probe()],
+          verbose=0)
+print(json.dumps(sorted(set(seen))))
+"""
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize(("exclude", "seen"), [("all", ["NoneType"]), ("", ["DataParallel"])])
+def test_fit_after_the_scope_runs_under_the_models_distribution(exclude, seen):
+    """Upstream (every fix excluded) runs fit after the block with no distribution."""
+    proc = run_python(
+        _FIT_SEES, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE=exclude
+    )
+    assert last_json_line(proc.stdout) == seen
+
+
+_INIT_TWICE = """
+import socket
+import jax, keras
+sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0,
+                           initialization_timeout=30)
+import tfdist
+from tfdist import compat
+compat.apply_all()
+try:
+    keras.distribution.initialize(f"127.0.0.1:{port}", num_processes=1, process_id=0)
+    print("OK", jax.process_count())
+except Exception as err:
+    print("ERR", err)
+"""
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize(("exclude", "expect"), [("all", "ERR"), ("", "OK 1")])
+def test_keras_initialize_after_jax_was_initialised(exclude, expect):
+    """Upstream refuses a second jax initialisation; fixed, the script's call joins."""
+    proc = run_python(_INIT_TWICE, KERAS_BACKEND="jax", TFDIST_COMPAT_EXCLUDE=exclude)
+    assert proc.stdout.strip().splitlines()[-1].startswith(expect), proc.stdout
