@@ -9,13 +9,12 @@ called after the scope, as TensorFlow scripts do. Prints one JSON line.
 import json
 import sys
 
-import numpy as np
-
-import tfdist  # noqa: I001 - tfdist first: it sets jax's devices before jax starts
-
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import distribution as kd
+
+import tfdist
 
 GLOBAL_BATCH = 32
 
