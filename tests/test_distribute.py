@@ -195,3 +195,15 @@ def test_python_dash_m_tfdist_works():
         [sys.executable, "-m", "tfdist", "--version"], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and proc.stdout.strip() == f"tfdist {tfdist.__version__}"
+
+
+def test_a_keras_distribution_on_the_tensorflow_backend_is_warned_about():
+    import keras
+
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=["cpu:0"]))
+    try:
+        with pytest.warns(UserWarning, match="has no effect on the TensorFlow backend"):
+            with tfdist.scope():
+                pass
+    finally:
+        keras.distribution.set_distribution(None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -365,8 +366,25 @@ def current(explicit: tf.distribute.Strategy | None = None) -> tf.distribute.Str
     return strategy()
 
 
+def _warn_keras_distribution() -> None:
+    """keras.distribution is a stub on TensorFlow: say so instead of ignoring it silently."""
+    import keras
+
+    active = keras.distribution.distribution()
+    if active is not None:
+        warnings.warn(
+            f"tfdist: keras.distribution.set_distribution({type(active).__name__}) has no "
+            "effect on the TensorFlow backend (Keras implements it for JAX only); tfdist "
+            "distributes with a tf.distribute strategy instead. Remove the call, or run "
+            "with KERAS_BACKEND=jax.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def scope(**kwargs):
     """``with scope():`` opens the scope of ``strategy(**kwargs)``."""
+    _warn_keras_distribution()
     return strategy(**kwargs).scope()
 
 
