@@ -25,7 +25,7 @@ LAYERS = [
     {"checkpoint"},
     {"callbacks"},
     {"examples"},
-    {"startup", "bootstrap"},
+    {"startup", "bootstrap", "info"},
     {"cli", "__main__", "__init__"},
 ]
 

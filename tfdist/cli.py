@@ -30,31 +30,10 @@ def _quiet_tensorflow() -> None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist.distribute import describe
+    from tfdist import info
 
-    report = describe()
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    v, d, s, c = report["versions"], report["devices"], report["strategy"], report["cluster"]
-    lines = [
-        f"tfdist {v['tfdist']}  (python {v['python']}, tensorflow {v['tensorflow']}, "
-        f"keras {v['keras']}, tensorflow-datasets {v['tensorflow_datasets']})",
-        f"GPUs:           {len(d['gpus'])} {d['gpus'] or ''}".rstrip(),
-        f"logical CPUs:   {len(d['cpus'])}"
-        + (f"  (TFDIST_CPU_DEVICES={d['TFDIST_CPU_DEVICES']})" if d["TFDIST_CPU_DEVICES"] else ""),
-        f"strategy:       {s['kind']}  replicas={s['num_replicas']}  "
-        f"workers={s['num_workers']}  devices/worker={len(s['devices'])}",
-    ]
-    if c["source"] == "none":
-        lines.append("cluster:        none (single process; chief)")
-    else:
-        lines.append(
-            f"cluster:        {c['source']}  {c['num_workers']} worker(s), this is "
-            f"{c['task_type']}:{c['task_index']}{' (chief)' if c['is_chief'] else ''}"
-        )
-    lines.append(f"TFDS_DATA_DIR:  {report['TFDS_DATA_DIR'] or '(unset: ~/tensorflow_datasets)'}")
-    print("\n".join(lines))
+    report = info.report()
+    print(json.dumps(report, indent=2) if args.json else info.render(report))
     return 0
 
 

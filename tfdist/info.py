@@ -1,0 +1,187 @@
+"""``tfdist info``: everything a bug report needs, in one place (text or JSON).
+
+System (OS, CPU model and cores, memory), versions, the framework's build (CUDA/cuDNN),
+GPUs with their memory, the backend's devices and the distribution ``auto`` would pick,
+the cluster, the environment variables that change tfdist's behaviour, which fixes apply
+and are active, and whether MNIST is on disk. It plans, never creates: no server starts,
+no peer is waited for.
+
+Example:
+    >>> report()["system"]["cpu_cores"] >= 1  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import subprocess
+from collections.abc import Mapping
+
+from tfdist import backends, compat, distribute
+
+__all__ = ["report", "render", "ENV_PREFIXES"]
+
+# Variables that change what tfdist, TensorFlow, Keras or jax do (names starting with these).
+ENV_PREFIXES = (
+    "TFDIST_",
+    "TF_CONFIG",
+    "TF_CPP_MIN_LOG_LEVEL",
+    "KERAS_",
+    "CUDA_VISIBLE_DEVICES",
+    "TFDS_DATA_DIR",
+    "XLA_FLAGS",
+    "JAX_",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_PROCID",
+    "SLURM_JOB_ID",
+)
+_PACKAGES = ("tensorflow", "keras", "jax", "jaxlib", "tensorflow-datasets", "numpy", "tfdist")
+_GPU_QUERY_TIMEOUT_S = 10.0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gpus() -> list[dict]:
+    """GPU names and memory from nvidia-smi (none without it; bounded by a timeout)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=_GPU_QUERY_TIMEOUT_S,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return [{"error": f"nvidia-smi failed: {err}"}]
+    rows = [line.split(",", 1) for line in out.strip().splitlines() if line.strip()]
+    return [{"name": name.strip(), "memory": memory.strip()} for name, memory in rows]
+
+
+def _build(backend: str) -> dict:
+    if backend != "tensorflow":
+        import jax
+
+        return {"jax_platform": jax.default_backend()}
+    import tensorflow as tf
+
+    info = tf.sysconfig.get_build_info()
+    return {
+        "cuda_build": bool(info.get("is_cuda_build")),
+        "cuda": info.get("cuda_version"),
+        "cudnn": info.get("cudnn_version"),
+    }
+
+
+def _mnist(env: Mapping[str, str]) -> dict:
+    root = env.get("TFDS_DATA_DIR") or os.path.join(os.path.expanduser("~"), "tensorflow_datasets")
+    return {"data_dir": root, "present": os.path.isdir(os.path.join(root, "mnist"))}
+
+
+def _fixes() -> list[dict]:
+    active = set(compat.applied())
+    return [
+        {
+            "name": fix.name,
+            "package": fix.package,
+            "applies": fix.applies(),
+            "active": fix.name in active,
+        }
+        for fix in compat.FIXES
+    ]
+
+
+def report(environ: Mapping[str, str] | None = None) -> dict:
+    """The whole report as a JSON-friendly dict."""
+    env = os.environ if environ is None else environ
+    backend = backends.name(env)
+    described = distribute.describe(env)
+    return {
+        "system": {
+            "os": platform.platform(),
+            "python": platform.python_version(),
+            "cpu": _cpu_model(),
+            "cpu_cores": os.cpu_count(),
+            "memory_gib": _memory_gib(),
+        },
+        "versions": {name: _version(name) for name in _PACKAGES},
+        "backend": backend,
+        "build": _build(backend),
+        "gpus": _gpus(),
+        "devices": described["devices"],
+        "strategy": described["strategy"],
+        "cluster": described["cluster"],
+        "fixes": _fixes(),
+        "environment": {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)},
+        "mnist": _mnist(env),
+        "TFDS_DATA_DIR": env.get("TFDS_DATA_DIR") or None,
+    }
+
+
+def _device_lines(r: dict) -> list[str]:
+    d, s = r["devices"], r["strategy"]
+    gpus = ", ".join(f"{g.get('name')} ({g.get('memory')})" for g in r["gpus"]) or "none"
+    if r["backend"] == "tensorflow":
+        devices = f"{len(s['devices'])} per worker: {', '.join(s['devices'])}"
+        if d.get("TFDIST_CPU_DEVICES") is None and len(d["cpus"]) == 1:
+            devices += "  (the CPU is one device; TFDIST_CPU_DEVICES=N splits it into N)"
+    else:
+        devices = f"{d['local_devices']} local {d['platform']} device(s), mesh {s['mesh']}"
+    return [f"GPUs:          {gpus}", f"devices:       {devices}"]
+
+
+def render(r: dict) -> str:
+    """The report as text, one fact a line."""
+    v, sysinfo, c = r["versions"], r["system"], r["cluster"]
+    versions = ", ".join(f"{name} {v[name]}" for name in _PACKAGES if v[name] and name != "tfdist")
+    build = ", ".join(f"{k}={val}" for k, val in r["build"].items())
+    fixes = [f["name"] for f in r["fixes"] if f["active"]] or ["none active in this process"]
+    cluster = "none (single process; chief)"
+    if c["source"] != "none":
+        cluster = (
+            f"{c['source']}  {c['num_workers']} worker(s), this is {c['task_type']}:"
+            f"{c['task_index']}{' (chief)' if c['is_chief'] else ''}"
+        )
+    s = r["strategy"]
+    lines = [
+        f"tfdist {v['tfdist']}  ({versions})",
+        f"system:        {sysinfo['os']}, {sysinfo['cpu']}, {sysinfo['cpu_cores']} cores, "
+        f"{sysinfo['memory_gib']} GiB",
+        f"backend:       {r['backend']}  ({build})",
+        *_device_lines(r),
+        f"strategy:      {s['kind']}  replicas={s['num_replicas']}  workers={s['num_workers']}",
+        f"cluster:       {cluster}",
+        f"fixes:         {', '.join(fixes)}",
+        f"MNIST:         {'present' if r['mnist']['present'] else 'absent'} in {r['mnist']['data_dir']}",
+        "environment:   "
+        + (", ".join(f"{k}={val}" for k, val in r["environment"].items()) or "(none set)"),
+    ]
+    return "\n".join(lines)
