@@ -15,7 +15,7 @@ MAX_FUNCTION_LINES = 60
 
 # Layers, lowest first: a module may import only from its own layer's leaves or below.
 LAYERS = [
-    {"validate", "position"},
+    {"validate", "position", "quiet"},
     {"config"},
     {"cluster", "process", "_private", "launch"},
     {"compat"},

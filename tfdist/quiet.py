@@ -1,0 +1,107 @@
+"""The known-harmless start-up noise of TensorFlow, Keras and jax, listed once with why.
+
+The ``tfdist`` command, the launcher and the notebooks hide these by default
+(``--verbose`` shows everything); a script that only imports tfdist is left alone.
+Anything not listed here is shown: an unknown warning is never assumed harmless.
+
+Example:
+    >>> is_harmless("I0000 00:00:1795372797.41 15301 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will not be used.")
+    True
+    >>> is_harmless("ValueError: shapes do not match")
+    False
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+
+__all__ = ["HARMLESS", "is_harmless", "quiet_environment", "install"]
+
+# (pattern searched in a line of output or a warning message, why it is harmless)
+HARMLESS: tuple[tuple[str, str], ...] = (
+    (
+        r"All log messages before absl::InitializeLog\(\) is called are written to STDERR",
+        "absl announces where its early log lines go; says nothing about the job",
+    ),
+    (
+        r"Could not find cuda drivers on your machine, GPU will not be used",
+        "a CPU-only machine: TensorFlow says it uses the CPU, as intended",
+    ),
+    (
+        r"failed call to cuInit: .*(UNKNOWN ERROR \(303\)|CUDA_ERROR_NO_DEVICE)",
+        "CUDA probed for a GPU on a machine without one (an E-level line, not an error)",
+    ),
+    (
+        r"cpu_feature_guard\.cc.*This TensorFlow binary is optimized",
+        "TensorFlow's build banner about CPU instructions",
+    ),
+    (
+        r"To enable the following instructions: .* rebuild TensorFlow",
+        "second line of the same banner",
+    ),
+    (
+        r"Unable to register cu(DNN|FFT|BLAS) factory",
+        "TensorFlow and jax both registering CUDA plugins in one process",
+    ),
+    (
+        r"Using CollectiveAllReduceStrategy eagerly has significant overhead",
+        "printed once per eager collective outside fit; fit runs compiled functions",
+    ),
+    (
+        r"GeneratorDatasetOp.*will not be optimized",
+        "tf.data cannot optimise a Python generator; input cost is measured separately",
+    ),
+    (
+        r"`shuffle=True` was passed, but will be ignored since the data `x` was provided as a "
+        r"tf\.data\.Dataset",
+        "fit's default shuffle=True does not apply to datasets; tfdist pipelines shuffle "
+        "themselves (seeded)",
+    ),
+    (
+        r"Reduce to /job:.* then broadcast to",
+        "an INFO line per all-reduce of the multi-worker strategy",
+    ),
+)
+
+_COMPILED = re.compile("|".join(f"(?:{pattern})" for pattern, _ in HARMLESS))
+
+
+def is_harmless(text: str) -> bool:
+    """Whether a line of output (or a warning message) is known-harmless noise."""
+    return bool(_COMPILED.search(text))
+
+
+def quiet_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a quiet child process: TensorFlow's C++ INFO/WARNING lines off
+    (``TF_CPP_MIN_LOG_LEVEL=2``) unless the user chose a level.
+
+    Example:
+        >>> quiet_environment({})["TF_CPP_MIN_LOG_LEVEL"]
+        '2'
+    """
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+class _HarmlessFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_harmless(record.getMessage())
+
+
+def install() -> None:
+    """Hides the harmless noise in this process: warnings, and the framework's loggers.
+
+    Sets ``TF_CPP_MIN_LOG_LEVEL=2`` if unset (effective when TensorFlow is imported
+    later). Idempotent.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    for pattern, _ in HARMLESS:
+        warnings.filterwarnings("ignore", message=f".*{pattern}")
+    for name in ("tensorflow", "absl", "jax", "keras"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _HarmlessFilter) for f in logger.filters):
+            logger.addFilter(_HarmlessFilter())
