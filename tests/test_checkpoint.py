@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import checkpoint as ckpt
-from tfdist.cluster import RESTART_EXIT_CODE
+from tfdist.config import RESTART_EXIT_CODE
 
 from conftest import SCRIPTS, child_env, last_json_line
 
@@ -104,10 +104,14 @@ def test_names_follow_the_guides_and_sort_by_position(tmp_path):
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("bad", [0, -3, "batch", True, 2.5, None])
-def test_save_freq_must_be_epoch_or_positive_int(tmp_path, bad):
+@pytest.mark.parametrize(
+    "bad, error",
+    [(0, ValueError), (-3, ValueError), ("batch", ValueError)]
+    + [(True, TypeError), (2.5, TypeError), (None, TypeError)],  # wrong type: TypeError
+)
+def test_save_freq_must_be_epoch_or_positive_int(tmp_path, bad, error):
     with pytest.raises(
-        ValueError, match=r"save_freq must be 'epoch' or a positive int.*Received: save_freq="
+        error, match=r"save_freq must be 'epoch' or a positive int.*Received: save_freq="
     ):
         tfdist.callbacks.checkpoint(tmp_path, save_freq=bad)
     assert os.listdir(tmp_path) == []

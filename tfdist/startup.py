@@ -35,7 +35,7 @@ import logging
 import sys
 import threading
 
-from tfdist import backends, cluster, config, process
+from tfdist import _private, backends, cluster, config, process
 
 __all__ = ["install", "installed", "auto_strategy"]
 
@@ -117,7 +117,7 @@ def installed() -> bool:
 
 
 def _on_tensorflow_import(_module) -> None:
-    from tfdist import _private, compat
+    from tfdist import compat
     from tfdist.compat import registry
 
     compat.apply_all(package="tensorflow")
@@ -134,8 +134,8 @@ def _on_keras_import(_module) -> None:
 
 def _wrap_ensure(original):
     def ensure_initialized(self):
-        from tfdist import _private
-
+        # No import here: TensorFlow calls this during interpreter shutdown too, when
+        # importing is no longer possible.
         if not getattr(_setting_up, "active", False) and not _private.tf_context_initialized(self):
             _setting_up.active = True
             try:
@@ -157,7 +157,6 @@ def auto_strategy(enabled: bool) -> None:
 
 def _before_context(ctx) -> None:
     """Devices, then (multi-worker) the strategy: the last moment either can be set."""
-    from tfdist import _private
     from tfdist.backends import tensorflow as tf_backend
 
     wanted = config.cpu_devices()
@@ -221,7 +220,7 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
 
 
 def _on_keras_import_jax(_keras) -> None:
-    from tfdist import _private, compat
+    from tfdist import compat
 
     compat.apply_all()
     if process.state().jax_initialized:
