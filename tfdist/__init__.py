@@ -27,6 +27,8 @@ _EXPORTS = {
     "num_workers": "tfdist.distribute",
     "worker_index": "tfdist.distribute",
     "is_chief": "tfdist.distribute",
+    "barrier": "tfdist.distribute",
+    "chief_print": "tfdist.distribute",
     "configure_cpu_devices": "tfdist.backends.tensorflow",
     "ClusterInfo": "tfdist.cluster",
     "cluster_from_env": "tfdist.cluster",

@@ -56,6 +56,8 @@ __all__ = [
     "keras_optimizer_distributed_update",
     "keras_optimizer_ema_step",
     "keras_jax_distribution_lib",
+    "tf_wait_at_barrier",
+    "jax_wait_at_barrier",
     "keras_trainer_class",
     "keras_jax_trainer_class",
     "MODEL_CHECKPOINT_HOOKS",
@@ -68,6 +70,7 @@ REQUIRED = {
         "keras.src.backend.jax.distribution_lib:initialize_rng",
         "keras.src.backend.jax.trainer:JAXTrainer.fit",
         "keras.src.trainers.trainer:Trainer.__init__",
+        "jax._src.distributed:State.client",
     ],
     "tensorflow": [
         "tensorflow.python.eager.context:Context.ensure_initialized",
@@ -75,6 +78,7 @@ REQUIRED = {
         "tensorflow.python.eager.context:Context.coordination_service",
         "tensorflow.python.eager.context:Context.set_config_key_value",
         "tensorflow.python.eager.context:Context.get_config_key_value",
+        "tensorflow.python.eager.context:Context.wait_at_barrier",
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._initialize_multi_worker",
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
@@ -415,3 +419,18 @@ def keras_trainer_class():
 def keras_jax_trainer_class():
     """``JAXTrainer``: ``fit``/``evaluate``/``predict`` of every model on the JAX backend."""
     return importlib.import_module("keras.src.backend.jax.trainer").JAXTrainer
+
+
+def tf_wait_at_barrier(name: str, timeout_ms: int) -> None:
+    """Waits until every worker of the job reaches barrier ``name`` (coordination service).
+
+    Raises ``tf.errors.DeadlineExceededError`` naming the tasks that did not arrive.
+    """
+    tf_context().wait_at_barrier(name, timeout_ms)
+
+
+def jax_wait_at_barrier(name: str, timeout_ms: int) -> None:
+    """The same through jax's distributed client (``sync_global_devices`` has no timeout)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, timeout_ms)

@@ -78,6 +78,7 @@ SEED_AGREEMENT_TIMEOUT_S = 300.0  # workers agreeing on a pipeline's random seed
 HOST_CALL_TIMEOUT_S = 300.0  # a tf.data host-side call (reading a source into memory)
 DOWNLOAD_PROBE_TIMEOUT_S = 30.0  # the MNIST download server answering
 PREEMPTION_TIMEOUT_S = 60.0  # workers agreeing on the step to save at after SIGTERM
+BARRIER_TIMEOUT_S = 300.0  # tfdist.barrier(): every worker arriving
 
 
 def _env(environ: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -15,7 +15,7 @@ import os
 import platform
 from collections.abc import Mapping
 
-from tfdist import backends, cluster, validate
+from tfdist import backends, cluster, config, process, validate
 
 __all__ = [
     "strategy",
@@ -26,6 +26,8 @@ __all__ = [
     "num_workers",
     "worker_index",
     "is_chief",
+    "barrier",
+    "chief_print",
     "describe",
 ]
 
@@ -112,6 +114,41 @@ def is_chief() -> bool:
         True
     """
     return backends.get().is_chief()
+
+
+def barrier(name: str | None = None, *, timeout: float | None = None) -> None:
+    """Waits until every worker of the job reaches this point (a no-op on one worker).
+
+    Every worker must call it, in the same order: a barrier reached by some workers only
+    ends after ``timeout`` seconds (default 300) with an error that says so, never a hang.
+
+    Args:
+        name: identifies the barrier; unnamed barriers are numbered in call order.
+        timeout: seconds to wait for the other workers.
+
+    Example:
+        >>> if tfdist.is_chief(): prepare_files()   # doctest: +SKIP
+        >>> tfdist.barrier("files ready")           # doctest: +SKIP
+    """
+    if name is not None:
+        validate.instance(name, str, "name", "barrier", "a str or None")
+    seconds = config.BARRIER_TIMEOUT_S if timeout is None else timeout
+    seconds = validate.positive_number(seconds, "timeout", "barrier", "Pass seconds, e.g. 60.")
+    st = process.state()
+    with st.lock:
+        st.barriers += 1
+        label = name if name is not None else f"tfdist-barrier-{st.barriers}"
+    backends.get().barrier(label, seconds)
+
+
+def chief_print(*args, **kwargs) -> None:
+    """``print`` on the chief only: one copy of a message in an N-worker job's output.
+
+    Example:
+        >>> tfdist.chief_print("test accuracy", 0.99)  # doctest: +SKIP
+    """
+    if is_chief():
+        print(*args, **kwargs)
 
 
 def _version(dist: str) -> str | None:

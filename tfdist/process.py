@@ -46,6 +46,7 @@ class ProcessState:
         auto_strategy: whether a multi-worker process creates its strategy just before
             TensorFlow's first op (see ``tfdist.startup``); ``tfdist info`` turns it off.
         jax_initialized: whether tfdist called ``jax.distributed.initialize`` (JAX).
+        barriers: unnamed ``tfdist.barrier()`` calls so far (names them in call order).
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -58,6 +59,7 @@ class ProcessState:
     multi_worker_timeouts: Any = None
     auto_strategy: bool = True
     jax_initialized: bool = False
+    barriers: int = 0
 
 
 _STATE = ProcessState()

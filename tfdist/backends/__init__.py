@@ -11,6 +11,7 @@ a module that provides every function named in ``INTERFACE``:
 ``num_workers``     training processes
 ``worker_index``    this process's index among them (0 is the chief)
 ``is_chief()``      whether this process does the one-off work (files, logs)
+``barrier(n, t)``   wait until every process reaches barrier ``n`` (``t`` seconds)
 ``describe()``      devices and the distribution ``auto`` would pick (``tfdist info``)
 ==================  =========================================================
 
@@ -40,6 +41,7 @@ INTERFACE = (
     "num_workers",
     "worker_index",
     "is_chief",
+    "barrier",
     "describe",
 )
 # Keras backend name -> the module implementing it (imported on first use: importing

@@ -31,7 +31,7 @@ import jax
 import keras
 from keras import distribution as kd
 
-from tfdist import config, process, validate
+from tfdist import _private, config, process, validate
 from tfdist.config import ConfigError
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "num_workers",
     "worker_index",
     "is_chief",
+    "barrier",
     "describe",
     "data_axis",
 ]
@@ -172,6 +173,20 @@ def num_workers(explicit=None) -> int:
 def worker_index(explicit=None) -> int:
     """This process's index (``jax.process_index()``); 0 is the chief."""
     return jax.process_index()
+
+
+def barrier(name: str, timeout: float) -> None:
+    """Waits until every process reaches barrier ``name``; nothing to wait for in one."""
+    if jax.process_count() == 1:
+        return
+    try:
+        _private.jax_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
+    except Exception as err:  # jax raises its runtime's own error types
+        raise RuntimeError(
+            f"tfdist.barrier({name!r}): not every process arrived within {timeout:.0f} s "
+            f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}). "
+            "Every process must make the same tfdist calls in the same order."
+        ) from None
 
 
 def is_chief() -> bool:

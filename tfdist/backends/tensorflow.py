@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import cluster, compat, config, process, validate
+from tfdist import _private, cluster, compat, config, process, validate
 from tfdist.config import ConfigError, MultiWorkerTimeouts
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "num_workers",
     "worker_index",
     "is_chief",
+    "barrier",
     "describe",
     "current_plan",
     "slurm_cluster_resolver",
@@ -411,6 +412,25 @@ def worker_index(explicit: tf.distribute.Strategy | None = None) -> int:
     if resolver.task_type == "worker" and "chief" in spec:
         return len(spec["chief"]) + int(resolver.task_id)
     return int(resolver.task_id or 0)
+
+
+def barrier(name: str, timeout: float) -> None:
+    """Waits until every worker reaches barrier ``name``; nothing to wait for on one worker."""
+    if not _private.tf_in_multi_worker_mode(current()):
+        return
+    try:
+        _private.tf_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
+    except tf.errors.OpError as err:
+        raise RuntimeError(_barrier_error(name, timeout, err)) from None
+
+
+def _barrier_error(name: str, timeout: float, err: Exception) -> str:
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"tfdist.barrier({name!r}): not every worker arrived within {timeout:.0f} s ({first}). "
+        "Every worker must make the same tfdist calls (barrier, save, load in a scope, fit, "
+        "evaluate, predict) in the same order; a call made on the chief only waits here."
+    )
 
 
 def is_chief() -> bool:

@@ -1,0 +1,50 @@
+"""tfdist.barrier and chief_print: every worker waits for the others; a barrier called on
+some workers only ends with a clear error within its timeout, never a hang."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import tfdist
+
+from conftest import REPO, SCRIPTS, child_env
+
+
+def test_barrier_is_a_no_op_on_one_worker_and_checks_its_arguments():
+    tfdist.barrier()
+    tfdist.barrier("named", timeout=1)
+    with pytest.raises(TypeError, match=r"barrier: name must be a str or None\. Received: name=3"):
+        tfdist.barrier(3)
+    with pytest.raises(ValueError, match=r"barrier: timeout must be a positive number"):
+        tfdist.barrier("x", timeout=0)
+
+
+def test_chief_print_prints_on_the_chief(capsys):
+    tfdist.chief_print("hello", 1)
+    assert capsys.readouterr().out == "hello 1\n"
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(SCRIPTS / "barrier_job.py")],
+        cwd=REPO,
+        env=child_env(KERAS_BACKEND=backend),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
+    assert out.count("all workers reached 'start'") == 1  # chief_print: once, not per worker
+    error = next(line for line in out.splitlines() if "ERROR after" in line)
+    assert error.startswith("[w0]") and "tfdist.barrier('chief only')" in error
+    assert "in the same order" in error
+    seconds = int(error.split("ERROR after ")[1].split("s:")[0])
+    assert seconds < 60
+    assert "[w0] DONE 0" in out and "[w1] DONE 1" in out
