@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import data
+from tfdist import data, process
 from tfdist.cluster import worker_tf_config
+from tfdist.data import sharding
+from tfdist.position import Position
 
 from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
 
@@ -73,7 +75,7 @@ def test_per_replica_batch_must_be_an_int(bad):
         ({"map_fn": 3}, TypeError, r"map_fn must be callable or None\. Received: map_fn=3"),
         ({"map_on": "rows"}, ValueError, r"map_on must be one of .* Received: map_on='rows'"),
         ({"cache": 1}, TypeError, r"cache must be True .* Received: cache=1"),
-        ({"cache": ""}, TypeError, r"Received: cache=''"),
+        ({"cache": ""}, ValueError, r"cache must be True .* Received: cache=''"),
         ({"shuffle": 0}, ValueError, r"shuffle must be a positive int .* Received: shuffle=0"),
         ({"shuffle": True}, TypeError, r"Received: shuffle=True"),
         ({"seed": -1}, ValueError, r"seed must be None or an int .* Received: seed=-1"),
@@ -123,11 +125,7 @@ def test_an_empty_dataset_is_an_error():
     [
         ((-1,), ValueError, r"epoch must be a non-negative int\. Received: epoch=-1"),
         ((1.5,), TypeError, r"Received: epoch=1\.5"),
-        (
-            (0, -3),
-            ValueError,
-            r"skip_batches must be a non-negative int\. Received: skip_batches=-3",
-        ),
+        ((0, -3), ValueError, r"batch must be a non-negative int\. Received: batch=-3"),
         ((True, 0), TypeError, r"Received: epoch=True"),
     ],
 )
@@ -141,6 +139,8 @@ def test_position_of_an_unseeded_or_foreign_dataset_is_an_error():
         data.position(data.pipeline(ids(10), 2))
     with pytest.raises(ValueError, match=r"pipeline built with a seed"):
         data.position(tf.data.Dataset.range(3))
+    with pytest.raises(TypeError, match=r"pipeline built with a seed.*Received: dataset=3"):
+        data.position(3)
 
 
 # --------------------------------------------------------------------------- batches
@@ -197,10 +197,10 @@ def test_set_position_gives_exactly_epoch_e_from_batch_s(cache):
 
     data.set_position(2, 3)
     resumed = data.pipeline(ids(40), 4, seed=11, shuffle=40, cache=cache)  # built after
-    assert data.position(resumed) == data.Position(2, 3)
+    assert data.position(resumed) == Position(2, 3)
     assert epochs(resumed, 1)[0] == expected[2][3:]
     # The next iteration is the next epoch, complete.
-    assert data.position(resumed) == data.Position(3, 0)
+    assert data.position(resumed) == Position(3, 0)
     assert epochs(resumed, 1)[0] == expected[3]
     # set_position also moves pipelines that already exist.
     data.set_position(1, 9)
@@ -212,9 +212,9 @@ def test_set_position_gives_exactly_epoch_e_from_batch_s(cache):
 def test_creating_an_iterator_does_not_move_the_position():
     ds = data.pipeline(ids(16), 4, seed=3)
     iterator = iter(ds)
-    assert data.position(ds) == data.Position(0, 0)
+    assert data.position(ds) == Position(0, 0)
     next(iterator)
-    assert data.position(ds) == data.Position(1, 0)
+    assert data.position(ds) == Position(1, 0)
 
 
 @pytest.mark.parametrize("cache", [True, False])
@@ -248,10 +248,10 @@ def test_the_registry_does_not_keep_dropped_pipelines_alive_but_a_derived_datase
     ds = derived()
     gc.collect()
     assert sorted(flat(epochs(ds, 1)[0])) == [2 * i for i in range(8)]
-    before = len(data._registry)
+    before = len(process.state().pipelines)
     data.pipeline(ids(8), 4, seed=1)  # dropped at once
     gc.collect()
-    assert len(data._registry) == before
+    assert len(process.state().pipelines) == before
 
 
 # --------------------------------------------------------------------------- map_fn placement
@@ -312,12 +312,14 @@ def test_shard_policy_is_file_only_with_a_file_per_worker(tmp_path):
     by_file = tf.data.TFRecordDataset(files)
     interleaved = tf.data.Dataset.from_tensor_slices(files).interleave(tf.data.TFRecordDataset)
     one_file = tf.data.TFRecordDataset(files[:1])
-    assert data._source_file_count(by_file) == 3
-    assert data._source_file_count(interleaved) == 3
-    assert data._source_file_count(tf.data.Dataset.range(3)) is None
+    assert sharding.source_file_count(by_file) == 3
+    assert sharding.source_file_count(interleaved) == 3
+    assert sharding.source_file_count(tf.data.Dataset.range(3)) is None
 
     def policy(ds, workers, **kw):
-        return data._shard_policy(ds, workers, **{"in_memory": False, "positioned": False, **kw})[0]
+        return sharding.shard_policy(
+            ds, workers, **{"in_memory": False, "positioned": False, **kw}
+        )[0]
 
     assert policy(by_file, 3) == Policy.FILE
     assert policy(by_file, 4) == Policy.DATA  # fewer files than workers: FILE would fail
@@ -495,9 +497,9 @@ def test_mnist_not_on_disk_and_not_downloadable_fails_naming_tfds_data_dir(tmp_p
         data.mnist(data_dir=tmp_path / "elsewhere", download=False)
 
 
-@pytest.mark.parametrize("bad", [3, ""])
-def test_mnist_split_must_be_a_name(bad):
-    with pytest.raises(TypeError, match=r"split must be a tfds split name"):
+@pytest.mark.parametrize("bad, error", [(3, TypeError), ("", ValueError)])
+def test_mnist_split_must_be_a_name(bad, error):
+    with pytest.raises(error, match=r"split must be a tfds split name"):
         data.mnist(bad)
 
 
