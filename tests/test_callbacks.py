@@ -83,7 +83,7 @@ def test_decay_mapping_keeps_the_optimizer_rate_before_its_first_key():
         ({}, ValueError, "mapping of epoch boundaries to rates is empty"),
         ({-1: 0.1}, ValueError, r"keys must be epochs \(ints >= 0\).*-1"),
         ({0: 0.0}, ValueError, r"schedule\[0\] must be a positive finite number.*0.0"),
-        ({0: "fast"}, ValueError, "schedule\\[0\\] must be a positive finite number"),
+        ({0: "fast"}, TypeError, "schedule\\[0\\] must be a positive finite number"),
         (0.1, TypeError, r"schedule must be a callable .* Received: schedule=0.1"),
     ],
 )

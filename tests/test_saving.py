@@ -1,4 +1,4 @@
-"""tfdist.save / tfdist.load: formats, atomic chief-only writes, scopes, replica counts, safe_mode."""
+"""tfdist.save / tfdist.load: formats, atomic chief-only writes, scopes, replicas, safe_mode."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_save_and_load_reject_bad_input(tmp_path):
     assert (tmp_path / "keep.keras").read_text() == "precious"
     with pytest.raises(FileNotFoundError, match=r"nothing at path.*missing\.keras"):
         tfdist.load(tmp_path / "missing.keras")
-    with pytest.raises(ValueError, match="not a .keras archive"):
+    with pytest.raises(ValueError, match=r"not a \.keras archive"):
         tfdist.load(tmp_path / "keep.keras")
     tfdist.save(model, tmp_path / "w.weights.h5")
     with pytest.raises(ValueError, match=r"holds no architecture.*model=model"):
@@ -175,7 +175,7 @@ def test_safe_mode_refuses_a_lambda_archive_and_runs_none_of_its_code(tmp_path):
     model.save(path)
     marker.unlink()  # building the model ran the lambda once; start clean
 
-    with pytest.raises(ValueError, match="refused .* in safe mode"):
+    with pytest.raises(ValueError, match=r"refused .* in safe mode"):
         tfdist.load(path)
     with pytest.raises(ValueError, match="in safe mode"):
         tfdist.load(path, in_scope=True)
@@ -228,7 +228,8 @@ with strategy.scope():
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
                               keras.layers.Dense(2)])
     fresh.compile(optimizer="adam", loss="mse")
-out["in_scope_weights"] = tfdist.load("{d}/w.weights.h5", model=fresh).predict(x, verbose=0).tolist()
+weights = tfdist.load("{d}/w.weights.h5", model=fresh)
+out["in_scope_weights"] = weights.predict(x, verbose=0).tolist()
 # keep the loaded objects referenced: their functions do not own the variables
 served_in_scope = tfdist.load("{d}/export", strategy=strategy)
 out["in_scope_saved_model"] = served_in_scope.serve(x).numpy().tolist()

@@ -72,7 +72,8 @@ def test_bad_workers_is_an_error_before_anything_runs(capsys):
 def _job(tmp_path, *extra):
     return [
         sys.executable, "-m", "tfdist", "train", "mnist", "--output", str(tmp_path / "run"),
-        "--train-split", "train[:5%]", "--epochs", "2", "--save-freq", "5", "--verbose", "2", *extra,
+        "--train-split", "train[:5%]", "--epochs", "2", "--save-freq", "5", "--verbose", "2",
+        *extra,
     ]  # fmt: skip
 
 
@@ -112,10 +113,13 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
     assert [int(r["epoch"]) for r in metrics["history"]] == [0, 1]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((out / "ckpt" / "logs").rglob("events.out.tfevents.*")), "no TensorBoard logs"
+    code = (
+        f"import keras; m = keras.models.load_model({str(out / 'model.keras')!r}); "
+        "print(m.output_shape)"
+    )
     loaded = subprocess.run(
-        [sys.executable, "-c", f"import keras; m = keras.models.load_model({str(out / 'model.keras')!r}); print(m.output_shape)"],
-        env=child_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120
+    )
     assert loaded.stdout.strip().endswith("(None, 10)"), loaded.stderr[-2000:]
 
 

@@ -91,6 +91,8 @@ REQUIRED = {
         "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._variant_tensor",
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
+        # tfdist.data.epochs.FullEpochs implements this abstract method of tf.data.Dataset.
+        "tensorflow.python.data.ops.dataset_ops:DatasetV2._inputs",
     ],
     "keras": [
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",

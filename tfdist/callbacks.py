@@ -20,32 +20,27 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import logging
-import math
-import numbers
 import os
 from collections.abc import Callable, Mapping
 
 import keras
 
-from tfdist import cluster as _cluster
-from tfdist.checkpoint import (
-    ResumableCheckpoint,
-    _finish_resumed_epoch,
-    _numpy,
-    is_resumed_partial_epoch,
-)
+from tfdist import _private, distribute, validate
+from tfdist.checkpoint import ResumableCheckpoint, is_resumed_partial_epoch
+from tfdist.checkpoint.restore import finish_resumed_epoch
+from tfdist.checkpoint.rng import numpy_value
 
 __all__ = [
     "Decay",
     "PrintLR",
-    "Warmup",
     "ResumableCheckpoint",
-    "decay",
-    "warmup",
+    "Warmup",
     "checkpoint",
-    "standard",
-    "scale_learning_rate",
     "current_learning_rate",
+    "decay",
+    "scale_learning_rate",
+    "standard",
+    "warmup",
 ]
 
 logger = logging.getLogger(__name__)
@@ -63,64 +58,78 @@ def current_learning_rate(optimizer) -> float:
         >>> current_learning_rate(keras.optimizers.SGD(0.1))  # doctest: +ELLIPSIS
         0.1...
     """
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(
-            "current_learning_rate: optimizer must be a keras.optimizers.Optimizer. "
-            f"Received: optimizer={optimizer!r}. Pass model.optimizer of a compiled model."
-        )
+    validate.instance(
+        optimizer,
+        keras.optimizers.Optimizer,
+        "optimizer",
+        "current_learning_rate",
+        "a keras.optimizers.Optimizer",
+        "Pass model.optimizer of a compiled model.",
+    )
     # Keras 3's learning_rate property already evaluates a schedule at self.iterations.
-    return float(_numpy(optimizer.learning_rate))
+    return float(numpy_value(optimizer.learning_rate))
 
 
-def _positive_float(value, name: str, where: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(
-            f"{where}: {name} must be a positive finite number. Received: {name}={value!r}"
-        )
-    return float(value)
-
-
-def _positive_int(value, name: str, where: str, hint: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{where}: {name} must be a positive int. Received: {name}={value!r}. {hint}".rstrip()
-        )
-    return int(value)
+def _rate(value, name: str, where: str, hint: str = "") -> float:
+    """A learning rate: a finite number > 0 (TypeError for a non-number)."""
+    return validate.number(
+        value, name, where, hint, low=0.0, low_ok=False, what="a positive finite number"
+    )
 
 
 # --------------------------------------------------------------------------- decay
 
 
-def _mapping_schedule(boundaries: Mapping) -> Callable[[int], float | None]:
-    where = "tfdist.callbacks.decay"
+_DECAY = "tfdist.callbacks.decay"
+
+
+def _mapping_schedule(boundaries: Mapping) -> Callable[[int, float], float]:
+    """``(epoch, lr) -> rate`` for ``{first_epoch: rate}``; ``lr`` before the first key."""
+    where = _DECAY
     if not boundaries:
         raise ValueError(
             f"{where}: the mapping of epoch boundaries to rates is empty. "
             f"Received: schedule={boundaries!r}. Pass e.g. {{0: 1e-3, 3: 1e-4, 7: 1e-5}}."
         )
-    table = []
-    for epoch, rate in boundaries.items():
-        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
-            raise ValueError(
-                f"{where}: mapping keys must be epochs (ints >= 0). Received: key {epoch!r} "
-                f"in schedule={dict(boundaries)!r}."
-            )
-        table.append((int(epoch), _positive_float(rate, f"schedule[{epoch}]", where)))
-    table.sort()
+    hint = f"The schedule was {dict(boundaries)!r}."
+    table = sorted(
+        (
+            validate.integer(epoch, "mapping keys", where, hint, low=0, what="epochs (ints >= 0)"),
+            _rate(rate, f"schedule[{epoch}]", where),
+        )
+        for epoch, rate in boundaries.items()
+    )
 
-    def rate_for(epoch: int) -> float | None:
-        rate = None
+    def fn(epoch, lr):
+        rate = float(lr)
         for start, value in table:
             if epoch >= start:
                 rate = value
         return rate
 
-    return rate_for
+    return fn
+
+
+def _callable_schedule(schedule: Callable) -> Callable[[int, float], float]:
+    """``(epoch, lr) -> rate`` for a schedule taking ``epoch`` or ``(epoch, lr)``."""
+    try:
+        takes_rate = len(inspect.signature(schedule).parameters) >= 2
+    except (TypeError, ValueError):  # builtins without a signature: epoch only
+        takes_rate = False
+
+    def fn(epoch, lr):
+        rate = schedule(epoch, lr) if takes_rate else schedule(epoch)
+        try:
+            return _rate(rate, "rate", _DECAY)
+        except (TypeError, ValueError):
+            # ValueError even for a wrong type: LearningRateScheduler takes a TypeError
+            # for "the schedule takes only epoch" and would call fn(epoch) again.
+            raise ValueError(
+                f"{_DECAY}: the schedule must return a positive float. Received: "
+                f"schedule({epoch}) returned {rate!r}."
+            ) from None
+
+    return fn
 
 
 class Decay(keras.callbacks.LearningRateScheduler):
@@ -138,7 +147,7 @@ class Decay(keras.callbacks.LearningRateScheduler):
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
-        _finish_resumed_epoch(self.model, epoch)
+        finish_resumed_epoch(self.model, epoch)
 
 
 def decay(schedule: Callable | Mapping, *, verbose: int = 0) -> Decay:
@@ -164,41 +173,15 @@ def decay(schedule: Callable | Mapping, *, verbose: int = 0) -> Decay:
         >>> callback = decay(decay_fn)
         >>> callback = decay({0: 1e-3, 3: 1e-4, 7: 1e-5})
     """
-    where = "tfdist.callbacks.decay"
-    if isinstance(schedule, Mapping):
-        rate_for = _mapping_schedule(schedule)
-
-        def fn(epoch, lr):
-            rate = rate_for(epoch)
-            return float(lr) if rate is None else rate
-
-    elif callable(schedule):
-        try:
-            takes_rate = len(inspect.signature(schedule).parameters) >= 2
-        except (TypeError, ValueError):  # builtins without a signature: epoch only
-            takes_rate = False
-
-        def fn(epoch, lr):
-            rate = schedule(epoch, lr) if takes_rate else schedule(epoch)
-            if (
-                isinstance(rate, bool)
-                or not isinstance(rate, numbers.Real)
-                or not math.isfinite(rate)
-                or rate <= 0
-            ):
-                raise ValueError(
-                    f"{where}: the schedule must return a positive float. Received: "
-                    f"schedule({epoch}) returned {rate!r}."
-                )
-            return float(rate)
-
-    else:
-        raise TypeError(
-            f"{where}: schedule must be a callable epoch -> rate or a mapping "
-            f"{{epoch: rate}}. Received: schedule={schedule!r}."
-        )
-    if verbose not in (0, 1):
-        raise ValueError(f"{where}: verbose must be 0 or 1. Received: verbose={verbose!r}")
+    validate.instance(
+        schedule,
+        (Mapping, Callable),
+        "schedule",
+        _DECAY,
+        "a callable epoch -> rate or a mapping {epoch: rate}",
+    )
+    fn = (_mapping_schedule if isinstance(schedule, Mapping) else _callable_schedule)(schedule)
+    validate.one_of(verbose, (0, 1), "verbose", _DECAY)
     return Decay(fn, verbose=verbose)
 
 
@@ -224,7 +207,7 @@ class PrintLR(keras.callbacks.Callback):
         rate = current_learning_rate(self.model.optimizer)
         if logs is not None:
             logs.setdefault("learning_rate", rate)
-        if _cluster.is_chief():
+        if distribute.is_chief():
             print(f"\nLearning rate for epoch {epoch + 1} is {rate:.6g}", flush=True)
 
 
@@ -247,10 +230,8 @@ def scale_learning_rate(base_lr: float, *, strategy=None) -> float:
         >>> scale_learning_rate(1e-3)  # with 4 replicas  # doctest: +SKIP
         0.004
     """
-    base_lr = _positive_float(base_lr, "base_lr", "scale_learning_rate")
-    from tfdist.strategy import num_replicas
-
-    return base_lr * num_replicas(strategy=strategy)
+    base_lr = _rate(base_lr, "base_lr", "scale_learning_rate")
+    return base_lr * distribute.num_replicas(strategy=strategy)
 
 
 class Warmup(keras.callbacks.Callback):
@@ -273,15 +254,16 @@ class Warmup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self.model.optimizer
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        configured = _private.keras_optimizer_learning_rate(optimizer)
+        if isinstance(configured, keras.optimizers.schedules.LearningRateSchedule):
             raise TypeError(
                 "tfdist.callbacks.warmup: the optimizer's learning_rate is a "
                 "LearningRateSchedule, which a callback cannot set. Received: "
-                f"learning_rate={optimizer._learning_rate!r}. Compile with a float rate, or "
+                f"learning_rate={configured!r}. Compile with a float rate, or "
                 "use the schedule's own warm-up (keras.optimizers.schedules.CosineDecay("
                 "warmup_target=..., warmup_steps=...))."
             )
-        self._step = int(_numpy(optimizer.iterations))
+        self._step = int(numpy_value(optimizer.iterations))
 
     def rate_at(self, step: int) -> float:
         """The warm-up rate for 0-based global step ``step`` (``target`` once past it)."""
@@ -320,18 +302,15 @@ def warmup(target: float, steps: int, *, start_factor: float = 0.0) -> Warmup:
         (8e-06, 0.004, 0.004)
     """
     where = "tfdist.callbacks.warmup"
-    target = _positive_float(target, "target", where)
-    steps = _positive_int(steps, "steps", where, "Pass the warm-up length in optimizer steps.")
-    if (
-        isinstance(start_factor, bool)
-        or not isinstance(start_factor, numbers.Real)
-        or not 0.0 <= start_factor < 1.0
-    ):
-        raise ValueError(
-            f"{where}: start_factor must be a number in [0, 1). "
-            f"Received: start_factor={start_factor!r}"
-        )
-    return Warmup(target, steps, float(start_factor))
+    target = _rate(target, "target", where)
+    steps = validate.positive_int(
+        steps, "steps", where, "Pass the warm-up length in optimizer steps."
+    )
+    what = "a number in [0, 1)"
+    start_factor = validate.number(start_factor, "start_factor", where, low=0.0, what=what)
+    if start_factor >= 1.0:
+        raise ValueError(validate.message(where, "start_factor", what, start_factor))
+    return Warmup(target, steps, start_factor)
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -354,7 +333,7 @@ def checkpoint(
     dropout RNG state). Only the chief's files land in ``checkpoint_dir``; old ones
     beyond ``max_to_keep`` are removed. With ``preemption=True`` a SIGTERM makes the
     job save at the next step boundary (all workers agree on it) and exit with
-    ``tfdist.cluster.RESTART_EXIT_CODE`` (75). Restore with
+    ``tfdist.config.RESTART_EXIT_CODE`` (75). Restore with
     ``tfdist.make_or_restore(build_fn, checkpoint_dir)``.
 
     Args:
@@ -371,12 +350,9 @@ def checkpoint(
 
     Example:
         >>> cb = checkpoint("ckpt/", save_freq=100, max_to_keep=3)  # doctest: +SKIP
-        >>> model.fit(train, epochs=5, initial_epoch=initial_epoch, callbacks=[cb])  # doctest: +SKIP
+        >>> model.fit(train, epochs=5, initial_epoch=start, callbacks=[cb])  # doctest: +SKIP
     """
-    if verbose not in (0, 1):
-        raise ValueError(
-            f"tfdist.callbacks.checkpoint: verbose must be 0 or 1. Received: verbose={verbose!r}"
-        )
+    validate.one_of(verbose, (0, 1), "verbose", "tfdist.callbacks.checkpoint")
     return ResumableCheckpoint(
         checkpoint_dir,
         save_freq=save_freq,
@@ -420,14 +396,11 @@ def standard(
         ['ResumableCheckpoint', 'Decay', 'PrintLR', 'TensorBoard']
     """
     where = "tfdist.callbacks.standard"
-    if warmup is not None and not isinstance(warmup, Warmup):
-        raise TypeError(
-            f"{where}: warmup must be a callback from tfdist.callbacks.warmup(...) or None. "
-            f"Received: warmup={warmup!r}"
-        )
-    for name, value in (("print_lr", print_lr), ("tensorboard", tensorboard)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{where}: {name} must be a bool. Received: {name}={value!r}")
+    if warmup is not None:
+        what = "a callback from tfdist.callbacks.warmup(...) or None"
+        validate.instance(warmup, Warmup, "warmup", where, what)
+    validate.instance(print_lr, bool, "print_lr", where, "a bool")
+    validate.instance(tensorboard, bool, "tensorboard", where, "a bool")
     callbacks: list[keras.callbacks.Callback] = [
         checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep)
     ]
@@ -437,7 +410,7 @@ def standard(
         callbacks.append(warmup)
     if print_lr:
         callbacks.append(PrintLR())
-    if tensorboard and _cluster.is_chief():
+    if tensorboard and distribute.is_chief():
         if importlib.util.find_spec("tensorboard") is None:
             # Keras's TensorBoard callback would only fail at the first epoch end.
             logger.warning("tfdist: the tensorboard package is missing; no TensorBoard logs")

@@ -32,20 +32,21 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tfdist import cluster as _cluster
+from tfdist import distribute, validate
 
 __all__ = [
     "FORMATS",
     "WriteRole",
-    "save",
-    "load",
-    "format_of",
-    "write_role",
-    "staging_path",
-    "atomic_output",
     "add_archive_member",
-    "read_archive_member",
+    "atomic_output",
+    "format_of",
     "is_staging_name",
+    "load",
+    "read_archive_member",
     "remove_stale_staging",
+    "save",
+    "staging_path",
+    "write_role",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def format_of(path: str | os.PathLike) -> str:
         >>> format_of("model.keras"), format_of("w.weights.h5"), format_of("export/1")
         ('keras', 'weights', 'saved_model')
     """
-    text = _path_text(path, "format_of", "path")
+    text = validate.path_text(path, "path", "format_of")
     name = os.path.basename(text.rstrip("/\\"))
     if name.endswith(".keras"):
         return "keras"
@@ -115,14 +116,6 @@ def format_of(path: str | os.PathLike) -> str:
         f"tfdist.save: cannot tell the format from the path. Received: path={text!r}. "
         f"Use one of: {choices}."
     )
-
-
-def _path_text(path, where: str, name: str) -> str:
-    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise TypeError(
-            f"{where}: {name} must be a non-empty str or os.PathLike. Received: {name}={path!r}"
-        )
-    return os.fspath(path)
 
 
 def staging_path(
@@ -141,9 +134,8 @@ def staging_path(
         >>> "worker1" in staging_path("/ckpt/ckpt-1.keras", WriteRole(False, 1), tmp_root="/t")
         True
     """
-    final = os.path.abspath(_path_text(final_path, "staging_path", "final_path"))
-    if not isinstance(role, WriteRole):
-        raise TypeError(f"staging_path: role must be a WriteRole. Received: role={role!r}")
+    final = os.path.abspath(validate.path_text(final_path, "final_path", "staging_path"))
+    validate.instance(role, WriteRole, "role", "staging_path", "a WriteRole")
     parent, name = os.path.split(final.rstrip(os.sep))
     tag = _staging_tag()
     if role.is_chief:
@@ -176,7 +168,7 @@ def remove_stale_staging(directory: str | os.PathLike) -> list[str]:
         >>> remove_stale_staging("ckpt/")  # doctest: +SKIP
         ['ckpt/.tmp-4242-host-ckpt-3.keras']
     """
-    directory = _path_text(directory, "remove_stale_staging", "directory")
+    directory = validate.path_text(directory, "directory", "remove_stale_staging")
     try:
         names = os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
@@ -266,7 +258,7 @@ def atomic_output(final_path: str | os.PathLike, *, role: WriteRole | None = Non
         >>> with atomic_output("model.keras") as tmp:   # doctest: +SKIP
         ...     model.save(tmp)
     """
-    final = os.path.abspath(_path_text(final_path, "atomic_output", "final_path"))
+    final = os.path.abspath(validate.path_text(final_path, "final_path", "atomic_output"))
     role = write_role() if role is None else role
     staging = staging_path(final, role)
     own_dir = None if role.is_chief else os.path.dirname(staging)
@@ -348,7 +340,8 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
         The absolute path written (also on workers, which write nothing there).
 
     Raises:
-        TypeError: ``model`` is not a Keras model, or ``path`` is not a path.
+        TypeError: ``model`` is not a Keras model, ``path`` is not a path, or
+            ``overwrite`` is not a bool.
         ValueError: the path's suffix names no supported format, or the model is not built.
         FileExistsError: ``path`` exists and ``overwrite`` is False.
 
@@ -359,50 +352,61 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
         '/abs/out/model.keras'
         >>> tfdist.save(model, "export/1")  # a SavedModel  # doctest: +SKIP
     """
-    import keras
-
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"tfdist.save: model must be a keras.Model. Received: model={model!r} "
-            f"(type {type(model).__name__})."
-        )
-    text = _path_text(path, "tfdist.save", "path")
-    fmt = format_of(text)
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"tfdist.save: overwrite must be a bool. Received: overwrite={overwrite!r}")
-    if not model.built:
-        raise ValueError(
-            f"tfdist.save: the model is not built, so it has no weights to save. "
-            f"Received: model={model.name!r}, path={text!r}. Call the model on a batch, or "
-            "give it a keras.Input, before saving."
-        )
+    text, fmt = _save_arguments(model, path, overwrite)
     final = os.path.abspath(text)
     role = write_role()
     # Checked on every worker, not only the chief: a worker that went on into the save's
     # collectives while the chief stopped here would wait for it (shared storage assumed).
+    _check_destination(final, text, overwrite)
+    if role.is_chief:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    with atomic_output(final, role=role) as staging:
+        _write(model, staging, fmt)
+    if role.is_chief:
+        logger.info("tfdist: saved %s as %s", model.name, final)
+    return final
+
+
+def _save_arguments(model, path, overwrite) -> tuple[str, str]:
+    """``save``'s checks of its arguments; returns the path as text and its format."""
+    import keras
+
+    where = "tfdist.save"
+    validate.instance(
+        model, keras.Model, "model", where, "a keras.Model", f"It is a {type(model).__name__}."
+    )
+    text = validate.path_text(path, "path", where)
+    fmt = format_of(text)
+    validate.instance(overwrite, bool, "overwrite", where, "a bool")
+    if not model.built:
+        raise ValueError(
+            f"{where}: the model is not built, so it has no weights to save. "
+            f"Received: model={model.name!r}, path={text!r}. Call the model on a batch, or "
+            "give it a keras.Input, before saving."
+        )
+    return text, fmt
+
+
+def _check_destination(final: str, text: str, overwrite: bool) -> None:
     if os.path.lexists(final) and not overwrite:
         raise FileExistsError(
             f"tfdist.save: {final!r} exists and overwrite=False. Received: path={text!r}. "
             "Pass overwrite=True or choose another path."
         )
-    parent = os.path.dirname(final)
-    if os.path.isfile(parent):
+    if os.path.isfile(os.path.dirname(final)):
         raise NotADirectoryError(
             f"tfdist.save: the parent of path is a file, not a directory. "
             f"Received: path={text!r}. Choose a path inside a directory."
         )
-    if role.is_chief:
-        os.makedirs(parent, exist_ok=True)
-    with atomic_output(final, role=role) as staging:
-        if fmt == "keras":
-            model.save(staging)
-        elif fmt == "weights":
-            model.save_weights(staging)
-        else:
-            model.export(staging, format="tf_saved_model", verbose=False)
-    if role.is_chief:
-        logger.info("tfdist: saved %s as %s", model.name, final)
-    return final
+
+
+def _write(model, staging: str, fmt: str) -> None:
+    if fmt == "keras":
+        model.save(staging)
+    elif fmt == "weights":
+        model.save_weights(staging)
+    else:
+        model.export(staging, format="tf_saved_model", verbose=False)
 
 
 def load(
@@ -441,51 +445,31 @@ def load(
 
     Raises:
         FileNotFoundError: nothing at ``path``.
+        TypeError: ``path`` is not a path, a flag is not a bool, or ``model`` is not a
+            ``keras.Model``.
         ValueError: unsafe content with ``safe_mode=True``, a weights file without a
-            ``model``, or a path whose format is unknown.
+            ``model`` (or with an unbuilt one), or a path whose format is unknown.
 
     Example:
         >>> model = tfdist.load("model.keras")                   # doctest: +SKIP
         >>> model = tfdist.load("model.keras", in_scope=True)    # doctest: +SKIP
         >>> served = tfdist.load("export/1"); served.serve(x)    # doctest: +SKIP
     """
-    text = _path_text(path, "tfdist.load", "path")
+    where = "tfdist.load"
+    text = validate.path_text(path, "path", where)
     for name, value in (("in_scope", in_scope), ("safe_mode", safe_mode), ("compile", compile)):
-        if not isinstance(value, bool):
-            raise TypeError(f"tfdist.load: {name} must be a bool. Received: {name}={value!r}")
-    if not os.path.exists(text):
-        raise FileNotFoundError(
-            f"tfdist.load: nothing at path. Received: path={text!r}. Pass the path "
-            "tfdist.save (or model.save/model.export) wrote."
-        )
-    name = os.path.basename(text.rstrip("/\\"))
-    if os.path.isdir(text):
-        fmt = "saved_model"
-    elif name.endswith((".h5", ".hdf5")) and not name.endswith(".weights.h5"):
-        fmt = "legacy_h5"
-    else:
-        fmt = format_of(text)
+        validate.instance(value, bool, name, where, "a bool")
+    fmt = _load_format(text)
     if model is not None and fmt != "weights":
         raise ValueError(
-            f"tfdist.load: model= is only for .weights.h5 files. Received: path={text!r}, "
+            f"{where}: model= is only for .weights.h5 files. Received: path={text!r}, "
             f"model={model!r}. Drop model=, the {fmt} format carries its own architecture."
         )
-    scope = _scope_for(in_scope, strategy)
-    with scope:
+    with _scope_for(in_scope, strategy):
         if fmt == "keras":
             return _load_keras(text, safe_mode, compile, custom_objects)
         if fmt == "legacy_h5":
-            if safe_mode:
-                raise ValueError(
-                    f"tfdist.load: refusing a legacy HDF5 model file in safe mode, because it "
-                    f"can embed Python code that runs on load. Received: path={text!r}. "
-                    "Re-save it as .keras, or pass safe_mode=False if you trust the file."
-                )
-            import keras
-
-            return keras.models.load_model(
-                text, custom_objects=custom_objects, compile=compile, safe_mode=False
-            )
+            return _load_legacy_h5(text, safe_mode, compile, custom_objects)
         if fmt == "weights":
             return _load_weights(text, model)
         import tensorflow as tf
@@ -493,12 +477,39 @@ def load(
         return tf.saved_model.load(text)
 
 
+def _load_format(text: str) -> str:
+    """What is at ``text``: ``keras``, ``weights``, ``saved_model`` or ``legacy_h5``."""
+    if not os.path.exists(text):
+        raise FileNotFoundError(
+            f"tfdist.load: nothing at path. Received: path={text!r}. Pass the path "
+            "tfdist.save (or model.save/model.export) wrote."
+        )
+    name = os.path.basename(text.rstrip("/\\"))
+    if os.path.isdir(text):
+        return "saved_model"
+    if name.endswith((".h5", ".hdf5")) and not name.endswith(".weights.h5"):
+        return "legacy_h5"
+    return format_of(text)
+
+
 def _scope_for(in_scope: bool, strategy):
     if strategy is None and not in_scope:
         return contextlib.nullcontext()
-    from tfdist.strategy import _current
+    return distribute.current(strategy).scope()
 
-    return _current(strategy).scope()
+
+def _load_legacy_h5(path: str, safe_mode: bool, compile: bool, custom_objects):
+    import keras
+
+    if safe_mode:
+        raise ValueError(
+            f"tfdist.load: refusing a legacy HDF5 model file in safe mode, because it "
+            f"can embed Python code that runs on load. Received: path={path!r}. "
+            "Re-save it as .keras, or pass safe_mode=False if you trust the file."
+        )
+    return keras.models.load_model(
+        path, custom_objects=custom_objects, compile=compile, safe_mode=False
+    )
 
 
 def _load_keras(path: str, safe_mode: bool, compile: bool, custom_objects):
@@ -533,11 +544,10 @@ def _load_weights(path: str, model):
             "model=None. Build and compile the model, then pass it: "
             "tfdist.load(path, model=model)."
         )
-    if not isinstance(model, keras.Model) or not model.built:
-        raise ValueError(
-            f"tfdist.load: model must be a built keras.Model. Received: model={model!r}. "
-            "Give it a keras.Input (or call it once) before loading weights."
-        )
+    what, hint = "a built keras.Model", "Give it a keras.Input (or call it once) first."
+    validate.instance(model, keras.Model, "model", "tfdist.load", what, hint)
+    if not model.built:
+        raise ValueError(validate.message("tfdist.load", "model", what, model, hint))
     if getattr(model, "optimizer", None) is not None and not model.optimizer.built:
         # Keras skips optimizer state (with only a warning) when the optimizer has no
         # variables yet; build them (in the model's own strategy scope, where its

@@ -103,10 +103,10 @@ def train_once(
         )
     r = recipes_lib.get_recipe(recipe, **changes)
 
+    import tfdist
+
     strategy = None
     if replicas > 1:  # before any tensor exists: TensorFlow fixes its devices at first use
-        import tfdist
-
         strategy = tfdist.strategy(cpu_devices=replicas)
 
     data_dir = data_dir or os.environ.get("TFDS_DATA_DIR")
@@ -145,7 +145,12 @@ def train_once(
         model = r.build_and_compile(replicas, steps_per_epoch=steps)
 
     wall, cpu = time.perf_counter(), time.process_time()
-    history = model.fit(train_ds, epochs=r.epochs, callbacks=r.callbacks(), verbose=0)
+    history = model.fit(
+        train_ds,
+        epochs=r.epochs,
+        callbacks=[tfdist.callbacks.decay(r.epoch_decay)] if r.epoch_decay else [],
+        verbose=0,
+    )
     train_s, cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     test_loss, test_accuracy = model.evaluate(test_ds, verbose=0)
     return {

@@ -50,12 +50,10 @@ from tfdist.checkpoint.names import (
 )
 from tfdist.checkpoint.restore import (
     ResumeState,
-    finish_resumed_epoch,
     is_resumed_partial_epoch,
     make_or_restore,
     resume_state,
 )
-from tfdist.checkpoint.rng import numpy_value
 from tfdist.position import Position
 
 __all__ = [
@@ -72,8 +70,3 @@ __all__ = [
     "RESUME_MEMBER",
     "CORRUPT_SUFFIX",
 ]
-
-# The names tfdist.callbacks imported before the split; new code imports
-# tfdist.checkpoint.restore.finish_resumed_epoch and tfdist.checkpoint.rng.numpy_value.
-_finish_resumed_epoch = finish_resumed_epoch
-_numpy = numpy_value

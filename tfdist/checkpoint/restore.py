@@ -121,7 +121,7 @@ def set_data_position(epoch: int, skip: int) -> None:
     # Imported here: tfdist.data is only needed once training starts.
     from tfdist import data
 
-    data.set_position(epoch, skip)  # positional: the second name is changing
+    data.set_position(epoch, batch=skip)
     # Only seeded tfdist.data pipelines can skip; say so when none exists, since the
     # alternative is a silent replay of the batches already trained.
     if skip and not len(process.state().pipelines):

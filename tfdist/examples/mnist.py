@@ -24,7 +24,10 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-__all__ = ["TrainConfig", "run", "plot_history", "summary_line"]
+from tfdist import validate
+from tfdist.config import ConfigError
+
+__all__ = ["MnistMissing", "TrainConfig", "plot_history", "run", "summary_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,23 +67,28 @@ class TrainConfig:
         return self.checkpoint_dir or os.path.join(self.output, "ckpt")
 
 
+class MnistMissing(ConfigError, FileNotFoundError):
+    """MNIST is neither on disk nor downloadable: a ``FileNotFoundError`` naming
+    ``TFDS_DATA_DIR``, and a ``ConfigError`` so ``tfdist train`` prints it as one line."""
+
+
 def _strategy(devices: int | None):
     import tensorflow as tf
 
     import tfdist
 
     if devices is None:
-        return tfdist.strategy()
+        return tfdist.distribute.strategy()
     gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        if devices > len(gpus):
-            raise ValueError(
-                f"train mnist: --devices {devices} asks for more GPUs than the {len(gpus)} "
-                "present. Received: devices={devices}. Pass at most {len(gpus)}."
-            )
-        names = [f"/gpu:{i}" for i in range(devices)]
-        return tfdist.strategy("mirrored" if devices > 1 else "one_device", devices=names)
-    return tfdist.strategy(cpu_devices=devices)
+    if not gpus:
+        return tfdist.distribute.strategy(cpu_devices=devices)
+    if devices > len(gpus):
+        raise ConfigError(
+            f"train mnist: --devices {devices} asks for more GPUs than the {len(gpus)} "
+            f"present. Received: devices={devices}. Pass at most {len(gpus)}."
+        )
+    names = [f"/gpu:{i}" for i in range(devices)]
+    return tfdist.distribute.strategy("mirrored" if devices > 1 else "one_device", devices=names)
 
 
 def _history_rows(path: str) -> list[dict]:
@@ -105,8 +113,8 @@ def plot_history(history_csv: str, png_path: str, *, title: str = "MNIST") -> st
     rows = _history_rows(history_csv)
     if not rows:
         raise ValueError(
-            f"plot_history: no epochs recorded in history_csv. Received: history_csv={history_csv!r}. "
-            "Train at least one epoch first."
+            "plot_history: no epochs recorded in history_csv. "
+            f"Received: history_csv={history_csv!r}. Train at least one epoch first."
         )
     epochs = [int(r["epoch"]) + 1 for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -139,73 +147,30 @@ def run(config: TrainConfig) -> dict:
 
     Raises:
         FileNotFoundError: MNIST is not on disk and cannot be downloaded (names
-            ``TFDS_DATA_DIR``).
+            ``TFDS_DATA_DIR``; a ``MnistMissing``).
 
     Example:
         >>> run(TrainConfig(epochs=1, output="/tmp/mnist"))["epochs"]  # doctest: +SKIP
         1
     """
     start = time.perf_counter()
-    import keras
-
     import tfdist
-    from tfdist.examples.recipes import get_recipe
 
     strategy = _strategy(config.devices)
-    changes = {}
-    if config.epochs is not None:
-        changes["epochs"] = config.epochs
-    if config.per_replica_batch is not None:
-        changes["per_replica_batch"] = config.per_replica_batch
-    recipe = get_recipe(config.recipe, **changes)
+    recipe = _recipe(config)
     replicas = strategy.num_replicas_in_sync
-    chief = tfdist.is_chief()
-
     # Load the data first: a missing dataset should fail before anything is written.
-    train_raw, test_raw = tfdist.data.mnist(config.train_split), tfdist.data.mnist("test")
-    train = tfdist.data.pipeline(
-        train_raw,
-        recipe.per_replica_batch,
-        map_fn=recipe.train_map,
-        map_on="batch",
-        seed=config.seed,
-        strategy=strategy,
-    )
-    test = tfdist.data.pipeline(
-        test_raw, recipe.per_replica_batch, map_fn=recipe.eval_map, shuffle=None, strategy=strategy
-    )
-    steps_per_epoch = int(train.cardinality())
-    if steps_per_epoch <= 0:  # unknown cardinality: fall back to the arithmetic
-        steps_per_epoch = math.floor(60_000 / recipe.global_batch(replicas))
-
-    def build_and_compile():
-        keras.utils.set_random_seed(config.seed)
-        return recipe.build_and_compile(replicas, steps_per_epoch=steps_per_epoch)
-
+    train, test = _datasets(config, recipe, strategy)
+    steps_per_epoch = _steps_per_epoch(train, recipe, replicas)
     os.makedirs(config.output, exist_ok=True)
     model, initial_epoch = tfdist.make_or_restore(
-        build_and_compile, config.ckpt_dir, strategy=strategy
+        _model_builder(config, recipe, replicas, steps_per_epoch),
+        config.ckpt_dir,
+        strategy=strategy,
     )
     resumed = tfdist.checkpoint.resume_state(model)  # None for a fresh model
-    callbacks = tfdist.callbacks.standard(
-        config.ckpt_dir, decay=recipe.epoch_decay, save_freq=config.save_freq
-    )
     history_csv = os.path.join(config.output, "history.csv")
-    if chief:
-        # append=True keeps the epochs of earlier (interrupted) runs in one history.
-        callbacks.append(keras.callbacks.CSVLogger(history_csv, append=initial_epoch > 0))
-    if initial_epoch > 0:
-        logger.info("tfdist: resuming MNIST job at epoch %d of %d", initial_epoch, recipe.epochs)
-    if initial_epoch < recipe.epochs:
-        model.fit(
-            train,
-            epochs=recipe.epochs,
-            initial_epoch=initial_epoch,
-            validation_data=test,
-            callbacks=callbacks,
-            shuffle=False,  # the pipeline shuffles; Keras would only warn
-            verbose=config.verbose if chief else 0,
-        )
+    _fit(model, config, recipe, (train, test), initial_epoch, history_csv)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     tfdist.save(model, os.path.join(config.output, "model.keras"))
     metrics = {
@@ -226,16 +191,100 @@ def run(config: TrainConfig) -> dict:
         "config": asdict(config),
         "history": _history_rows(history_csv),
     }
-    if chief:
-        with open(os.path.join(config.output, "metrics.json"), "w") as f:
-            json.dump(metrics, f, indent=2)
-        if metrics["history"]:
-            plot_history(
-                history_csv,
-                os.path.join(config.output, "curves.png"),
-                title=f"MNIST, {recipe.name} recipe",
-            )
+    if tfdist.distribute.is_chief():
+        _write_outputs(config.output, recipe.name, metrics, history_csv)
     return metrics
+
+
+def _recipe(config: TrainConfig):
+    """The recipe of ``config``, with its epochs and batch overrides."""
+    from tfdist.examples.recipes import get_recipe
+
+    changes = {}
+    if config.epochs is not None:
+        changes["epochs"] = config.epochs
+    if config.per_replica_batch is not None:
+        changes["per_replica_batch"] = config.per_replica_batch
+    return get_recipe(config.recipe, **changes)
+
+
+def _datasets(config: TrainConfig, recipe, strategy):
+    """The training and test pipelines (MnistMissing when MNIST cannot be had)."""
+    import tfdist
+
+    try:
+        train_raw, test_raw = tfdist.data.mnist(config.train_split), tfdist.data.mnist("test")
+    except FileNotFoundError as err:
+        raise MnistMissing(str(err)) from err
+    train = tfdist.data.pipeline(
+        train_raw,
+        recipe.per_replica_batch,
+        map_fn=recipe.train_map,
+        map_on="batch",
+        seed=config.seed,
+        strategy=strategy,
+    )
+    test = tfdist.data.pipeline(
+        test_raw, recipe.per_replica_batch, map_fn=recipe.eval_map, shuffle=None, strategy=strategy
+    )
+    return train, test
+
+
+def _steps_per_epoch(train, recipe, replicas: int) -> int:
+    steps = int(train.cardinality())
+    if steps <= 0:  # unknown cardinality: fall back to the arithmetic
+        steps = math.floor(60_000 / recipe.global_batch(replicas))
+    return steps
+
+
+def _model_builder(config: TrainConfig, recipe, replicas: int, steps_per_epoch: int):
+    """The ``build_fn`` of ``make_or_restore``: the recipe's model, seeded, compiled."""
+
+    def build_and_compile():
+        import keras
+
+        keras.utils.set_random_seed(config.seed)
+        return recipe.build_and_compile(replicas, steps_per_epoch=steps_per_epoch)
+
+    return build_and_compile
+
+
+def _fit(model, config: TrainConfig, recipe, data, initial_epoch: int, history_csv: str):
+    """Trains the epochs still missing, with the standard callbacks (+ CSV on the chief)."""
+    import keras
+
+    import tfdist
+
+    train, test = data
+    chief = tfdist.distribute.is_chief()
+    callbacks = tfdist.callbacks.standard(
+        config.ckpt_dir, decay=recipe.epoch_decay, save_freq=config.save_freq
+    )
+    if chief:
+        # append=True keeps the epochs of earlier (interrupted) runs in one history.
+        callbacks.append(keras.callbacks.CSVLogger(history_csv, append=initial_epoch > 0))
+    if initial_epoch > 0:
+        logger.info("tfdist: resuming MNIST job at epoch %d of %d", initial_epoch, recipe.epochs)
+    if initial_epoch < recipe.epochs:
+        model.fit(
+            train,
+            epochs=recipe.epochs,
+            initial_epoch=initial_epoch,
+            validation_data=test,
+            callbacks=callbacks,
+            shuffle=False,  # the pipeline shuffles; Keras would only warn
+            verbose=config.verbose if chief else 0,
+        )
+
+
+def _write_outputs(output: str, recipe_name: str, metrics: dict, history_csv: str) -> None:
+    """The chief's ``metrics.json`` and, when epochs were recorded, ``curves.png``."""
+    with open(os.path.join(output, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    if metrics["history"]:
+        plot_history(
+            history_csv, os.path.join(output, "curves.png"), title=f"MNIST, {recipe_name} recipe"
+        )
 
 
 def _save_freq(text: str) -> int | str:
@@ -246,11 +295,21 @@ def _save_freq(text: str) -> int | str:
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(
-            f"train mnist: --save-freq must be a positive number of steps or 'epoch'. "
-            f"Received: --save-freq={text!r}"
+        raise ConfigError(
+            validate.message(
+                "train mnist", "--save-freq", "a positive number of steps or 'epoch'", text
+            )
         )
     return value
+
+
+def _flag(check, value, flag: str, **kwargs):
+    """``check`` (a ``tfdist.validate`` function) of a command-line flag, failing with a
+    ``ConfigError``: ``tfdist train`` prints it as one line and exits with 2."""
+    try:
+        return check(value, flag, "train mnist", **kwargs)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from None
 
 
 def config_from_args(args) -> TrainConfig:
@@ -263,11 +322,8 @@ def config_from_args(args) -> TrainConfig:
     """
     for name in ("epochs", "per_replica_batch", "devices"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(
-                f"train mnist: {flag} must be a positive int. Received: {flag}={value}"
-            )
+        if value is not None:
+            _flag(validate.positive_int, value, "--" + name.replace("_", "-"))
     return TrainConfig(
         recipe=args.recipe,
         epochs=args.epochs,
@@ -311,11 +367,8 @@ def main(args) -> int:
     line on the chief.
     """
     config = config_from_args(args)
-    if args.workers < 1 or args.max_restarts < 0:
-        raise ValueError(
-            "train mnist: --workers must be >= 1 and --max-restarts >= 0. "
-            f"Received: --workers={args.workers}, --max-restarts={args.max_restarts}"
-        )
+    _flag(validate.integer, args.workers, "--workers", low=1, what=">= 1")
+    _flag(validate.integer, args.max_restarts, "--max-restarts", low=0, what=">= 0")
     if args.workers > 1:
         from tfdist import launch
 
@@ -330,8 +383,8 @@ def main(args) -> int:
             )
         )
     metrics = run(config)
-    import tfdist
+    from tfdist import distribute
 
-    if tfdist.is_chief():
+    if distribute.is_chief():
         print(summary_line(metrics), flush=True)
     return 0

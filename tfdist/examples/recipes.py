@@ -7,7 +7,8 @@ never create a strategy; build the model inside the caller's ``strategy.scope()`
 
 * ``tutorial`` is the "Distributed training with Keras" walkthrough exactly: a small
   convnet, Adam, 12 epochs of 64 examples per replica, and the 1e-3 / 1e-4 / 1e-5 epoch
-  decay applied by a ``keras.callbacks.LearningRateScheduler``. It ends near 98.6-98.8%
+  decay (``epoch_decay``) applied by ``tfdist.callbacks.decay``, a Keras
+  ``LearningRateScheduler``. It ends near 98.6-98.8%
   test accuracy. As in the guides, its learning rate does not grow with the replicas.
 * ``fast`` (the default) reaches >= 99.0% in less wall time. Its learning rate follows the
   linear scaling rule (``base_learning_rate * global_batch / reference_batch``) with a
@@ -27,26 +28,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import keras
-import tensorflow as tf
+
+from tfdist import validate
+from tfdist.data import scale
 
 __all__ = [
-    "MNIST_TRAIN_EXAMPLES",
     "DEFAULT_RECIPE",
-    "Recipe",
+    "MNIST_TRAIN_EXAMPLES",
     "RECIPES",
-    "scaled_warmup_cosine_decay",
-    "peak_learning_rate",
-    "get_recipe",
-    "recipe_names",
-    "tutorial_model",
+    "Recipe",
     "fast_model",
+    "get_recipe",
+    "peak_learning_rate",
+    "recipe_names",
+    "scaled_warmup_cosine_decay",
     "tutorial_decay",
-    "scale_pixels",
+    "tutorial_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -55,33 +56,10 @@ MNIST_TRAIN_EXAMPLES = 60_000
 DEFAULT_RECIPE = "fast"
 
 
-def _positive_int(value, name: str, where: str, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(
-            f"{where}: {name} must be a positive int. Received: {name}={value!r}. {hint}"
-        )
-    return int(value)
-
-
-def _non_negative_int(value, name: str, where: str, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{where}: {name} must be an int >= 0. Received: {name}={value!r}. {hint}")
-    return int(value)
-
-
-def _finite_float(value, name: str, where: str, hint: str, *, low: float, low_ok: bool) -> float:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, numbers.Real)
-        and math.isfinite(value)
-        and (value >= low if low_ok else value > low)
-    )
-    if not ok:
-        bound = f">= {low}" if low_ok else f"> {low}"
-        raise ValueError(
-            f"{where}: {name} must be a finite number {bound}. Received: {name}={value!r}. {hint}"
-        )
-    return float(value)
+# What the checks below say an argument must be (``tfdist.validate`` message shape).
+_INT_FROM_0 = {"low": 0, "what": "an int >= 0"}
+_POSITIVE = {"low": 0.0, "low_ok": False, "what": "a finite number > 0.0"}
+_FROM_0 = {"low": 0.0, "what": "a finite number >= 0.0"}
 
 
 # --- the tutorial recipe ------------------------------------------------------------
@@ -116,8 +94,8 @@ def tutorial_decay(epoch: int) -> float:
         >>> [tutorial_decay(e) for e in (0, 3, 7)]
         [0.001, 0.0001, 1e-05]
     """
-    epoch = _non_negative_int(
-        epoch, "epoch", "tutorial_decay", "Keras passes the 0-based epoch index."
+    epoch = validate.integer(
+        epoch, "epoch", "tutorial_decay", "Keras passes the 0-based epoch index.", **_INT_FROM_0
     )
     if epoch < 3:
         return 1e-3
@@ -194,35 +172,32 @@ def scaled_warmup_cosine_decay(
         (0.001, 0.002)
     """
     where = "scaled_warmup_cosine_decay"
-    base_learning_rate = _finite_float(
+    base_learning_rate = validate.number(
         base_learning_rate,
         "base_learning_rate",
         where,
         "Pass the learning rate tuned at reference_batch, e.g. 1e-3.",
-        low=0.0,
-        low_ok=False,
+        **_POSITIVE,
     )
-    global_batch = _positive_int(
+    global_batch = validate.positive_int(
         global_batch, "global_batch", where, "Pass per-replica batch x replicas."
     )
-    reference_batch = _positive_int(
+    reference_batch = validate.positive_int(
         reference_batch,
         "reference_batch",
         where,
         "Pass the global batch base_learning_rate was tuned for.",
     )
-    warmup_steps = _non_negative_int(warmup_steps, "warmup_steps", where, "Pass 0 for no warm-up.")
-    decay_steps = _positive_int(
+    warmup_steps = validate.integer(
+        warmup_steps, "warmup_steps", where, "Pass 0 for no warm-up.", **_INT_FROM_0
+    )
+    decay_steps = validate.positive_int(
         decay_steps, "decay_steps", where, "Pass the training steps after the warm-up."
     )
-    alpha = _finite_float(
-        alpha, "alpha", where, "Pass a fraction in [0, 1], e.g. 0.0.", low=0.0, low_ok=True
-    )
+    hint = "It is the final learning rate as a fraction of the peak, e.g. 0.0."
+    alpha = validate.number(alpha, "alpha", where, hint, low=0.0, what="in [0, 1]")
     if alpha > 1.0:
-        raise ValueError(
-            f"{where}: alpha must be in [0, 1]. Received: alpha={alpha!r}. "
-            "It is the final learning rate as a fraction of the peak."
-        )
+        raise ValueError(validate.message(where, "alpha", "in [0, 1]", alpha, hint))
     peak = base_learning_rate * global_batch / reference_batch
     if warmup_steps:
         return keras.optimizers.schedules.CosineDecay(
@@ -241,20 +216,6 @@ def peak_learning_rate(schedule: keras.optimizers.schedules.CosineDecay) -> floa
         0.02
     """
     return float(schedule.warmup_target or schedule.initial_learning_rate)
-
-
-# --- input -------------------------------------------------------------------------
-
-
-def scale_pixels(images, labels):
-    """Maps a batch of uint8 images to float32 in [0, 1]; use it in ``Dataset.map``.
-
-    Example:
-        >>> x, y = scale_pixels(tf.fill([1, 28, 28, 1], tf.constant(255, tf.uint8)), [3])
-        >>> float(tf.reduce_max(x))
-        1.0
-    """
-    return tf.cast(images, tf.float32) / 255.0, labels
 
 
 # --- recipes -----------------------------------------------------------------------
@@ -307,42 +268,33 @@ class Recipe:
 
     def __post_init__(self):
         where = "Recipe"
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(
-                f"{where}: name must be a non-empty str. Received: name={self.name!r}."
-            )
-        if not callable(self.build_model):
-            raise ValueError(
-                f"{where}: build_model must be callable. Received: build_model="
-                f"{self.build_model!r}. Pass a function that returns a new model."
-            )
+        validate.instance(self.name, str, "name", where, "a non-empty str")
+        if not self.name:
+            raise ValueError(validate.message(where, "name", "a non-empty str", self.name))
+        validate.callable_(
+            self.build_model, "build_model", where, "Pass a function that returns a new model."
+        )
         for field in ("epoch_decay", "augment"):
-            value = getattr(self, field)
-            if value is not None and not callable(value):
-                raise ValueError(
-                    f"{where}: {field} must be callable or None. Received: {field}={value!r}."
-                )
-        _positive_int(self.epochs, "epochs", where, "Train for at least one epoch.")
-        _positive_int(self.per_replica_batch, "per_replica_batch", where, "Pass e.g. 64 or 128.")
-        _finite_float(
-            self.base_learning_rate,
-            "base_learning_rate",
-            where,
-            "Pass e.g. 1e-3.",
-            low=0.0,
-            low_ok=False,
+            if getattr(self, field) is not None:
+                validate.callable_(getattr(self, field), field, where, "Or pass None.")
+        validate.positive_int(self.epochs, "epochs", where, "Train for at least one epoch.")
+        validate.positive_int(
+            self.per_replica_batch, "per_replica_batch", where, "Pass e.g. 64 or 128."
+        )
+        validate.number(
+            self.base_learning_rate, "base_learning_rate", where, "Pass e.g. 1e-3.", **_POSITIVE
         )
         if self.reference_batch is not None:
-            _positive_int(
+            validate.positive_int(
                 self.reference_batch,
                 "reference_batch",
                 where,
                 "Pass the global batch base_learning_rate was tuned for, or None.",
             )
-        _finite_float(
-            self.warmup_epochs, "warmup_epochs", where, "Pass e.g. 0.5.", low=0.0, low_ok=True
+        validate.number(self.warmup_epochs, "warmup_epochs", where, "Pass e.g. 0.5.", **_FROM_0)
+        validate.integer(
+            self.min_warmup_steps, "min_warmup_steps", where, "Pass e.g. 100.", **_INT_FROM_0
         )
-        _non_negative_int(self.min_warmup_steps, "min_warmup_steps", where, "Pass e.g. 100.")
         if self.epoch_decay is not None and self.reference_batch is not None:
             # A LearningRateScheduler cannot set the rate of an optimizer whose rate is a
             # schedule, so the two ways of decaying exclude each other.
@@ -370,7 +322,7 @@ class Recipe:
             >>> get_recipe("tutorial").steps_per_epoch(1)
             938
         """
-        num_examples = _positive_int(
+        num_examples = validate.positive_int(
             num_examples, "num_examples", "steps_per_epoch", "Pass the training set size."
         )
         return math.ceil(num_examples / self.global_batch(num_replicas))
@@ -388,7 +340,7 @@ class Recipe:
             >>> lr = get_recipe("fast").learning_rate(2, steps_per_epoch=235)  # doctest: +SKIP
         """
         num_replicas = _replicas(num_replicas, "learning_rate")
-        steps_per_epoch = _positive_int(
+        steps_per_epoch = validate.positive_int(
             steps_per_epoch,
             "steps_per_epoch",
             "learning_rate",
@@ -447,39 +399,28 @@ class Recipe:
         )
         return model
 
-    def callbacks(self) -> list[keras.callbacks.Callback]:
-        """The callbacks the recipe itself needs: the epoch decay, if it has one.
-
-        Example:
-            >>> [type(c).__name__ for c in get_recipe("tutorial").callbacks()]
-            ['LearningRateScheduler']
-        """
-        if self.epoch_decay is None:
-            return []
-        return [keras.callbacks.LearningRateScheduler(self.epoch_decay)]
-
     def train_map(self, images, labels):
-        """Per-batch training map: ``scale_pixels`` then ``augment`` (if any).
+        """Per-batch training map: ``tfdist.data.scale`` then ``augment`` (if any).
 
         Example:
             >>> train = ds.batch(128).map(recipe.train_map)  # doctest: +SKIP
         """
-        images, labels = scale_pixels(images, labels)
+        images, labels = scale(images, labels)
         if self.augment is not None:
             images, labels = self.augment(images, labels)
         return images, labels
 
     def eval_map(self, images, labels):
-        """Per-batch evaluation map: ``scale_pixels`` only.
+        """Per-batch evaluation map: ``tfdist.data.scale`` only.
 
         Example:
             >>> test = ds.batch(1000).map(recipe.eval_map)  # doctest: +SKIP
         """
-        return scale_pixels(images, labels)
+        return scale(images, labels)
 
 
 def _replicas(num_replicas, where: str) -> int:
-    return _positive_int(
+    return validate.positive_int(
         num_replicas,
         "num_replicas",
         where,
@@ -538,11 +479,9 @@ def get_recipe(name: str = DEFAULT_RECIPE, **changes) -> Recipe:
         >>> get_recipe("tutorial", epochs=2).epochs
         2
     """
-    if name not in RECIPES:
-        raise ValueError(
-            f"get_recipe: name must be one of {recipe_names()}. Received: name={name!r}. "
-            f"Use {DEFAULT_RECIPE!r} for the default."
-        )
+    validate.one_of(
+        name, recipe_names(), "name", "get_recipe", f"Use {DEFAULT_RECIPE!r} for the default."
+    )
     unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Recipe)})
     if unknown:
         raise ValueError(
