@@ -24,7 +24,7 @@ import pytest
 from tfdist import launch
 from tfdist.cli import build_parser, main
 from tfdist.config import ConfigError
-from tfdist.launch import LaunchOptions, Outcome, supervise
+from tfdist.launch import LaunchOptions, Outcome, network, supervise
 from tfdist.launch.supervise import Phase
 
 from conftest import REPO, child_env
@@ -638,3 +638,124 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
     lines.proc.kill()
     lines.finish()
     assert all(gone(pid) for pid in pids), "workers outlived their launcher"
+
+
+# ------------------------------------------------------------------ the private network
+
+# Listens like TensorFlow's gRPC server (every interface), then reaches its peer.
+LISTENER = """
+import socket
+ports = [int(a.rpartition(":")[2]) for a in json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"]]
+server = socket.socket()
+server.bind(("0.0.0.0", ports[rank]))
+server.listen()
+deadline = time.monotonic() + 30
+while True:  # the peer's port, over the job's own loopback
+    try:
+        socket.create_connection(("127.0.0.1", ports[1 - rank]), timeout=5).close()
+        break
+    except OSError:
+        assert time.monotonic() < deadline, "the peer never listened"
+        time.sleep(0.05)
+print("PEER OK", ports[rank], flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+"""
+
+
+def _reachable(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _ports_seen_from_here(tmp_path, *flags: str) -> tuple[list[bool], str]:
+    """Runs two listening workers; which of their ports this (the host's) network reaches."""
+    done = tmp_path / "done"
+    worker = script(tmp_path, LISTENER)
+    lines = Lines(start_cli("-n", "2", *flags, "--no-fixes", worker, str(done)))
+    try:
+        lines.wait_for("[w0] PEER OK", "[w1] PEER OK")
+        ports = [int(line.split()[-1]) for line in lines.seen if "PEER OK" in line]
+        reached = [_reachable(port) for port in ports]
+    finally:
+        done.touch()
+    code, out = lines.finish()
+    assert code == 0, out
+    return reached, out
+
+
+def test_worker_ports_are_not_reachable_from_outside_the_job(tmp_path):
+    reached, out = _ports_seen_from_here(tmp_path)
+    if "no private network" in out:
+        pytest.fail(f"network namespaces are not available here: {out[-2000:]}")
+    assert "tfdist launch: private network: the workers share a network namespace" in out
+    assert reached == [False, False], "a worker port is reachable from the host's network"
+    assert "all 2 worker(s) finished: w0 exited 0, w1 exited 0" in out
+
+
+def test_shared_network_opts_out_and_warns_that_the_ports_are_exposed(tmp_path):
+    reached, out = _ports_seen_from_here(tmp_path, "--shared-network")
+    assert reached == [True, True]
+    assert "shared network (--shared-network): worker ports" in out
+    assert "listen unauthenticated on every interface" in out
+
+
+def test_without_namespaces_the_job_runs_with_a_warning_naming_its_ports(
+    tmp_path, launch_log, monkeypatch
+):
+    def unavailable(*args, **kwargs):
+        raise network.NamespaceUnavailable("unshare(CLONE_NEWNET) failed: Operation not permitted")
+
+    monkeypatch.setattr(network.PrivateNetwork, "create", unavailable)
+    code, out, _ = run(tmp_path, "pass\n", port=free_port_pair())
+    assert code == 0 and "[w1] READY" in out
+    warning = next(m for m in launch_log if m.startswith("no private network"))
+    port = int(warning.split("worker ports ")[1].split(",")[0])
+    assert f"worker ports {port}, {port + 1} listen unauthenticated" in warning
+    assert "--firewall apply" in warning and "Operation not permitted" in warning
+
+
+def free_port_pair() -> int:
+    for _ in range(100):
+        port = launch.free_ports(1)[0]
+        if port < 65000 and _free(port + 1):
+            return port
+    pytest.fail("no two consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def test_network_mode_and_the_shared_network_knob(monkeypatch):
+    assert network.network_mode(LaunchOptions(nproc=2, target="t.py")) == "private"
+    two = LaunchOptions(nproc=1, target="t.py", nnodes=2, port=2222, hosts=("127.0.0.1",) * 2)
+    assert network.network_mode(two) == "hosts"  # each node's launcher: one network
+    monkeypatch.setenv("TFDIST_SHARED_NETWORK", "1")
+    assert LaunchOptions(nproc=1, target="t.py").shared_network is True
+    assert LaunchOptions(nproc=1, target="t.py", shared_network=False).shared_network is False
+    monkeypatch.setenv("TFDIST_SHARED_NETWORK", "maybe")
+    with pytest.raises(ConfigError, match=r"TFDIST_SHARED_NETWORK must be 1 or 0.*'maybe'"):
+        LaunchOptions(nproc=1, target="t.py")
+    with pytest.raises(TypeError, match=r"launch: firewall must be a bool\. Received: firewall"):
+        LaunchOptions(nproc=1, target="t.py", firewall="yes")
+
+
+def test_firewall_print_admits_the_job_hosts_only(capsys):
+    argv = ["launch", "-n", "2", "--nnodes", "2", "--node-rank", "1", "--port", "23456"]
+    argv += ["--hosts", "10.213.0.1,10.213.0.2", "--allow-remote", "--firewall", "print", "t.py"]
+    assert main(argv) == 0
+    rules = capsys.readouterr().out
+    assert "table inet tfdist_23456 {" in rules and 'iif "lo" accept' in rules
+    assert "ip saddr { 10.213.0.1, 10.213.0.2 } tcp dport { 23456, 23457 } accept" in rules
+    assert "tcp dport { 23456, 23457 } reject with tcp reset" in rules
+    assert main(["launch", "-n", "2", "--firewall", "print", "t.py"]) == 2
+    assert "--firewall print needs fixed ports" in capsys.readouterr().err

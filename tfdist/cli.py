@@ -86,6 +86,8 @@ def _launch_options(args: argparse.Namespace):
         node_rank=args.node_rank,
         hosts=hosts or (launch.LOOPBACK,) * nnodes,
         allow_remote=args.allow_remote,
+        shared_network=True if args.shared_network else None,  # None: TFDIST_SHARED_NETWORK
+        firewall=args.firewall == "apply",
         fixes=not args.no_fixes,
         grace=args.grace,
         finish_timeout=args.finish_timeout,
@@ -97,12 +99,32 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from tfdist import launch
 
     _configure_launch_log(args.verbose)
-    return launch.run(_launch_options(args))
+    options = _launch_options(args)
+    if args.firewall == "print":
+        return _print_firewall(options)
+    return launch.run(options)
+
+
+def _print_firewall(options) -> int:
+    """``--firewall print``: this node's nftables rules on stdout (``| nft -f -``)."""
+    from tfdist.launch import cluster_addresses, network
+
+    if not options.fixed_ports:
+        raise ConfigError(
+            "launch: --firewall print needs fixed ports. Received: no --port. Pass --port P "
+            "(or host:port in --hosts): the rules name the ports."
+        )
+    addresses = cluster_addresses(options)
+    first = network.node_ports(options, addresses)[0]
+    # A name that outlives this process: the rules are loaded by hand, for the job's ports.
+    print(network.firewall_rules(options, addresses, table=f"tfdist_{first}"), end="")
+    return 0
 
 
 _LAUNCH_DESCRIPTION = (
     "Start N worker processes of a multi-worker job on this host, each with TF_CONFIG "
-    "(free ports on 127.0.0.1) and tfdist's fixes applied before the script runs. Output "
+    "(free ports on 127.0.0.1, in a private network namespace where Linux allows it: "
+    "--shared-network opts out) and tfdist's fixes applied before the script runs. Output "
     "lines are prefixed [w0], [w1], ...; when a worker fails the others are stopped (fail "
     "fast); --max-restarts restarts the group. Exit code: 0, the failed worker's code, or "
     "75 when a restart was requested and none are left."
@@ -112,7 +134,7 @@ _LAUNCH_EPILOG = (
     "  tfdist launch -n 2 train.py --epochs 3\n"
     "  tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train\n"
     "  tfdist launch -n 1 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 "
-    "--port 23456 --allow-remote train.py"
+    "--port 23456 --allow-remote --firewall apply train.py"
 )
 
 
@@ -167,6 +189,24 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow non-loopback --hosts. TensorFlow's gRPC server has no authentication and "
         "listens on all interfaces: use only on a private network",
+    )
+    _add_protection_flags(launch)
+
+
+def _add_protection_flags(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument(
+        "--shared-network",
+        action="store_true",
+        help="run a single-node job's workers on this host's network (their ports reachable "
+        "from it) instead of a private network namespace whose only interface is its own "
+        "loopback; for jobs that need the outside network (also TFDIST_SHARED_NETWORK=1)",
+    )
+    launch.add_argument(
+        "--firewall",
+        choices=("print", "apply"),
+        help="nftables rules that admit this node's worker ports only from loopback and the "
+        "job's --hosts: print them and exit (for `| nft -f -`), or apply them while the job "
+        "runs (root; for multi-node or --shared-network jobs)",
     )
 
 

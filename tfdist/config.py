@@ -15,6 +15,8 @@ variable                       default     meaning
 ``TFDIST_COMPAT_EXCLUDE``      empty       comma-separated fixes not to apply
 ``TFDIST_SLURM_PORT_BASE``     from job    first port of a SLURM step's workers
 ``TFDIST_RESTART``             0           set by ``tfdist launch``: group restarts so far
+``TFDIST_SHARED_NETWORK``      0           ``1``: ``tfdist launch`` workers use this host's
+                                           network instead of a private one
 ``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
 =============================  ==========  ================================================
 
@@ -41,12 +43,14 @@ __all__ = [
     "COMPAT_EXCLUDE_ENV",
     "SLURM_PORT_BASE_ENV",
     "RESTART_ENV",
+    "SHARED_NETWORK_ENV",
     "MultiWorkerTimeouts",
     "cpu_devices",
     "compat_exclude",
     "slurm_port_base",
     "keras_backend",
     "restart_count",
+    "shared_network",
 ]
 
 
@@ -66,6 +70,7 @@ CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
 COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
 SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
+SHARED_NETWORK_ENV = "TFDIST_SHARED_NETWORK"
 TIMEOUT_ENV = {
     "register": "TFDIST_REGISTER_TIMEOUT",
     "heartbeat": "TFDIST_HEARTBEAT_TIMEOUT",
@@ -121,6 +126,27 @@ def cpu_devices(arg: int | None = None, *, environ: Mapping[str, str] | None = N
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
     """How many times ``tfdist launch`` restarted this worker's group (0 at first start)."""
     return _env_int(_env(environ), RESTART_ENV, "tfdist launch sets it; do not set it.") or 0
+
+
+def shared_network(arg: bool | None = None, *, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether local ``tfdist launch`` jobs skip the private network: ``arg``, else
+    ``TFDIST_SHARED_NETWORK`` (``1``/``true``/``yes`` or ``0``/``false``/``no``), else False.
+
+    Example:
+        >>> shared_network(environ={"TFDIST_SHARED_NETWORK": "1"})
+        True
+    """
+    if arg is not None:
+        return validate.instance(arg, bool, "shared_network", "tfdist", "a bool")
+    text = _env_text(_env(environ), SHARED_NETWORK_ENV).lower()
+    if text in ("", "0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise ConfigError(
+        f"{SHARED_NETWORK_ENV} must be 1 or 0. Received: {SHARED_NETWORK_ENV}={text!r}. "
+        "Set it to 1 to run local jobs on this host's network (their ports exposed)."
+    )
 
 
 def compat_exclude(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -12,10 +12,14 @@ parameters on MNIST-sized synthetic data, global batch 128):
   2 workers (``tfdist launch -n 2``, one CPU device each, gRPC all-reduce); B: 2
   logical CPU devices in one process (``TFDIST_CPU_DEVICES=2``, MirroredStrategy).
   The same model, data and global batch; no goal, it is what multi-worker costs.
+* ``network``: launch to the end of the first step, A: ``tfdist launch -n 2`` (workers
+  in a private network namespace, the default), B: ``tfdist launch -n 2
+  --shared-network``. Goal: A/B at most 1.05.
 
     python tools/bench_launcher.py            # 3 pairs each
     python tools/bench_launcher.py --quick    # 1 pair each, fewer steps
     python tools/bench_launcher.py --json figures.json
+    python tools/bench_launcher.py --network-only --pairs 5
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "scripts" / "mw_bench_job.py"
 TIMEOUT = 600  # seconds for one measured run
 STARTUP_GOAL = 1.1
+NETWORK_GOAL = 1.05
 
 if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkout
     sys.path.insert(0, str(REPO))
@@ -64,10 +69,10 @@ def _report(text: str) -> dict:
     raise RuntimeError(f"bench_launcher: the job printed no report:\n{text[-3000:]}")
 
 
-def _launcher(job_args: list[str]) -> tuple[float, dict]:
+def _launcher(job_args: list[str], *flags: str) -> tuple[float, dict]:
     started = time.time()
     proc = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(JOB), *job_args],
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2", *flags, str(JOB), *job_args],
         cwd=REPO,
         env=_env(),
         capture_output=True,
@@ -172,6 +177,27 @@ def startup(*, pairs: int = 3) -> dict:
     return result
 
 
+def network(*, pairs: int = 3) -> dict:
+    """Seconds from launch to the end of the first step: private network (A) vs shared (B).
+
+    Example:
+        >>> network(pairs=1)["ratio_median"]  # doctest: +SKIP
+        1.0
+    """
+    args = ["--first-step-only"]
+
+    def measure(*flags: str) -> Callable[[], float]:
+        def once() -> float:
+            started, report = _launcher(args, *flags)
+            return report["first_step"] - started
+
+        return once
+
+    result = _summary(*_alternate(measure(), measure("--shared-network"), pairs))
+    result.update(unit="s", goal=f"<= {NETWORK_GOAL}", met=result["ratio_median"] <= NETWORK_GOAL)
+    return result
+
+
 def per_step(*, pairs: int = 3, steps: int = 60, warmup: int = 10) -> dict:
     """Milliseconds per step: 2 workers (A) vs 2 logical devices in one process (B).
 
@@ -201,7 +227,7 @@ def run(*, quick: bool = False, pairs: int | None = None) -> dict:
     Example:
         >>> figures = run(quick=True)  # doctest: +SKIP
         >>> sorted(figures)
-        ['per_step', 'startup']
+        ['network', 'per_step', 'startup']
     """
     pairs = pairs or (1 if quick else 3)
     if pairs < 1:
@@ -209,7 +235,17 @@ def run(*, quick: bool = False, pairs: int | None = None) -> dict:
     return {
         "startup": startup(pairs=pairs),
         "per_step": per_step(pairs=pairs, steps=30 if quick else 60, warmup=5 if quick else 10),
+        "network": network(pairs=pairs),
     }
+
+
+def _print_network(n: dict) -> None:
+    print(
+        f"startup (launch to end of first step), private network / --shared-network: "
+        f"{n['ratio_median']:.3f} (min {n['ratio_min']:.3f}, max {n['ratio_max']:.3f}, "
+        f"n={len(n['ratios'])}); {n['a_median']:.2f} s vs {n['b_median']:.2f} s; goal <= "
+        f"{NETWORK_GOAL}: {'met' if n['met'] else 'NOT met'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +253,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one pair each, fewer steps")
     parser.add_argument("--pairs", type=int, default=None, help="A/B pairs (default 3)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    parser.add_argument(
+        "--network-only", action="store_true", help="only private vs shared network start-up"
+    )
     args = parser.parse_args(argv)
+    if args.network_only:
+        figures = {"network": network(pairs=args.pairs or 3)}
+        _print_network(figures["network"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2))
+        return 0
     figures = run(quick=args.quick, pairs=args.pairs)
     s, p = figures["startup"], figures["per_step"]
     print(
@@ -231,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(min {p['ratio_min']:.3f}, max {p['ratio_max']:.3f}, n={len(p['ratios'])}); "
         f"{p['a_median']:.1f} ms vs {p['b_median']:.1f} ms per step"
     )
+    _print_network(figures["network"])
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

@@ -53,13 +53,22 @@ split as asked raise ``tfdist.config.ConfigError`` (``tfdist launch`` prints one
 and exits 2); an argument of the wrong type raises ``TypeError``.
 
 Security: TensorFlow's gRPC server has no authentication and listens on all
-interfaces. Local jobs therefore use 127.0.0.1 addresses only, and addresses on other
-hosts (multi-node jobs) must be allowed explicitly (``allow_remote=True``,
-``--allow-remote``); keep those ports on a private network (docs/multi_worker.md).
+interfaces, whatever TF_CONFIG names. A single-node job's workers therefore run in a
+private network on Linux: one network namespace (created with a user namespace when not
+root) whose only interface is its own loopback, so their ports exist nowhere else; the
+launcher logs ``private network: ...`` and itself stays on this host's network.
+``shared_network=True`` (``--shared-network``, ``TFDIST_SHARED_NETWORK=1``) opts out;
+where namespaces are not available the launcher warns, naming the exposed ports.
+Multi-node jobs use the hosts' network: addresses on other hosts must be allowed
+explicitly (``allow_remote=True``, ``--allow-remote``), and ``firewall=True``
+(``--firewall apply``, root and nft) admits the worker ports only from loopback and the
+job's hosts while the job runs (``--firewall print`` prints the rules). Threat model:
+docs/multi_worker.md.
 
 Modules: ``options`` (``LaunchOptions``), ``environment`` (addresses, command line and
 environment of each worker: pure functions), ``workers`` (processes, output, signals),
-``supervise`` (the supervision state machine, the restart policy, ``run``).
+``supervise`` (the supervision state machine, the restart policy, ``run``),
+``network`` (the private network namespace and the firewall rule).
 
 Example:
     >>> opts = LaunchOptions(nproc=2, target="train.py", args=("--epochs", "3"))
@@ -67,6 +76,8 @@ Example:
 
     $ tfdist launch -n 2 train.py --epochs 3
     $ tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train
+    $ tfdist launch -n 2 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 --port 23456 \\
+          --allow-remote --firewall apply train.py
 """
 
 from __future__ import annotations

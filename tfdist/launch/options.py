@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from tfdist import validate
-from tfdist.config import ConfigError
+from tfdist.config import ConfigError, shared_network
 
 __all__ = ["LOOPBACK", "LaunchOptions", "check_options", "split_host", "is_loopback"]
 
@@ -97,6 +97,13 @@ class LaunchOptions:
             that node its own first port. Defaults to ``("127.0.0.1",)``.
         allow_remote: permit non-loopback ``hosts`` (TensorFlow's gRPC server is
             unauthenticated and listens on all interfaces).
+        shared_network: a single-node job's workers use this host's network instead of
+            a private network namespace (for jobs that need the outside network; their
+            ports are then reachable from it). None: ``TFDIST_SHARED_NETWORK``, else
+            False. Multi-node jobs always use this host's network.
+        firewall: while the job runs, admit this node's worker ports only from loopback
+            and the job's hosts with an nftables rule (needs root and ``nft``); not
+            needed, and not applied, when the private network is in use.
         fixes: run workers through ``python -m tfdist.bootstrap`` (tfdist's fixes
             applied before the script runs); False runs ``python SCRIPT`` unchanged.
         grace: seconds between a forwarded SIGINT/SIGTERM and SIGKILL.
@@ -121,6 +128,8 @@ class LaunchOptions:
     node_rank: int = 0
     hosts: tuple[str, ...] = (LOOPBACK,)
     allow_remote: bool = False
+    shared_network: bool | None = None
+    firewall: bool = False
     fixes: bool = True
     grace: float = 30.0
     stop_grace: float = 5.0
@@ -133,6 +142,7 @@ class LaunchOptions:
         self._check_ports()
         self._check_hosts()
         self._check_remote()
+        self._check_network()
         self._check_timeouts()
 
     def _set(self, name: str, value) -> None:
@@ -217,6 +227,14 @@ class LaunchOptions:
                 "and listens on all interfaces: only use hosts on a private network, then pass "
                 "--allow-remote (allow_remote=True). See docs/multi_worker.md."
             )
+
+    def _check_network(self) -> None:
+        for name in ("shared_network", "firewall"):
+            value = getattr(self, name)
+            if value is not None or name == "firewall":
+                validate.instance(value, bool, name, _WHERE, "a bool")
+        # Precedence: the argument, then TFDIST_SHARED_NETWORK, then False.
+        self._set("shared_network", shared_network(self.shared_network))
 
     def _check_timeouts(self) -> None:
         for name in ("grace", "stop_grace", "finish_timeout"):

@@ -24,6 +24,7 @@ from typing import TextIO
 
 from tfdist.config import RESTART_EXIT_CODE, ConfigError
 from tfdist.launch.environment import group_addresses, worker_command, worker_envs
+from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options
 from tfdist.launch.workers import LauncherSignals, Worker
 
@@ -198,10 +199,21 @@ class GroupSupervisor:
 
 
 def run_group(
-    options: LaunchOptions, restart: int, signals: LauncherSignals, out: TextIO, err: TextIO
+    options: LaunchOptions,
+    restart: int,
+    signals: LauncherSignals,
+    out: TextIO,
+    err: TextIO,
+    network: JobNetwork | None = None,
 ) -> Outcome:
-    """Starts this node's workers (start number ``restart``), supervises them to the end."""
-    envs = worker_envs(options, group_addresses(options), restart=restart)
+    """Starts this node's workers (start number ``restart``), supervises them to the end.
+
+    ``network`` (default: a new ``JobNetwork``) puts them in a private network or
+    guards their ports; its namespace is let go when the group ends.
+    """
+    network = network or JobNetwork(options)
+    addresses = group_addresses(options)
+    envs = worker_envs(options, addresses, restart=restart)
     command = worker_command(options)
     lock = threading.Lock()
     logger.info(
@@ -213,12 +225,14 @@ def run_group(
     )
     workers: list[Worker] = []
     try:
+        enter = network.start(addresses)
         for rank, env in zip(options.ranks(), envs, strict=True):
-            workers.append(Worker(rank, command, env, out, err, lock))
+            workers.append(Worker(rank, command, env, out, err, lock, enter))
         return GroupSupervisor(options, workers, signals).supervise()
     finally:
         for worker in workers:
             worker.finish()
+        network.end_group()
 
 
 # ------------------------------------------------------------------ policy
@@ -299,18 +313,27 @@ def run(
             f"launch: script {options.target!r} not found. Received: target="
             f"{options.target!r}. Pass a script path, or -m MODULE for a module."
         )
-    restarts = 0
+    network = JobNetwork(options)
     with LauncherSignals() as signals:
-        while True:
-            outcome = run_group(options, restarts, signals, out, err)
-            signalled = bool(signals.count)
-            if not should_restart(outcome, restarts, options.max_restarts, signalled=signalled):
-                _log_end(options, outcome)
-                return exit_code(outcome, signals.received)
-            restarts += 1
-            logger.warning(
-                "%s: restarting all workers (restart %d of %d)",
-                _what(outcome),
-                restarts,
-                options.max_restarts,
-            )
+        try:
+            return _run_groups(options, network, signals, out, err)
+        finally:
+            network.close()
+
+
+def _run_groups(options, network, signals, out, err) -> int:
+    """Starts the group until the restart policy says to stop; returns the exit code."""
+    restarts = 0
+    while True:
+        outcome = run_group(options, restarts, signals, out, err, network)
+        signalled = bool(signals.count)
+        if not should_restart(outcome, restarts, options.max_restarts, signalled=signalled):
+            _log_end(options, outcome)
+            return exit_code(outcome, signals.received)
+        restarts += 1
+        logger.warning(
+            "%s: restarting all workers (restart %d of %d)",
+            _what(outcome),
+            restarts,
+            options.max_restarts,
+        )

@@ -2,18 +2,22 @@
 
 Each worker runs in its own process group with its output copied, line by line and
 prefixed ``[wRANK] ``, to the launcher's streams; it gets SIGKILL if the launcher dies.
+It may first enter a network (``enter``, e.g. ``PrivateNetwork.enter``) between fork
+and exec, so the launcher itself stays where it is.
 ``LauncherSignals`` records the SIGINT/SIGTERM the launcher receives. Policy (when to
 stop or restart) lives in ``tfdist.launch.supervise``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import TextIO
 
 __all__ = ["Worker", "LauncherSignals", "prefix_lines"]
@@ -35,6 +39,7 @@ class Worker:
         out: TextIO,
         err: TextIO,
         lock: threading.Lock,
+        enter: Callable[[], None] | None = None,
     ):
         self.rank = rank
         self.proc = subprocess.Popen(
@@ -46,7 +51,7 @@ class Worker:
             # Own process group: signals reach the worker and its children, and a
             # Ctrl-C in the terminal reaches the launcher only, which forwards it.
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_setup_child, enter),
         )
         self.readers = [
             threading.Thread(
@@ -85,9 +90,12 @@ class Worker:
             reader.join(timeout=_READER_JOIN_S)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _setup_child(enter) -> None:  # pragma: no cover - runs in the child between fork and exec
+    if enter is not None:
+        enter()
     # If the launcher is killed (even with SIGKILL) its workers get SIGKILL too, instead
-    # of training on as orphans holding their ports.
+    # of training on as orphans holding their ports. Set after ``enter``: joining a user
+    # namespace changes credentials, which clears the parent-death signal.
     if _PRCTL is not None:
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
