@@ -61,9 +61,7 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     known = set(modules)
-    return {
-        name: _imports(name, path, known) - {"tfdist"} for name, path in modules.items()
-    }
+    return {name: _imports(name, path, known) - {"tfdist"} for name, path in modules.items()}
 
 
 def _layer(module: str) -> int:

@@ -5,9 +5,10 @@ give it TFDIST_CPU_DEVICES replicas, or a multi-worker strategy under ``tfdist l
 Prints one JSON line: replicas, workers, the loss per epoch and the final weights.
 """
 
+# ruff: noqa: I001 - the tutorials import tfdist first, then their libraries
 import json
 
-import tfdist  # noqa: I001 - the tutorials import their libraries first
+import tfdist
 
 import tensorflow_datasets as tfds
 
