@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 60
 LAYERS = [
     {"validate", "position", "quiet"},
     {"config"},
-    {"cluster", "process", "_private", "launch"},
+    {"cluster", "process", "_private", "launch", "versions"},
     {"compat"},
     {"backends"},
     {"distribute", "saving"},

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 
-from tfdist import backends, compat, distribute
+from tfdist import backends, compat, distribute, versions
 
 __all__ = ["report", "render", "ENV_PREFIXES"]
 
@@ -133,6 +133,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
             "memory_gib": _memory_gib(),
         },
         "versions": {name: _version(name) for name in _PACKAGES},
+        "verified": versions.describe(),
         "backend": backend,
         "build": _build(backend),
         "gpus": _gpus(),
@@ -161,7 +162,7 @@ def _device_lines(r: dict) -> list[str]:
 def render(r: dict) -> str:
     """The report as text, one fact a line."""
     v, sysinfo, c = r["versions"], r["system"], r["cluster"]
-    versions = ", ".join(f"{name} {v[name]}" for name in _PACKAGES if v[name] and name != "tfdist")
+    packages = ", ".join(f"{name} {v[name]}" for name in _PACKAGES if v[name] and name != "tfdist")
     build = ", ".join(f"{k}={val}" for k, val in r["build"].items())
     fixes = [f["name"] for f in r["fixes"] if f["active"]] or ["none active in this process"]
     cluster = "none (single process; chief)"
@@ -172,7 +173,7 @@ def render(r: dict) -> str:
         )
     s = r["strategy"]
     lines = [
-        f"tfdist {v['tfdist']}  ({versions})",
+        f"tfdist {v['tfdist']}  ({packages})",
         f"system:        {sysinfo['os']}, {sysinfo['cpu']}, {sysinfo['cpu_cores']} cores, "
         f"{sysinfo['memory_gib']} GiB",
         f"backend:       {r['backend']}  ({build})",
@@ -180,6 +181,7 @@ def render(r: dict) -> str:
         f"strategy:      {s['kind']}  replicas={s['num_replicas']}  workers={s['num_workers']}",
         f"cluster:       {cluster}",
         f"fixes:         {', '.join(fixes)}",
+        f"verified on:   {'; '.join(r['verified'])}",
         f"MNIST:         {'present' if r['mnist']['present'] else 'absent'} in {r['mnist']['data_dir']}",
         "environment:   "
         + (", ".join(f"{k}={val}" for k, val in r["environment"].items()) or "(none set)"),

@@ -47,6 +47,7 @@ class ProcessState:
             TensorFlow's first op (see ``tfdist.startup``); ``tfdist info`` turns it off.
         jax_initialized: whether tfdist called ``jax.distributed.initialize`` (JAX).
         barriers: unnamed ``tfdist.barrier()`` calls so far (names them in call order).
+        version_warnings: packages already warned about as outside the verified range.
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -60,6 +61,7 @@ class ProcessState:
     auto_strategy: bool = True
     jax_initialized: bool = False
     barriers: int = 0
+    version_warnings: set[str] = field(default_factory=set)
 
 
 _STATE = ProcessState()

@@ -35,7 +35,7 @@ import logging
 import sys
 import threading
 
-from tfdist import _private, backends, cluster, config, process
+from tfdist import _private, backends, cluster, config, process, versions
 
 __all__ = ["install", "installed", "auto_strategy"]
 
@@ -120,6 +120,8 @@ def _on_tensorflow_import(_module) -> None:
     from tfdist import compat
     from tfdist.compat import registry
 
+    versions.check("tensorflow")
+
     compat.apply_all(package="tensorflow")
     registry.patch(
         _private.tf_context_class(), "ensure_initialized", "tfdist_startup", _wrap_ensure
@@ -129,6 +131,7 @@ def _on_tensorflow_import(_module) -> None:
 def _on_keras_import(_module) -> None:
     from tfdist import compat
 
+    versions.check("keras")
     compat.apply_all()
 
 
@@ -186,6 +189,7 @@ def _prepare_jax_devices() -> None:
 
 
 def _on_jax_import(jax) -> None:
+    versions.check("jax")
     wanted = config.cpu_devices()
     if wanted:
         try:  # jax imported before tfdist, but its backend not started yet
@@ -222,6 +226,7 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
 def _on_keras_import_jax(_keras) -> None:
     from tfdist import compat
 
+    versions.check("keras")
     compat.apply_all()
     if process.state().jax_initialized:
         # What keras.distribution.initialize() does after jax's: one random seed for every
