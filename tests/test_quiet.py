@@ -19,12 +19,17 @@ NOISE = [
     "optimized to use available CPU instructions in performance-critical operations.",
     "UserWarning: `shuffle=True` was passed, but will be ignored since the data `x` was "
     "provided as a tf.data.Dataset. The Dataset is expected to already be shuffled",
+    "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
+    "W0000 00:00:1.0 1 dataset.cc:997] Input of GeneratorDatasetOp::Dataset will not be "
+    "optimized because the dataset does not implement the AsGraphDefInternal() method",
+    "WARNING:tensorflow:Using CollectiveAllReduceStrategy eagerly has significant overhead",
 ]
 SIGNAL = [
     "E0000 00:00:1.0 1 coordination_service.cc:1] The following tasks are unhealthy "
     "(stopped sending heartbeats): /job:worker/replica:0/task:1",
     "ValueError: Input 0 of layer dense is incompatible with the layer",
     "failed call to cuInit: CUDA_ERROR_OUT_OF_MEMORY",
+    "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 3",
 ]
 
 
@@ -58,3 +63,14 @@ def test_install_filters_warnings_and_framework_loggers(monkeypatch, caplog):
     import os
 
     assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "2"
+
+
+def test_filtered_stderr_drops_harmless_lines_written_to_fd_2(capfd):
+    import os
+
+    with quiet.filtered_stderr():
+        os.write(2, (NOISE[2] + "\n").encode())  # as TensorFlow's C++ code writes it
+        os.write(2, (SIGNAL[0] + "\n").encode())
+    assert capfd.readouterr().err == SIGNAL[0] + "\n"
+    os.write(2, b"after\n")  # stderr is restored
+    assert capfd.readouterr().err == "after\n"

@@ -13,12 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import sys
+import threading
 import warnings
 
-__all__ = ["HARMLESS", "is_harmless", "quiet_environment", "install"]
+__all__ = ["HARMLESS", "is_harmless", "quiet_environment", "install", "filtered_stderr"]
 
 # (pattern searched in a line of output or a warning message, why it is harmless)
 HARMLESS: tuple[tuple[str, str], ...] = (
@@ -64,6 +67,11 @@ HARMLESS: tuple[tuple[str, str], ...] = (
         r"Reduce to /job:.* then broadcast to",
         "an INFO line per all-reduce of the multi-worker strategy",
     ),
+    (
+        r"\[Gloo\] Rank \d+ is connected to (?P<gloo>\d+) peer ranks\. "
+        r"Expected number of connected peer ranks is : (?P=gloo)\s*$",
+        "jax's CPU collectives all connected, as expected (a mismatch is still shown)",
+    ),
 )
 
 _COMPILED = re.compile("|".join(f"(?:{pattern})" for pattern, _ in HARMLESS))
@@ -105,3 +113,38 @@ def install() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _HarmlessFilter) for f in logger.filters):
             logger.addFilter(_HarmlessFilter())
+
+
+@contextlib.contextmanager
+def filtered_stderr():
+    """Drops the harmless lines written to this process's stderr while active.
+
+    Works on file descriptor 2, so it also catches what TensorFlow's C++ code prints
+    before ``TF_CPP_MIN_LOG_LEVEL`` applies (absl's banner, the ``cuInit`` probe). For a
+    command that imports TensorFlow and exits, such as ``tfdist info``.
+
+    Example:
+        >>> with filtered_stderr():  # doctest: +SKIP
+        ...     import tensorflow
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read, write = os.pipe()
+    os.dup2(write, 2)
+    os.close(write)
+    pump = threading.Thread(target=_copy_useful, args=(read, saved), daemon=True)
+    pump.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
+        pump.join(timeout=5.0)
+        os.close(saved)
+
+
+def _copy_useful(read: int, out: int) -> None:
+    with os.fdopen(read, "rb") as pipe:
+        for line in pipe:
+            if not is_harmless(line.decode("utf-8", errors="replace")):
+                os.write(out, line)

@@ -3,7 +3,11 @@
 ``tfdist launch -n N script.py ARGS`` starts N worker processes, each running
 ``python -m tfdist.bootstrap script.py ARGS`` (tfdist's fixes applied before the script
 runs; ``--no-fixes``: ``python script.py ARGS``). Every output line is prefixed with
-its worker (``[w0] ...``). The launcher fails fast: when a worker exits non-zero, the
+its worker (``[w0] ...``); the known-harmless start-up noise (``tfdist.quiet``) is
+dropped unless ``verbose``; progress-bar redraws (``\\r``) are only forwarded to a
+terminal (elsewhere each line's final state, like Keras' ``verbose=2``). ``log_dir``
+writes worker i's whole output to ``LOG_DIR/worker-<i>.log`` (``tee``: also printed).
+The launcher fails fast: when a worker exits non-zero, the
 others are stopped and the launcher exits non-zero naming the worker and its exit code.
 With ``max_restarts=R`` it restarts the whole group at most R times; the job resumes
 from its own checkpoints. The launcher never imports TensorFlow.
@@ -15,6 +19,16 @@ What a worker gets: the launcher's environment, plus
                            this worker's task ``{"type": "worker", "index": RANK}``.
                            Single node: free ports on 127.0.0.1, new at every restart.
 ``TFDIST_RESTART``         how many times the group was restarted (0 at first start).
+``RANK``, ``WORLD_SIZE``   torchrun's names: the global rank and worker count,
+``LOCAL_RANK``,            the rank on this node and workers on this node, and
+``LOCAL_WORLD_SIZE``,      rank 0's address (``MASTER_ADDR``/``MASTER_PORT``, the
+``MASTER_ADDR/PORT``       first TF_CONFIG address).
+``KERAS_DISTRIBUTION_*``   ``JOB_ADDRESSES`` (the TF_CONFIG addresses, comma-separated;
+                           the first is JAX's coordinator), ``NUM_PROCESSES``,
+                           ``PROCESS_ID`` (= RANK): a JAX script may call
+                           ``keras.distribution.initialize()`` itself.
+``TF_CPP_MIN_LOG_LEVEL``   ``2`` unless set or ``verbose`` (TensorFlow's C++ INFO and
+                           WARNING lines off; errors stay).
 ``CUDA_VISIBLE_DEVICES``   on a GPU machine: this worker's slice of the visible GPUs
                            (``devices_per_worker`` each, default an even split).
 ``TFDIST_CPU_DEVICES``     without GPUs and with ``devices_per_worker=K``: K logical
@@ -75,6 +89,8 @@ Example:
     >>> exit_code = run(opts)  # doctest: +SKIP
 
     $ tfdist launch -n 2 train.py --epochs 3
+    $ tfdist launch --standalone --nproc-per-node auto --log-dir logs --tee train.py
+    $ tfdist launch --config launch.toml train.py   # keys: long option names
     $ tfdist launch -n 2 --devices-per-worker 2 --max-restarts 1 -m mypkg.train
     $ tfdist launch -n 2 --nnodes 2 --node-rank 0 --hosts 10.0.0.1,10.0.0.2 --port 23456 \\
           --allow-remote --firewall apply train.py

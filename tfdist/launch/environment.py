@@ -16,7 +16,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
-from tfdist import validate
+from tfdist import quiet, validate
 from tfdist.cluster import worker_tf_config
 from tfdist.config import COMPAT_EXCLUDE_ENV, CPU_DEVICES_ENV, RESTART_ENV, ConfigError
 from tfdist.launch.options import LOOPBACK, LaunchOptions, check_options, is_loopback, split_host
@@ -177,6 +177,24 @@ def _gpus_per_worker(options: LaunchOptions, gpus: list[str]) -> int:
     return per
 
 
+def _rank_variables(options: LaunchOptions, addresses: Sequence[str], rank: int) -> dict:
+    """torchrun's and Keras's (JAX) names for the worker's place in the job."""
+    master_host, _, master_port = addresses[0].rpartition(":")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(options.world_size),
+        "LOCAL_RANK": str(rank - options.ranks().start),
+        "LOCAL_WORLD_SIZE": str(options.nproc),
+        "MASTER_ADDR": master_host.strip("[]"),
+        "MASTER_PORT": master_port,
+        # keras.distribution.initialize() reads these (the first address is the
+        # coordinator, as in TF_CONFIG, which tfdist's own start-up reads first).
+        "KERAS_DISTRIBUTION_JOB_ADDRESSES": ",".join(addresses),
+        "KERAS_DISTRIBUTION_NUM_PROCESSES": str(options.world_size),
+        "KERAS_DISTRIBUTION_PROCESS_ID": str(rank),
+    }
+
+
 def worker_envs(
     options: LaunchOptions,
     addresses: Sequence[str],
@@ -188,8 +206,10 @@ def worker_envs(
 
     ``environ`` (default ``os.environ``) plus the variables listed in the
     ``tfdist.launch`` docstring: ``TF_CONFIG`` for the worker's rank,
-    ``PYTHONUNBUFFERED=1``, ``TFDIST_RESTART=restart``, its devices, and
-    ``TFDIST_COMPAT_EXCLUDE=all`` with ``fixes=False``.
+    ``PYTHONUNBUFFERED=1``, ``TFDIST_RESTART=restart``, torchrun's ``RANK`` ...
+    ``MASTER_PORT``, Keras's ``KERAS_DISTRIBUTION_*``, its devices,
+    ``TFDIST_COMPAT_EXCLUDE=all`` with ``fixes=False``, and ``TF_CPP_MIN_LOG_LEVEL=2``
+    (unless set) without ``verbose``.
 
     Raises:
         ConfigError: the GPUs cannot be split as asked.
@@ -215,6 +235,9 @@ def worker_envs(
         child["TF_CONFIG"] = worker_tf_config(list(addresses), rank)
         child["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
         child[RESTART_ENV] = str(restart)
+        child.update(_rank_variables(options, addresses, rank))
+        if not options.verbose:  # TensorFlow's C++ INFO/WARNING banner off
+            child = quiet.quiet_environment(child)
         if gpus:
             child["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[local * per : (local + 1) * per])
             child.pop(CPU_DEVICES_ENV, None)

@@ -111,6 +111,14 @@ class LaunchOptions:
             a failed worker (they are usually stuck in a collective).
         finish_timeout: once one worker exited 0, how long the others may still run.
         python: the interpreter for the workers.
+        log_dir: write worker i's whole output (stdout and stderr, unfiltered, without
+            progress-bar redraws) to ``LOG_DIR/worker-<i>.log``; the console then only
+            gets the launcher's messages unless ``tee``.
+        tee: with ``log_dir``, also print the workers' output, prefixed (torchrun's
+            ``--tee``).
+        verbose: show every worker line; False (the default) drops the known-harmless
+            start-up noise (``tfdist.quiet``) and gives workers ``TF_CPP_MIN_LOG_LEVEL=2``
+            unless it is set.
 
     Example:
         >>> LaunchOptions(nproc=2, target="train.py").world_size
@@ -135,6 +143,9 @@ class LaunchOptions:
     stop_grace: float = 5.0
     finish_timeout: float = 600.0
     python: str = sys.executable
+    log_dir: str | None = None
+    tee: bool = False
+    verbose: bool = False
 
     def __post_init__(self):
         self._check_counts()
@@ -144,6 +155,7 @@ class LaunchOptions:
         self._check_remote()
         self._check_network()
         self._check_timeouts()
+        self._check_output()
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # normalizing a field of a frozen instance
@@ -244,6 +256,20 @@ class LaunchOptions:
             what = "a positive number of seconds"
             seconds = _setting(validate.number, value, name, low=0.0, low_ok=False, what=what)
             self._set(name, seconds)
+
+    def _check_output(self) -> None:
+        for name in ("tee", "verbose"):
+            validate.instance(getattr(self, name), bool, name, _WHERE, "a bool")
+        if self.log_dir is not None:
+            validate.instance(self.log_dir, str, "log_dir", _WHERE, "a directory path (a str)")
+            if not self.log_dir:
+                raise ConfigError(validate.message(_WHERE, "log_dir", "a directory path", ""))
+        elif self.tee:
+            raise ConfigError(
+                validate.message(
+                    _WHERE, "tee", "False without log_dir", True, "Pass --log-dir DIR with --tee."
+                )
+            )
 
     @property
     def world_size(self) -> int:

@@ -26,7 +26,7 @@ from tfdist.config import RESTART_EXIT_CODE, ConfigError
 from tfdist.launch.environment import group_addresses, worker_command, worker_envs
 from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options
-from tfdist.launch.workers import LauncherSignals, Worker
+from tfdist.launch.workers import LauncherSignals, Route, Worker
 
 __all__ = [
     "Outcome",
@@ -63,11 +63,11 @@ class Outcome:
 
 
 def describe(code: int | None) -> str:
-    """What a worker's exit code means, for a log line.
+    """What a worker's exit code means, for a log line (the status a shell would show).
 
     Example:
         >>> describe(-9)
-        'was killed by SIGKILL (exit code -9)'
+        'was killed by signal 9 (SIGKILL), exit status 137'
     """
     if code is None:
         return "still running"
@@ -75,8 +75,8 @@ def describe(code: int | None) -> str:
         try:
             name = signal.Signals(-code).name
         except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name} (exit code {code})"
+            name = "unknown"
+        return f"was killed by signal {-code} ({name}), exit status {128 - code}"
     if code == RESTART_EXIT_CODE:
         return f"exited with code {code} (saved, restart requested)"
     return f"exited with code {code}"
@@ -224,15 +224,46 @@ def run_group(
         " ".join(command[1:]),
     )
     workers: list[Worker] = []
+    logs = _open_logs(options, restart)
     try:
         enter = network.start(addresses)
         for rank, env in zip(options.ranks(), envs, strict=True):
-            workers.append(Worker(rank, command, env, out, err, lock, enter))
+            route = _route(options, logs.get(rank))
+            workers.append(Worker(rank, command, env, out, err, lock, enter, route))
         return GroupSupervisor(options, workers, signals).supervise()
     finally:
         for worker in workers:
             worker.finish()
+        for log in logs.values():
+            log.close()
         network.end_group()
+
+
+def _route(options: LaunchOptions, log: TextIO | None) -> Route:
+    console = options.log_dir is None or options.tee
+    return Route(console=console, log=log, verbose=options.verbose)
+
+
+def _open_logs(options: LaunchOptions, restart: int) -> dict[int, TextIO]:
+    """``LOG_DIR/worker-<rank>.log`` per worker (appended to at restarts, marked)."""
+    if options.log_dir is None:
+        return {}
+    try:
+        os.makedirs(options.log_dir, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"launch: log_dir must be a writable directory ({err.strerror}). Received: "
+            f"log_dir={options.log_dir!r}"
+        ) from None
+    logs = {}
+    for rank in options.ranks():
+        path = os.path.join(options.log_dir, f"worker-{rank}.log")
+        logs[rank] = open(path, "w" if restart == 0 else "a", encoding="utf-8")  # noqa: SIM115
+        if restart:
+            logs[rank].write(f"--- tfdist launch: restart {restart} ---\n")
+    if restart == 0:
+        logger.info("worker output: %s", os.path.join(options.log_dir, "worker-<rank>.log"))
+    return logs
 
 
 # ------------------------------------------------------------------ policy

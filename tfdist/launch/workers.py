@@ -18,9 +18,12 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TextIO
 
-__all__ = ["Worker", "LauncherSignals", "prefix_lines"]
+from tfdist import quiet
+
+__all__ = ["Worker", "Route", "LauncherSignals", "prefix_lines"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ class Worker:
         err: TextIO,
         lock: threading.Lock,
         enter: Callable[[], None] | None = None,
+        route: Route | None = None,
     ):
         self.rank = rank
         self.proc = subprocess.Popen(
@@ -53,9 +57,13 @@ class Worker:
             start_new_session=True,
             preexec_fn=functools.partial(_setup_child, enter),
         )
+        route = route or Route()
         self.readers = [
             threading.Thread(
-                target=prefix_lines, args=(pipe, stream, f"[w{rank}] ", lock), daemon=True
+                target=prefix_lines,
+                args=(pipe, stream, f"[w{rank}] ", lock),
+                kwargs={"route": route},
+                daemon=True,
             )
             for pipe, stream in ((self.proc.stdout, out), (self.proc.stderr, err))
         ]
@@ -128,26 +136,87 @@ def _split_ready(pending: bytes, at_end: bool) -> tuple[list[bytes], bytes]:
     return pieces, rest
 
 
-def prefix_lines(pipe, stream: TextIO, prefix: str, lock: threading.Lock) -> None:
+@dataclass(frozen=True)
+class Route:
+    """Where a worker's output goes besides its console stream, and what is dropped.
+
+    Attributes:
+        console: copy lines to the launcher's stream (False: ``--log-dir`` without
+            ``--tee``).
+        log: a text file that gets every line, unfiltered (``--log-dir``).
+        verbose: False drops the lines ``tfdist.quiet.is_harmless`` knows from the
+            console (never from the log file).
+        redraws: forward progress-bar redraws (lines ending in ``\\r``) to the console.
+            None: only when the stream is a terminal; elsewhere (a pipe, a file, CI logs)
+            only each line's final state is written, like Keras' ``verbose=2``.
+    """
+
+    console: bool = True
+    log: TextIO | None = None
+    verbose: bool = True
+    redraws: bool | None = None
+
+
+def _console_text(pieces: list[str], prefix: str, route: Route, redraws: bool, state: dict) -> str:
+    kept = []
+    for piece in pieces:
+        # Python prints a warning as two lines: the message, then its source line
+        # (indented); the source line of a dropped warning goes with it.
+        follows_dropped = state.pop("dropped_warning", False) and piece.startswith("  ")
+        if piece.endswith("\r") and not redraws:
+            continue
+        if not route.verbose and (follows_dropped or quiet.is_harmless(piece)):
+            state["dropped_warning"] = "Warning: " in piece
+            continue
+        kept.append(prefix + (piece if redraws else piece.replace("\b", "")))
+    return "".join(kept)
+
+
+def _log_text(pieces: list[str]) -> str:
+    return "".join(p.replace("\b", "") for p in pieces if not p.endswith("\r"))
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
+def prefix_lines(
+    pipe, stream: TextIO, prefix: str, lock: threading.Lock, *, route: Route | None = None
+) -> None:
     """Copies ``pipe`` to ``stream``, starting every line with ``prefix``.
 
-    Progress bars redraw a line with ``\\r``; each redraw keeps its ``\\r`` and gets the
-    prefix too, so a terminal shows one live ``[w0] ...`` bar. Output is forwarded as
-    soon as a line or redraw is complete, not only at newlines.
+    Progress bars redraw a line with ``\\r``; on a terminal each redraw keeps its
+    ``\\r`` and gets the prefix too, so it shows one live ``[w0] ...`` bar. Output is
+    forwarded as soon as a line or redraw is complete, not only at newlines. ``route``
+    adds a log file and the quiet filter (see ``Route``).
     """
+    route = route or Route()
+    redraws = _is_terminal(stream) if route.redraws is None else route.redraws
     fd = pipe.fileno()
     pending = b""
+    state: dict = {}  # carried from one chunk to the next
     with pipe:
         while True:
             chunk = os.read(fd, 65536)
-            pieces, pending = _split_ready(pending + chunk, at_end=not chunk)
-            if pieces:
-                text = "".join(prefix + p.decode("utf-8", errors="replace") for p in pieces)
+            ready, pending = _split_ready(pending + chunk, at_end=not chunk)
+            pieces = [p.decode("utf-8", errors="replace") for p in ready]
+            text = _console_text(pieces, prefix, route, redraws, state) if route.console else ""
+            logged = _log_text(pieces) if route.log is not None else ""
+            if text or logged:
                 with lock:
-                    stream.write(text)
-                    stream.flush()
+                    _write(stream, text)
+                    _write(route.log, logged)
             if not chunk:
                 return
+
+
+def _write(stream: TextIO | None, text: str) -> None:
+    if text and stream is not None:
+        stream.write(text)
+        stream.flush()
 
 
 class LauncherSignals:
