@@ -74,3 +74,20 @@ def test_filtered_stderr_drops_harmless_lines_written_to_fd_2(capfd):
     assert capfd.readouterr().err == SIGNAL[0] + "\n"
     os.write(2, b"after\n")  # stderr is restored
     assert capfd.readouterr().err == "after\n"
+
+
+def test_import_tfdist_hides_only_the_warning_about_fits_default_shuffle():
+    import warnings
+
+    from tfdist import quiet
+
+    message = (
+        "`shuffle=True` was passed, but will be ignored since the data `x` was provided as "
+        "a tf.data.Dataset. The Dataset is expected to already be shuffled."
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.install_defaults()
+        warnings.warn(message, UserWarning, stacklevel=1)
+        warnings.warn("a real problem", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["a real problem"]

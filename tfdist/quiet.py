@@ -21,7 +21,15 @@ import sys
 import threading
 import warnings
 
-__all__ = ["HARMLESS", "is_harmless", "quiet_environment", "install", "filtered_stderr"]
+__all__ = [
+    "HARMLESS",
+    "WRONG_DEFAULTS",
+    "is_harmless",
+    "quiet_environment",
+    "install",
+    "install_defaults",
+    "filtered_stderr",
+]
 
 # (pattern searched in a line of output or a warning message, why it is harmless)
 HARMLESS: tuple[tuple[str, str], ...] = (
@@ -93,6 +101,25 @@ def quiet_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if environ is None else environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
+
+
+# Warnings raised about a DEFAULT argument the user never passed: wrong for every script
+# that imports tfdist, so ``import tfdist`` hides them (``install_defaults``).
+WRONG_DEFAULTS: tuple[str, ...] = (
+    # fit(shuffle=True) is the default, so Keras warns on every fit of a tf.data dataset.
+    r"`shuffle=True` was passed, but will be ignored since the data `x` was provided as a "
+    r"tf\.data\.Dataset",
+)
+
+
+def install_defaults() -> None:
+    """Hides only the warnings in ``WRONG_DEFAULTS`` (what ``import tfdist`` does).
+
+    Example:
+        >>> install_defaults()  # fit(dataset) no longer warns about shuffle=True
+    """
+    for pattern in WRONG_DEFAULTS:
+        warnings.filterwarnings("ignore", message=f".*{pattern}")
 
 
 class _HarmlessFilter(logging.Filter):

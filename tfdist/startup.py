@@ -35,7 +35,7 @@ import logging
 import sys
 import threading
 
-from tfdist import _private, backends, cluster, config, process, versions
+from tfdist import _private, backends, cluster, config, process, quiet, versions
 
 __all__ = ["install", "installed", "auto_strategy"]
 
@@ -98,6 +98,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    quiet.install_defaults()
     try:
         backend = backends.name()
     except config.ConfigError:
