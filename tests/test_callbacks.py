@@ -252,3 +252,68 @@ def test_callbacks_on_two_logical_devices(tmp_path):
     assert "Learning rate for epoch 1 is 0.1\n" in proc.stdout
     assert "Learning rate for epoch 2 is 0.01\n" in proc.stdout
     assert {"ckpt-1.keras", "ckpt-2.keras", "logs"} <= set(os.listdir(tmp_path))
+
+
+# --------------------------------------------------------------------------- preemption protocol
+
+
+class DictStore:
+    """The coordination store's two calls, in memory (shared by the workers of a test)."""
+
+    def __init__(self):
+        import threading
+
+        self.values: dict[str, str] = {}
+        self.changed = threading.Condition()
+
+    def set(self, key, value):
+        with self.changed:
+            if key in self.values:
+                return False
+            self.values[key] = value
+            self.changed.notify_all()
+            return True
+
+    def get(self, key, timeout_ms):
+        with self.changed:
+            self.changed.wait_for(lambda: key in self.values, timeout_ms / 1000)
+            return self.values.get(key)
+
+
+def _watches(store, ranks, timeout=10.0):
+    import threading
+
+    from tfdist.checkpoint.preemption import PreemptionWatch
+
+    watches = []
+    for rank in range(2):
+        watch = PreemptionWatch(
+            multi_worker=True, rank=rank, num_workers=2, key="k", timeout=timeout, store=store
+        )
+        if rank in ranks:  # start() without the SIGTERM handler: only the watcher thread
+            threading.Thread(target=watch._watch_peers, daemon=True).start()
+        watches.append(watch)
+    return watches
+
+
+def test_preemption_workers_agree_on_the_step_after_the_notice():
+    """Worker 1 gets SIGTERM after step 4: every worker saves after step 5, none earlier."""
+    store = DictStore()
+    first, second = _watches(store, ranks=(0, 1))
+    second._received.set()  # what the SIGTERM handler does
+    assert [first.should_save(4), second.should_save(4)] == [False, False]
+    assert store.values == {"k": "5", "k/ack/0": "1", "k/ack/1": "1"}
+    assert [first.should_save(5), second.should_save(5)] == [True, True]
+    for watch in (first, second):
+        watch.stop()
+
+
+def test_preemption_without_an_acknowledgement_saves_anyway_after_the_timeout(caplog):
+    store = DictStore()
+    first, second = _watches(store, ranks=(1,), timeout=0.2)  # worker 0 never answers
+    second._received.set()
+    assert not second.should_save(4)
+    assert second.should_save(5)
+    assert "worker 0 did not acknowledge" in caplog.text
+    for watch in (first, second):
+        watch.stop()

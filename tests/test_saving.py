@@ -263,3 +263,29 @@ def test_saved_in_a_two_replica_scope_loads_outside_and_in_a_three_replica_scope
     here = tfdist.load(tmp_path / "m.keras")
     x = np.linspace(-1, 1, 15, dtype="float32").reshape(5, 3)
     np.testing.assert_allclose(here.predict(x, verbose=0), saved["pred"], rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- every worker
+
+
+def test_save_and_load_check_timeout_and_sync_is_a_no_op_on_one_worker(tmp_path):
+    model = tiny_model()
+    saving.sync_workers("nothing to wait for", timeout=1)
+    with pytest.raises(ValueError, match=r"tfdist\.save: timeout must be a positive number"):
+        tfdist.save(model, tmp_path / "m.keras", timeout=0)
+    assert not os.path.exists(tmp_path / "m.keras")
+    tfdist.save(model, tmp_path / "m.keras", timeout=5)
+    with pytest.raises(ValueError, match=r"tfdist\.load: timeout must be a positive number"):
+        tfdist.load(tmp_path / "m.keras", timeout=-1)
+    assert tfdist.load(tmp_path / "m.keras", in_scope=True, timeout=5).built
+
+
+def test_a_save_some_workers_skip_fails_naming_the_rule(tmp_path, monkeypatch):
+    def barrier(name, timeout=None):
+        raise RuntimeError(f"tfdist.barrier({name!r}): not every worker arrived within 5 s")
+
+    monkeypatch.setattr(tfdist.distribute, "barrier", barrier)
+    monkeypatch.setattr(saving, "_has_other_workers", lambda model: True)
+    with pytest.raises(RuntimeError, match=r"tfdist\.save\('m\.keras'\): every worker must call"):
+        tfdist.save(tiny_model(), tmp_path / "m.keras")
+    assert os.listdir(tmp_path) == []  # it failed before writing anything

@@ -28,6 +28,8 @@ __all__ = [
     "tf_collective_extended_class",
     "tf_collective_options",
     "tf_in_multi_worker_mode",
+    "tf_extended_num_workers",
+    "tf_is_distributed_variable",
     "tf_communication_options",
     "tf_set_communication_options",
     "tf_collectives_enabled",
@@ -52,6 +54,7 @@ __all__ = [
     "keras_symbolic_build",
     "keras_optimizer_accumulators",
     "keras_optimizer_clip",
+    "keras_optimizer_micro_steps",
     "keras_optimizer_uses_weight_decay",
     "keras_optimizer_distributed_update",
     "keras_optimizer_ema_step",
@@ -191,6 +194,18 @@ def tf_collective_extended_class():
     from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
     return cars.CollectiveAllReduceExtended
+
+
+def tf_extended_num_workers(extended) -> int:
+    """How many workers a ``CollectiveAllReduceExtended`` spans (1 without a cluster)."""
+    return int(getattr(extended, "_num_workers", 1))
+
+
+def tf_is_distributed_variable(value) -> bool:
+    """Whether ``value`` is a Mirrored/SyncOnRead variable of a strategy."""
+    from tensorflow.python.distribute import distribute_utils
+
+    return distribute_utils.is_distributed_variable(value)
 
 
 def tf_collective_options(**kwargs):
@@ -353,6 +368,12 @@ def keras_optimizer_accumulators(optimizer, variables) -> list:
     return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
 
 
+def keras_optimizer_micro_steps(optimizer):
+    """``optimizer._iterations``: every ``apply`` call, accumulating or not (the public
+    ``iterations`` counts real updates when ``gradient_accumulation_steps`` is set)."""
+    return optimizer._iterations
+
+
 def keras_optimizer_clip(optimizer, grads) -> list:
     """Gradients clipped by the optimizer's ``clipnorm``/``clipvalue``/``global_clipnorm``."""
     return optimizer._clip_gradients(grads)
@@ -436,3 +457,32 @@ def jax_wait_at_barrier(name: str, timeout_ms: int) -> None:
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier(name, timeout_ms)
+
+
+def jax_key_value_set(key: str, value: str) -> None:
+    """Publishes ``key=value`` in jax's coordination service store (every process sees it).
+
+    Raises jax's runtime error (``ALREADY_EXISTS`` in its message) when ``key`` is set.
+    """
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(key, value)
+
+
+def jax_key_value_get(key: str, timeout_ms: int) -> str:
+    """Waits up to ``timeout_ms`` for ``key`` in jax's coordination service store.
+
+    Raises jax's runtime error (``DEADLINE_EXCEEDED`` in its message) when it does not
+    appear in time, another one when the service is gone.
+    """
+    from jax._src import distributed
+
+    return distributed.global_state.client.blocking_key_value_get(key, timeout_ms)
+
+
+# The store of jax's distributed runtime (preemption agreement under JAX).
+__all__ += ["jax_key_value_set", "jax_key_value_get"]
+REQUIRED["jax"] += [
+    "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
+    "jax._src.lib:_jax.DistributedRuntimeClient.blocking_key_value_get",
+]

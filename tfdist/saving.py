@@ -2,11 +2,18 @@
 
 ``save`` writes a ``.keras`` archive, a ``.weights.h5`` file or a SavedModel export
 (a directory, for serving). Every worker of a multi-worker job must call it, because
-reading distributed variables can take part in collectives, but only the chief's file
-lands at ``path``: the others write to a temporary directory that is removed. The
-chief writes to a temporary name in the same directory, flushes it to disk and renames
-it over ``path``, so a crash at any moment leaves either the old file or the new one,
-never a half-written file under the final name.
+reading distributed variables can take part in collectives (TF's all-reduces, the
+cross-process gather of a JAX array), but only the chief's file lands at ``path``: the
+others write to a temporary directory that is removed. The chief writes to a temporary
+name in the same directory, flushes it to disk and renames it over ``path``, so a crash
+at any moment leaves either the old file or the new one, never a half-written file
+under the final name. ``save`` returns on every worker only once the chief's file is in
+place (a ``tfdist.barrier``), so ``save`` then ``load`` works on every worker.
+
+"Every worker calls it": ``save``, ``load(in_scope=True)``, and Keras's ``fit``,
+``evaluate`` and ``predict`` on a distributed model. Called on some workers only,
+``save`` and ``load(in_scope=True)`` end after their barrier's timeout with an error
+naming this rule, never a hang.
 
 ``load`` reads any of the three back, outside a scope or inside one (possibly a scope
 with another replica count than the one that saved), with Keras's ``safe_mode`` on by
@@ -21,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -31,8 +39,8 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from tfdist import _private, distribute, validate
 from tfdist import cluster as _cluster
-from tfdist import distribute, validate
 
 __all__ = [
     "FORMATS",
@@ -41,6 +49,7 @@ __all__ = [
     "atomic_output",
     "format_of",
     "is_staging_name",
+    "sync_workers",
     "load",
     "read_archive_member",
     "remove_stale_staging",
@@ -63,6 +72,44 @@ FORMATS = {
 # and marks them for clean-up; host and pid tell a live writer from a dead one.
 _STAGING_PREFIX = ".tmp-"
 _STAGING_RE = re.compile(r"^\.tmp-(\d+)-(.+)$")
+
+
+# Numbers the barriers of saves and loads, in call order: every worker makes the same
+# calls in the same order, so the n-th barrier has the same name on every worker.
+_SYNCS = itertools.count(1)
+
+
+def sync_workers(what: str, *, timeout: float | None = None, model=None) -> None:
+    """Waits until every worker reaches the same point of the same call (one worker: no-op).
+
+    ``model``, when given, tells on TensorFlow whether other workers take part (its
+    strategy is multi-worker); without a cluster nothing is asked of the framework.
+
+    Raises:
+        RuntimeError: not every worker arrived within ``timeout`` seconds (default
+            ``tfdist.config.BARRIER_TIMEOUT_S``); the message names the rule broken.
+
+    Example:
+        >>> sync_workers("tfdist.save model.keras")  # doctest: +SKIP
+    """
+    if not _has_other_workers(model):
+        return
+    label = f"{what} #{next(_SYNCS)}"
+    try:
+        distribute.barrier(label, timeout=timeout)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"{what}: every worker must call this (save, load in a scope, checkpoints, "
+            "fit, evaluate and predict are collective: the chief waits for the others). "
+            f"{err}"
+        ) from None
+
+
+def _has_other_workers(model) -> bool:
+    if not _cluster.cluster_from_env().is_multi_worker:
+        return False  # and no strategy is created just to ask
+    strategy = getattr(model, "distribute_strategy", None)  # TF models only
+    return strategy is None or _private.tf_in_multi_worker_mode(strategy)
 
 
 def _staging_tag() -> str:
@@ -321,20 +368,26 @@ def read_archive_member(archive_path: str, member: str) -> bytes | None:
         return zf.read(member)
 
 
-def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
+def save(
+    model, path: str | os.PathLike, *, overwrite: bool = True, timeout: float | None = None
+) -> str:
     """Saves ``model`` atomically as a ``.keras`` archive, ``.weights.h5`` file or SavedModel.
 
     The format follows the path: ``*.keras`` (architecture, weights, optimizer state;
     loads with ``keras.models.load_model``), ``*.weights.h5`` (weights and optimizer
     state) or a directory path without a suffix (a SavedModel with a ``serve``
     endpoint, for TF Serving and ``tf.saved_model.load``). Works inside or outside a
-    strategy scope. Under multi-worker training every worker must call it; only the
-    chief's output lands at ``path``.
+    strategy scope. Under multi-worker training (TF or JAX) every worker must call it:
+    all of them take part in reading the variables, only the chief's output lands at
+    ``path``, and it returns on every worker once that file is in place, so every
+    worker can ``load`` it next.
 
     Args:
         model: a built ``keras.Model``.
         path: destination; its form picks the format (see above).
         overwrite: replace an existing file; with False an existing path is an error.
+        timeout: seconds to wait for the other workers (default
+            ``tfdist.config.BARRIER_TIMEOUT_S``); unused on one worker.
 
     Returns:
         The absolute path written (also on workers, which write nothing there).
@@ -344,6 +397,7 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
             ``overwrite`` is not a bool.
         ValueError: the path's suffix names no supported format, or the model is not built.
         FileExistsError: ``path`` exists and ``overwrite`` is False.
+        RuntimeError: not every worker called ``save`` within ``timeout``.
 
     Example:
         >>> with tfdist.scope():                       # doctest: +SKIP
@@ -353,6 +407,7 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
         >>> tfdist.save(model, "export/1")  # a SavedModel  # doctest: +SKIP
     """
     text, fmt = _save_arguments(model, path, overwrite)
+    timeout = _timeout(timeout, "tfdist.save")
     final = os.path.abspath(text)
     role = write_role()
     # Checked on every worker, not only the chief: a worker that went on into the save's
@@ -360,11 +415,25 @@ def save(model, path: str | os.PathLike, *, overwrite: bool = True) -> str:
     _check_destination(final, text, overwrite)
     if role.is_chief:
         os.makedirs(os.path.dirname(final), exist_ok=True)
+    what = f"tfdist.save({os.path.basename(final)!r})"
+    # First every worker arrives: a save called on the chief only fails here, clearly,
+    # instead of waiting forever in the collectives of reading the variables.
+    sync_workers(what, timeout=timeout, model=model)
     with atomic_output(final, role=role) as staging:
         _write(model, staging, fmt)
+    sync_workers(
+        what, timeout=timeout, model=model
+    )  # the chief's file is in place for every worker
     if role.is_chief:
         logger.info("tfdist: saved %s as %s", model.name, final)
     return final
+
+
+def _timeout(value, where: str) -> float | None:
+    """None (the default barrier timeout) or a positive number of seconds."""
+    if value is None:
+        return None
+    return validate.positive_number(value, "timeout", where, "Pass seconds, e.g. 60, or None.")
 
 
 def _save_arguments(model, path, overwrite) -> tuple[str, str]:
@@ -418,6 +487,7 @@ def load(
     compile: bool = True,
     custom_objects: Mapping | None = None,
     model=None,
+    timeout: float | None = None,
 ):
     """Loads what ``save`` wrote, outside a strategy scope or inside one.
 
@@ -427,8 +497,12 @@ def load(
     * a SavedModel directory: returns ``tf.saved_model.load(path)``; call its ``serve``.
 
     With ``in_scope=True`` (or an explicit ``strategy``) the variables are created in
-    that strategy's scope (mirrored on its devices), whatever the replica count of the
-    job that saved the file. ``safe_mode`` stays on unless you turn it off: an archive
+    that strategy's scope (mirrored on its devices; under JAX, laid out by the
+    ``keras.distribution``), whatever the replica count of the job that saved the file.
+    Under multi-worker training every worker must then call ``load`` (creating
+    distributed variables is collective): called on the chief only, it fails after
+    ``timeout`` seconds with an error naming that rule. Without a scope any process
+    may load on its own. ``safe_mode`` stays on unless you turn it off: an archive
     that would run Python code on load (a ``Lambda`` layer holding a lambda) is refused
     before any of that code runs. Legacy ``.h5`` full-model files, which can embed such
     code too, are refused in safe mode.
@@ -442,6 +516,8 @@ def load(
         compile: compile a ``.keras`` model after loading (restores the optimizer).
         custom_objects: classes/functions a ``.keras`` model needs, by name.
         model: a built model to load a ``.weights.h5`` file into (that format only).
+        timeout: seconds to wait for the other workers with ``in_scope``/``strategy``
+            (default ``tfdist.config.BARRIER_TIMEOUT_S``).
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -449,6 +525,7 @@ def load(
             ``keras.Model``.
         ValueError: unsafe content with ``safe_mode=True``, a weights file without a
             ``model`` (or with an unbuilt one), or a path whose format is unknown.
+        RuntimeError: ``in_scope`` on some workers only (after ``timeout``).
 
     Example:
         >>> model = tfdist.load("model.keras")                   # doctest: +SKIP
@@ -457,6 +534,7 @@ def load(
     """
     where = "tfdist.load"
     text = validate.path_text(path, "path", where)
+    timeout = _timeout(timeout, where)
     for name, value in (("in_scope", in_scope), ("safe_mode", safe_mode), ("compile", compile)):
         validate.instance(value, bool, name, where, "a bool")
     fmt = _load_format(text)
@@ -465,6 +543,8 @@ def load(
             f"{where}: model= is only for .weights.h5 files. Received: path={text!r}, "
             f"model={model!r}. Drop model=, the {fmt} format carries its own architecture."
         )
+    if in_scope or strategy is not None:
+        sync_workers(f"tfdist.load({os.path.basename(text)!r}, in_scope=True)", timeout=timeout)
     with _scope_for(in_scope, strategy):
         if fmt == "keras":
             return _load_keras(text, safe_mode, compile, custom_objects)
@@ -535,6 +615,12 @@ def _load_keras(path: str, safe_mode: bool, compile: bool, custom_objects):
         raise
 
 
+def _model_scope(model):
+    """The scope of the strategy the model was built in (TF); JAX models carry none."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
 def _load_weights(path: str, model):
     import keras
 
@@ -552,7 +638,7 @@ def _load_weights(path: str, model):
         # Keras skips optimizer state (with only a warning) when the optimizer has no
         # variables yet; build them (in the model's own strategy scope, where its
         # variables live) so that iterations and slots are restored too.
-        with model.distribute_strategy.scope():
+        with _model_scope(model):
             model.optimizer.build(model.trainable_variables)
     model.load_weights(path)
     return model

@@ -4,14 +4,18 @@ It trains a small model with a Dropout layer on a seeded, shuffled pipeline with
 ``make_or_restore`` + ``tfdist.callbacks.checkpoint``, exactly as a user script would,
 and can hurt itself on purpose:
 
-    --sigkill-at-step N   SIGKILL itself right after global step N (after that step's save)
+    --sigkill-at-step N   SIGKILL itself right after global step N (after that step's save);
+                          with --sigkill-rank R only worker R does
     --sigkill-in-save K   SIGKILL itself in the middle of its K-th checkpoint write, with
                           the staging file half written
     --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
                           with --sigterm-rank R only worker R does
 
 Under ``tfdist launch --max-restarts``, faults fire only in the first attempt
-(``TFDIST_RESTART=0``), so the restarted group runs to the end.
+(``TFDIST_RESTART=0``), so the restarted group runs to the end; ``--sigkill-attempt N``
+moves ``--sigkill-at-step`` to attempt N (a SIGTERM, then a SIGKILL in one job).
+
+The job runs unchanged on both Keras backends (``KERAS_BACKEND=jax`` too).
 
 The last stdout line is JSON: final weights, the epoch/batch/step it resumed from and
 the (epoch, batch) of every batch it trained, so tests can check that no batch was
@@ -41,6 +45,10 @@ parser.add_argument("--examples", type=int, default=64)
 parser.add_argument("--per-replica-batch", type=int, default=4)
 parser.add_argument("--max-to-keep", type=int, default=3)
 parser.add_argument("--sigkill-at-step", type=int, default=None)
+parser.add_argument("--sigkill-rank", type=int, default=None, help="only this worker (default all)")
+parser.add_argument(
+    "--sigkill-attempt", type=int, default=0, help="--sigkill-at-step fires in this attempt"
+)
 parser.add_argument("--sigkill-in-save", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
 parser.add_argument("--sigterm-rank", type=int, default=None, help="only this worker (default all)")
@@ -58,13 +66,17 @@ parser.add_argument(
 args = parser.parse_args()
 save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
 
-strategy = tfdist.strategy()  # before any tensor: TFDIST_CPU_DEVICES must apply
+# The same job on both Keras backends (KERAS_BACKEND=tensorflow or jax).
+ON_TF = tfdist.backends.name() == "tensorflow"
+if ON_TF:
+    strategy = tfdist.strategy()  # before any tensor: TFDIST_CPU_DEVICES must apply
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 keras.utils.set_random_seed(0)
-tf.config.experimental.enable_op_determinism()
+if ON_TF:
+    tf.config.experimental.enable_op_determinism()
 
 rng = np.random.default_rng(0)
 x = rng.normal(size=(args.examples, 8)).astype("float32")
@@ -83,6 +95,7 @@ train = tfdist.data.pipeline(
 
 # Under `tfdist launch --max-restarts`, faults fire only in the first attempt.
 first_attempt = os.environ.get("TFDIST_RESTART", "0") == "0"
+kill_attempt = os.environ.get("TFDIST_RESTART", "0") == str(args.sigkill_attempt)
 rank = tfdist.cluster.cluster_from_env().rank
 if args.dir_per_rank and rank:
     args.dir = f"{args.dir}-rank{rank}"
@@ -131,7 +144,7 @@ if args.sigkill_in_save is not None and first_attempt:
 
 t_restore = time.perf_counter()
 if args.keras_backup:
-    with strategy.scope():
+    with strategy.scope() if ON_TF else tfdist.scope():
         model = build_and_compile()
     initial_epoch, restored = 0, None  # BackupAndRestore restores inside fit
 else:
@@ -172,7 +185,12 @@ class Record(keras.callbacks.Callback):
                 }
                 print(json.dumps({"first_step": first}), flush=True)
         self.steps.append([self._epoch, self._offset + batch, step])
-        if first_attempt and args.sigkill_at_step is not None and step == args.sigkill_at_step:
+        if (
+            kill_attempt
+            and args.sigkill_at_step is not None
+            and step == args.sigkill_at_step
+            and args.sigkill_rank in (None, rank)
+        ):
             print(json.dumps({"dying_at_step": step}), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 

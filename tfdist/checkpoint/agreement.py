@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 
-import tensorflow as tf
+import keras
+import numpy as np
 
 from tfdist import _private
 from tfdist.checkpoint.names import parse_checkpoint_name
@@ -37,6 +38,26 @@ def archive_position(path: str, info: dict) -> tuple[int, int, int]:
     return position.epoch, position.batch, 0
 
 
+def _gather_positions(strategy, mine: tuple[int, int, int]) -> np.ndarray | None:
+    """Every worker's position, one row each (on every worker); None on one worker."""
+    if keras.backend.backend() == "jax":
+        import jax
+        from jax.experimental import multihost_utils
+
+        if jax.process_count() == 1:
+            return None
+        # int32: jax without x64 would narrow int64 with a warning; positions are small.
+        rows = multihost_utils.process_allgather(np.array([mine], np.int32), tiled=True)
+        return np.asarray(rows)
+    if not _private.tf_in_multi_worker_mode(strategy):
+        return None
+    import tensorflow as tf
+
+    value = tf.constant([list(mine)], tf.int64)
+    # Every replica contributes its worker's position; gather them all on every worker.
+    return strategy.gather(strategy.run(lambda: tf.identity(value)), axis=0).numpy()
+
+
 def check_workers_agree(strategy, chosen: tuple[str, dict] | None, directory: str) -> None:
     """Under multi-worker training, fails unless every worker chose the same checkpoint.
 
@@ -47,12 +68,10 @@ def check_workers_agree(strategy, chosen: tuple[str, dict] | None, directory: st
     Raises:
         RuntimeError: the workers' choices differ (on every worker at once).
     """
-    if not _private.tf_in_multi_worker_mode(strategy):
-        return
     mine = NO_CHECKPOINT if chosen is None else archive_position(*chosen)
-    value = tf.constant([list(mine)], tf.int64)
-    # Every replica contributes its worker's position; gather them all on every worker.
-    positions = strategy.gather(strategy.run(lambda: tf.identity(value)), axis=0).numpy()
+    positions = _gather_positions(strategy, mine)
+    if positions is None:
+        return
     seen = sorted({tuple(row) for row in positions.tolist()})
     if len(seen) > 1:
         raise RuntimeError(

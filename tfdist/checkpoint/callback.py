@@ -1,7 +1,8 @@
 """``ResumableCheckpoint``: Keras's ``ModelCheckpoint`` made safe for restartable jobs.
 
 Each save is atomic (staging file in the same directory, fsync, rename) and only the
-chief's file lands; ``save_freq`` counts global steps (aligned across restarts); each
+chief's file lands, on TensorFlow and on JAX (every process runs the save, the others
+wait for the chief's file); ``save_freq`` counts global steps (aligned across restarts); each
 archive carries the resume metadata; old files are pruned to ``max_to_keep``; at each
 epoch begin the data pipeline is told where the epoch starts; on SIGTERM the callback
 saves at an agreed step and exits with ``RESTART_EXIT_CODE``.
@@ -23,7 +24,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfdist import cluster, config, saving, validate
+from tfdist import cluster, config, distribute, saving, validate
 from tfdist.checkpoint.archive import resume_metadata, write_resume_metadata
 from tfdist.checkpoint.names import check_dir, checkpoint_name, list_checkpoints
 from tfdist.checkpoint.preemption import PreemptionWatch
@@ -44,6 +45,14 @@ logger = logging.getLogger(__name__)
 _WHERE = "tfdist.callbacks.checkpoint"
 
 
+def _replicas(model) -> int:
+    """Data-parallel replicas the model trains on (TF: its strategy's; JAX: the mesh's)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if strategy is not None:
+        return strategy.num_replicas_in_sync
+    return distribute.num_replicas()
+
+
 def _save_freq(value) -> str | int:
     what = "'epoch' or a positive int (steps)"
     if isinstance(value, str):
@@ -59,7 +68,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
     Use ``tfdist.callbacks.checkpoint(...)`` to create one. Compared with Keras's
     ``ModelCheckpoint`` it writes each file atomically, lets only the chief's file land
     (other workers still run the save, for its collectives, into a temporary directory
-    they remove), counts ``save_freq`` in global steps (aligned across restarts), stores
+    they remove, then wait for the chief's file), works on both Keras backends, counts ``save_freq`` in global steps (aligned across restarts), stores
     the resume position and RNG state in each archive, prunes to ``max_to_keep``, drives
     ``tfdist.data.set_position`` for exact resume, and on SIGTERM saves and exits with
     ``RESTART_EXIT_CODE``. Every epoch end is saved; an int ``save_freq`` adds saves
@@ -111,6 +120,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._snapshot: list | None = None
         self._epoch_length: int | None = None  # batches in a full epoch, once seen
         self._quiet = None  # a warnings.catch_warnings() open during a resumed partial epoch
+        self._preempting = False  # the save under way is the SIGTERM one
 
     # -- Keras hooks
 
@@ -148,6 +158,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         previous = self._step
         self._step = self._step_at_epoch_begin + batch + 1
         if self._watch is not None and self._watch.should_save(self._step):
+            self._preempting = True
             self._save_model(epoch=self._fit_epoch, batch=batch, logs=logs)
             self._exit_for_restart()
         if self._due(previous, batch):
@@ -177,11 +188,13 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def _new_watch(self) -> PreemptionWatch:
         info = cluster.cluster_from_env()
-        multi = info.is_multi_worker and isinstance(
-            self.model.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy
-        )
+        strategy = getattr(self.model, "distribute_strategy", None)  # TF models only
+        if strategy is not None:
+            multi = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        else:  # JAX: keras.distribution over the processes of jax.distributed
+            multi = distribute.num_workers() > 1
         return PreemptionWatch(
-            multi_worker=multi,
+            multi_worker=info.is_multi_worker and multi,
             rank=info.rank,
             num_workers=info.num_workers,
             key=f"tfdist/preempt/{self._fits}",  # one notice per fit
@@ -261,12 +274,15 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             position,
             step=self._step,
             rng=rng_state(self.model),
-            replicas=self.model.distribute_strategy.num_replicas_in_sync,
+            replicas=_replicas(self.model),
         )
         started = time.perf_counter()
+        # Every worker runs model.save (it may gather sharded variables across processes);
+        # only the chief's file lands, and the others wait for it before going on.
         with saving.atomic_output(path, role=self.role) as staging:
             self.model.save(staging)
             write_resume_metadata(staging, meta)
+        self._wait_for_chief(path)
         if not self.role.is_chief:
             return
         self._prune(keep=path)
@@ -275,6 +291,19 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             print(f"\nEpoch {epoch + 1}: saved checkpoint {path}", flush=True)
 
     # -- after a save
+
+    def _wait_for_chief(self, path: str) -> None:
+        """Every worker waits until the chief's file is in place (a no-op on one worker)."""
+        timeout = self.preemption_timeout if self._preempting else None
+        try:
+            name = f"checkpoint {os.path.basename(path)}"
+            saving.sync_workers(name, timeout=timeout, model=self.model)
+        except RuntimeError as err:
+            if not self._preempting:
+                raise
+            # The preemption save is written (on the chief); exiting for the restart
+            # matters more than waiting for a worker that saved at another step.
+            logger.error("tfdist: after the preemption save: %s", err)
 
     def _prune(self, keep: str) -> None:
         """Removes the oldest checkpoints beyond ``max_to_keep`` (never ``keep``)."""

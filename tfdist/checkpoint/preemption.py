@@ -1,8 +1,8 @@
 """The SIGTERM protocol: save at a step every worker agrees on, then exit "restart me".
 
 One process: the step is the next step boundary. Several workers: the first worker that
-gets SIGTERM publishes "save after step s+1" through TensorFlow's coordination service
-key-value store and waits (with a timeout) until every worker's watcher thread has
+gets SIGTERM publishes "save after step s+1" through the coordination service's
+key-value store (TensorFlow's, or jax's distributed runtime under JAX) and waits (with a timeout) until every worker's watcher thread has
 acknowledged it; since synchronous workers are at most one step apart, every worker then
 saves after the same step. This is the protocol of
 ``tf.distribute.experimental.PreemptionCheckpointHandler``, which tfdist does not use
@@ -25,13 +25,75 @@ import signal
 import threading
 import time
 
-import tensorflow as tf
-
 from tfdist import _private
 
-__all__ = ["PreemptionWatch"]
+__all__ = ["PreemptionWatch", "StoreGone", "key_value_store"]
 
 logger = logging.getLogger(__name__)
+
+
+class StoreGone(RuntimeError):
+    """The coordination service's store cannot be reached (the job is ending)."""
+
+
+class _TensorFlowStore:
+    """TensorFlow's coordination service store, behind the two calls the protocol needs."""
+
+    def set(self, key: str, value: str) -> bool:
+        """Sets ``key``; False when another worker set it first."""
+        import tensorflow as tf
+
+        try:
+            _private.tf_key_value_set(key, value)
+        except tf.errors.AlreadyExistsError:
+            return False
+        except tf.errors.OpError as err:
+            raise StoreGone(str(err)) from err
+        return True
+
+    def get(self, key: str, timeout_ms: int) -> str | None:
+        """The value of ``key``, or None when it is not set within ``timeout_ms``."""
+        import tensorflow as tf
+
+        try:
+            return _private.tf_key_value_get(key, timeout_ms)
+        except tf.errors.DeadlineExceededError:
+            return None
+        except tf.errors.OpError as err:
+            raise StoreGone(str(err)) from err
+
+
+class _JaxStore:
+    """jax's distributed runtime store; its errors are told apart by their status code."""
+
+    def set(self, key: str, value: str) -> bool:
+        try:
+            _private.jax_key_value_set(key, value)
+        except Exception as err:  # jax raises its runtime's one error type
+            if "ALREADY_EXISTS" in str(err):
+                return False
+            raise StoreGone(str(err)) from err
+        return True
+
+    def get(self, key: str, timeout_ms: int) -> str | None:
+        try:
+            return _private.jax_key_value_get(key, timeout_ms)
+        except Exception as err:
+            if "DEADLINE_EXCEEDED" in str(err):
+                return None
+            raise StoreGone(str(err)) from err
+
+
+def key_value_store():
+    """The coordination store of this process's backend (``set``/``get``, see above).
+
+    Example:
+        >>> key_value_store().set("tfdist/preempt/1", "42")  # doctest: +SKIP
+        True
+    """
+    import keras
+
+    return _JaxStore() if keras.backend.backend() == "jax" else _TensorFlowStore()
 
 
 class PreemptionWatch:
@@ -43,12 +105,21 @@ class PreemptionWatch:
         rank, num_workers: this worker's index and the number of workers.
         key: the key-value store key of this fit's notice (unique per fit).
         timeout: seconds the announcing worker waits for every acknowledgement.
+        store: the key-value store (``key_value_store()`` of the backend when None).
     """
 
     def __init__(
-        self, *, multi_worker: bool, rank: int, num_workers: int, key: str, timeout: float
+        self,
+        *,
+        multi_worker: bool,
+        rank: int,
+        num_workers: int,
+        key: str,
+        timeout: float,
+        store=None,
     ):
         self.multi_worker = multi_worker
+        self._store = store if store is not None or not multi_worker else key_value_store()
         self.rank = rank
         self.num_workers = num_workers
         self.key = key
@@ -119,21 +190,25 @@ class PreemptionWatch:
     def _announce(self, step: int) -> None:
         """Publishes ``step`` and waits for every worker's acknowledgement (or the timeout)."""
         try:
-            _private.tf_key_value_set(self.key, str(step))
-        except tf.errors.AlreadyExistsError:
-            return  # another worker announced first; our watcher thread will read it
+            if not self._store.set(self.key, str(step)):
+                return  # another worker announced first; our watcher thread will read it
+        except StoreGone as err:
+            logger.error("tfdist: cannot announce the preemption save step (%s)", err)
+            self._target = step
+            return
         deadline = time.monotonic() + self.timeout
         for rank in range(self.num_workers):
             remaining_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             try:
-                _private.tf_key_value_get(f"{self.key}/ack/{rank}", remaining_ms)
-            except tf.errors.OpError as err:
+                acknowledged = self._store.get(f"{self.key}/ack/{rank}", remaining_ms)
+            except StoreGone:
+                acknowledged = None
+            if acknowledged is None:
                 logger.error(
                     "tfdist: worker %d did not acknowledge the preemption save step within "
-                    "%.0f s (%s); saving and exiting anyway.",
+                    "%.0f s; saving and exiting anyway.",
                     rank,
                     self.timeout,
-                    type(err).__name__,
                 )
                 self._target = step
                 return
@@ -142,15 +217,15 @@ class PreemptionWatch:
         """Watcher thread: waits for another worker's notice, adopts it, acknowledges."""
         while not self._stop.is_set():
             try:
-                value = _private.tf_key_value_get(self.key, 500)
-            except tf.errors.DeadlineExceededError:
-                continue
-            except tf.errors.OpError as err:  # the coordination service is gone: job ending
+                value = self._store.get(self.key, 500)
+            except StoreGone as err:  # the coordination service is gone: job ending
                 logger.debug("tfdist: preemption watcher stops: %s", err)
                 return
+            if value is None:
+                continue
             # Set the target before acknowledging: the announcer resumes training only
             # after every acknowledgement, so every worker knows the step in time.
             self._target = int(value)
-            with contextlib.suppress(tf.errors.OpError):
-                _private.tf_key_value_set(f"{self.key}/ack/{self.rank}", "1")
+            with contextlib.suppress(StoreGone):
+                self._store.set(f"{self.key}/ack/{self.rank}", "1")
             return

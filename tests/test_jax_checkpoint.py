@@ -1,0 +1,227 @@
+"""Checkpoints and saving under KERAS_BACKEND=jax, and save-then-load on every worker.
+
+Real processes throughout: tests/scripts/ckpt_job.py hurts itself (SIGKILL mid-epoch or
+inside a save, SIGTERM) on 4 logical devices and under ``tfdist launch -n 2
+--devices-per-worker 2``; each restart must end with the weights of a run that was never
+interrupted. save_load_job.py checks that ``tfdist.save`` then ``tfdist.load`` works on
+every worker (both backends) and that a chief-only ``load(in_scope=True)`` fails clearly
+within its timeout; cross_backend_job.py writes with one backend and reads with the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, last_json_line
+
+pytestmark = pytest.mark.jax
+
+RESTART = 75  # tfdist.config.RESTART_EXIT_CODE (not imported: keep this process TF-free)
+# 64 examples, global batch 8 (4 replicas x 2): 8 steps per epoch, 16 in all.
+JOB = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")
+
+
+def _run(command, timeout, **env):
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=child_env(**{"KERAS_BACKEND": "jax", **env}),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def run_job(directory, *extra, timeout=240):
+    """ckpt_job.py in one process on 4 logical CPU devices."""
+    command = [sys.executable, str(SCRIPTS / "ckpt_job.py"), "--dir", str(directory), *JOB, *extra]
+    return _run(command, timeout, TFDIST_CPU_DEVICES="4")
+
+
+def launch_job(directory, temp, *extra, timeout=420):
+    """ckpt_job.py as 2 processes x 2 devices, restarted (up to twice) by the launcher."""
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", "2", "--devices-per-worker", "2",
+        "--max-restarts", "2",
+        str(SCRIPTS / "ckpt_job.py"), "--dir", str(directory), *JOB, *extra,
+    ]  # fmt: skip
+    return _run(command, timeout, TMPDIR=str(temp))
+
+
+def result_of(proc):
+    try:
+        return last_json_line(proc.stdout)
+    except AssertionError:
+        pytest.fail(f"job printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+
+
+def worker_results(proc, worker):
+    """The JSON results a worker printed under tfdist launch, one per attempt."""
+    prefix = f"[{worker}] {{"
+    return [
+        json.loads(line[len(prefix) - 1 :])
+        for line in proc.stdout.splitlines()
+        if line.startswith(prefix) and '"weights"' in line
+    ]
+
+
+def max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
+    )
+
+
+def staging_files(directory):
+    return [n for n in os.listdir(directory) if n.startswith(".tmp-")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run on 4 logical devices."""
+    result = result_of(run_job(tmp_path_factory.mktemp("reference")))
+    assert result["replicas"] == 4 and result["exit_code"] == 0 and result["iterations"] == 16
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_jax_kill_in_save_and_kill_mid_epoch_then_resume_exactly(tmp_path, reference):
+    # 1. SIGKILL inside the 4th save (ckpt-2-1, after step 9), staging file half written
+    proc = run_job(tmp_path, "--sigkill-in-save", "4")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert len(staging_files(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path))[-1] == "ckpt-1.keras"
+
+    # 2. restart from ckpt-1 (step 8); SIGKILL mid-epoch after step 13 (saved at 12)
+    proc = run_job(tmp_path, "--sigkill-at-step", "13")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert staging_files(tmp_path) == []
+    assert "ckpt-2-4.keras" in os.listdir(tmp_path)
+
+    # 3. restart at step 12 (step 13 is trained again): ends with the reference weights
+    result = result_of(run_job(tmp_path))
+    assert result["restored"] == {"path": "ckpt-2-4.keras", "epoch": 1, "batch": 4, "step": 12}
+    assert [t[:2] for t in result["trained"]] == [[1, b] for b in range(4, 8)]
+    assert result["iterations"] == 16
+    assert max_diff(result["weights"], reference["weights"]) <= 1e-6
+    assert staging_files(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_processes_resume_exactly_after_sigterm_then_kill_9(tmp_path, reference):
+    """2 processes x 2 devices. Attempt 0: SIGTERM reaches process 1 after step 10; both
+    save after step 11 and exit 75. Attempt 1: resumes there; process 1 is killed -9
+    after step 14. Attempt 2: resumes from step 12 and ends with the reference weights."""
+    temp = tmp_path / "tmp"  # where process 1 stages its discarded copy of each save
+    temp.mkdir()
+    directory = tmp_path / "ckpt"
+    faults = ("--sigterm-at-step", "10", "--sigterm-rank", "1")
+    faults += ("--sigkill-at-step", "14", "--sigkill-rank", "1", "--sigkill-attempt", "1")
+    proc = launch_job(directory, temp, *faults)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[w1] tfdist: SIGTERM received" in proc.stdout + proc.stderr
+    assert '[w1] {"dying_at_step": 14}' in proc.stdout
+    for worker in ("w0", "w1"):
+        preempted, resumed = worker_results(proc, worker)  # the killed attempt printed none
+        assert preempted["exit_code"] == RESTART and preempted["iterations"] == 11
+        assert "ckpt-2-3.keras" in preempted["checkpoints"]
+        assert resumed["restored"] == {"path": "ckpt-2-4.keras", "epoch": 1, "batch": 4, "step": 12}
+        assert resumed["replicas"] == 4 and resumed["iterations"] == 16
+        assert max_diff(resumed["weights"], reference["weights"]) <= 1e-5
+    assert staging_files(directory) == []
+    assert [n for n in os.listdir(temp) if n.startswith("tfdist-worker")] == []
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_save_then_load_on_every_worker_and_chief_only_load_fails_clearly(tmp_path, backend):
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", "2",
+        str(SCRIPTS / "save_load_job.py"), str(tmp_path),
+    ]  # fmt: skip
+    proc = _run(command, 300, KERAS_BACKEND=backend)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    results = {}
+    for worker in ("w0", "w1"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"[{worker}] {{"))
+        results[worker] = json.loads(line.partition(" ")[2])
+    for result in results.values():
+        assert result["keras_diff"] == 0.0 and result["weights_diff"] == 0.0
+        assert result["optimizer_steps"] == 4 and result["staging_left"] == []
+    chief = results["w0"]
+    assert "every worker must call this" in chief["chief_only"]
+    assert "load('model.keras', in_scope=True)" in chief["chief_only"]
+    assert chief["chief_only_s"] < 60  # ended by its 5 s timeout, not a hang
+    assert sorted(os.listdir(tmp_path)) == ["model.keras", "model.weights.h5"]
+
+
+@pytest.mark.slow
+def test_checkpoints_written_by_one_backend_load_in_the_other(tmp_path):
+    """.keras and .weights.h5 both ways: JAX writes; TensorFlow writes and reads JAX's;
+    JAX reads TensorFlow's. Weights and optimizer state are the same bytes."""
+    script = str(SCRIPTS / "cross_backend_job.py")
+    from_jax, from_tf = tmp_path / "from_jax", tmp_path / "from_tf"
+    steps = [
+        ("jax", ["save", from_jax]),
+        ("tensorflow", ["save", from_tf, "load", from_jax]),
+        ("jax", ["load", from_tf]),
+    ]
+    results = []
+    for backend, args in steps:
+        command = [sys.executable, script, *map(str, args)]
+        proc = _run(command, 180, KERAS_BACKEND=backend)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        if "load" in args:
+            results.append(last_json_line(proc.stdout))
+    assert [r["loaded"] for r in results] == ["tensorflow", "jax"]
+    for result in results:
+        assert result["steps"] == 8
+        for key in ("keras_weights", "keras_optimizer", "h5_weights", "h5_optimizer"):
+            assert result[key] == 0.0, key
+        assert result["keras_predictions"] <= 1e-6
+
+
+def _same_script(directory, *extra, launch=False, timeout=300, **env):
+    script = [str(SCRIPTS / "same_script.py"), str(directory), *extra]
+    if launch:
+        script = ["-m", "tfdist", "launch", "-n", "2", "--devices-per-worker", "2", *script]
+    proc = _run([sys.executable, *script], timeout, **env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    if not launch:
+        return [last_json_line(proc.stdout)]
+    lines = [x.partition(" ")[2] for x in proc.stdout.splitlines() if '"weights"' in x]
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+@pytest.mark.multiworker
+def test_the_same_script_gives_the_same_weights_everywhere(tmp_path):
+    """same_script.py (pipeline, make_or_restore, callbacks.standard, save, load in a
+    scope): 1 device = 4 devices = 2x2 ModelParallel = 2 processes x 2 devices on JAX,
+    and it runs unchanged on TensorFlow."""
+    (one,) = _same_script(tmp_path / "one")
+    (four,) = _same_script(tmp_path / "four", TFDIST_CPU_DEVICES="4")
+    (model_parallel,) = _same_script(tmp_path / "mp", "mp", TFDIST_CPU_DEVICES="4")
+    processes = _same_script(tmp_path / "two", launch=True)
+    (tensorflow,) = _same_script(tmp_path / "tf", KERAS_BACKEND="tensorflow")
+    assert [one["replicas"], four["replicas"], model_parallel["replicas"]] == [1, 4, 2]
+    assert sorted(r["chief"] for r in processes) == [False, True]
+    for result in (four, model_parallel, *processes):
+        assert result["steps"] == one["steps"] == 48
+        assert max_diff(result["weights"], one["weights"]) <= 1e-5
+    for result in (one, four, model_parallel, *processes, tensorflow):
+        assert result["loaded_diff"] == 0.0  # tfdist.load(in_scope=True) on every worker
+    assert tensorflow["backend"] == "tensorflow" and tensorflow["steps"] == 48
+    # written once, by the chief, atomically: the 5 newest checkpoints and the model
+    expected = ["ckpt-2.keras", "ckpt-3-13.keras", "ckpt-3-3.keras", "ckpt-3-8.keras"]
+    assert sorted(os.listdir(tmp_path / "two")) == [*expected, "ckpt-3.keras", "final.keras"]
