@@ -29,7 +29,7 @@ TOL = 1e-5
 
 def test_every_fix_is_named_once_and_documented():
     names = compat.fix_names()
-    assert len(names) == len(set(names)) == 6
+    assert len(names) == len(set(names)) == 9
     for fix in compat.FIXES:
         assert fix.summary and fix.apply.__doc__
         # The docstring says what changes and why it is correct, not just a title.
@@ -64,7 +64,11 @@ def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):
 
 def test_fixes_are_recorded_per_package():
     tf_only = [fix.name for fix in compat.FIXES if fix.package == "tensorflow"]
-    assert tf_only == ["tf_multi_worker_timeouts", "tf_multi_worker_logical_cpus"]
+    assert tf_only == [
+        "tf_multi_worker_timeouts",
+        "tf_multi_worker_logical_cpus",
+        "tf_multi_worker_auto_shard",
+    ]
     assert {fix.package for fix in compat.FIXES} == {"tensorflow", "keras"}
 
 
@@ -82,9 +86,11 @@ def test_fixes_apply_to_the_installed_versions_and_are_idempotent():
     from keras.src.callbacks import progbar_logger
     from tensorflow.python.distribute import collective_all_reduce_strategy as cars
 
-    assert all(fix.applies() for fix in compat.FIXES)  # TF 2.21 / Keras 3.15 are covered
+    # TF 2.21 / Keras 3.15 are covered; the keras_jax_* fixes apply under JAX only.
+    tf_fixes_ = [fix for fix in compat.FIXES if not fix.name.startswith("keras_jax")]
+    assert all(fix.applies() for fix in tf_fixes_)
     assert compat.apply_all() == compat.apply_all()
-    assert set(compat.applied()) == set(compat.fix_names())
+    assert set(compat.applied()) == {fix.name for fix in tf_fixes_}
     targets = {
         "keras_symbolic_build_from_spec": (trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
         "keras_multi_worker_mean": (trainer, "reduce_per_replica"),
@@ -94,6 +100,10 @@ def test_fixes_apply_to_the_installed_versions_and_are_idempotent():
         "tf_multi_worker_logical_cpus": (
             cars.CollectiveAllReduceExtended,
             "_initialize_local_devices",
+        ),
+        "tf_multi_worker_auto_shard": (
+            cars.CollectiveAllReduceExtended,
+            "_experimental_distribute_dataset",
         ),
     }
     before = {name: getattr(*target) for name, target in targets.items()}
@@ -170,7 +180,8 @@ def test_bootstrap_applies_the_fixes_then_runs_the_script_or_module_as_main(tmp_
     script, module = (last_json_line(out) for out, _ in outputs)
     for result in (script, module):
         assert result["name"] == "__main__" and result["argv"][1:] == ["--epochs", "3"]
-        assert result["applied"] == compat.fix_names() and result["cpus"] == 2
+        tf_names = [n for n in compat.fix_names() if not n.startswith("keras_jax")]
+        assert result["applied"] == tf_names and result["cpus"] == 2
     assert script["argv"][0] == "job.py" and script["path0"] == str(tmp_path)
     assert module["argv"][0].endswith("job.py") and module["path0"] == str(tmp_path)
 
@@ -268,7 +279,8 @@ def test_a_peer_that_never_starts_hangs_upstream_and_fails_clearly_with_the_fix(
         )
 
     upstream = lone_worker(TFDIST_COMPAT_EXCLUDE="all")
-    fixed = lone_worker("-m", "tfdist.bootstrap", TFDIST_REGISTER_TIMEOUT="5")
+    # 12 s: one progress line (every 10 s) before the timeout.
+    fixed = lone_worker("-m", "tfdist.bootstrap", TFDIST_REGISTER_TIMEOUT="12")
     try:
         out, _ = fixed.communicate(timeout=240)
         # Started first and given at least as long, upstream is still waiting for task 1.
@@ -281,3 +293,7 @@ def test_a_peer_that_never_starts_hangs_upstream_and_fails_clearly_with_the_fix(
     assert fixed.returncode == 3
     error = next(line for line in out.splitlines() if line.startswith("ERROR"))
     assert "DeadlineExceededError" in error and "/job:worker/replica:0/task:1" in error
+    # One line, naming the task and its address, saying what to do.
+    assert error.count("task:") == 1 and "TFDIST_REGISTER_TIMEOUT" in error
+    progress = [line for line in out.splitlines() if "waiting 10 s for" in line]
+    assert len(progress) == 1 and "/job:worker/replica:0/task:1 (127.0.0.1:" in progress[0]

@@ -19,7 +19,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tfdist import startup
+from tfdist import config, startup
 
 __all__ = ["main"]
 
@@ -50,6 +50,45 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"python -m tfdist.bootstrap: cannot open file {target!r}", file=sys.stderr)
         raise SystemExit(2)
     startup.install()
+    try:
+        _run(module, target, args)
+    except Exception as err:
+        if config.debug() or not _is_lost_peer(err):
+            raise
+        # A peer died or never came: the launcher names it; one line is enough here.
+        print(
+            f"tfdist: {type(err).__name__}: {_summary(err)} (TFDIST_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
+
+
+# What a worker raises when a peer is gone or never started (TensorFlow's status codes,
+# or the same codes in jax's runtime errors); anything else keeps its traceback.
+_LOST_PEER_TF = {"UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError"}
+_LOST_PEER_JAX = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "heartbeat", "coordination service")
+
+
+def _is_lost_peer(err: BaseException) -> bool:
+    kind = type(err)
+    if kind.__module__.startswith("tensorflow") and kind.__name__ in _LOST_PEER_TF:
+        return True
+    if kind.__module__.startswith(("jax", "jaxlib")):
+        return any(word in str(err) for word in _LOST_PEER_JAX)
+    return False
+
+
+def _summary(err: BaseException) -> str:
+    """The line of the error that names the lost peer (TensorFlow puts it deep inside)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for word in ("unhealthy", "/job:", "task", "heartbeat"):
+        for line in lines:
+            if word in line:
+                return line[:400]
+    return lines[0][:400] if lines else "(no message)"
+
+
+def _run(module: bool, target: str, args: list[str]) -> None:
     # sys.path[0] is the current directory under `python -m tfdist.bootstrap`, as it is for
     # `python -m MODULE`; `python SCRIPT` puts the script's directory there instead.
     if module:

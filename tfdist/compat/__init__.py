@@ -29,6 +29,8 @@ each upstream failure without its fix, so we notice when upstream fixes it):
                                            instead of a hang.
 ``tf_multi_worker_logical_cpus``           ``TFDIST_CPU_DEVICES=K`` gives each worker of
                                            a multi-worker job K replicas on CPU.
+``tf_multi_worker_auto_shard``             a tf.data pipeline with fewer files than
+                                           workers is sharded by DATA, not failed.
 ========================================  =============================================
 
 Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``
@@ -98,6 +100,15 @@ FIXES: list[Fix] = [
         "MultiWorkerMirroredStrategy uses one CPU device per worker, ignoring logical CPUs",
         tensorflow_versions((2, 16), (3, 0)),
         tf_fixes.fix_multi_worker_logical_cpus,
+        "tensorflow",
+    ),
+    Fix(
+        "tf_multi_worker_auto_shard",
+        "MultiWorkerMirroredStrategy: a dataset with fewer files than workers (tfds MNIST, "
+        "one TFRecord) fails: 'Could not apply FILE based sharding: the dataset only has "
+        "1 file(s)'",
+        tensorflow_versions((2, 16), (3, 0)),
+        tf_fixes.fix_multi_worker_auto_shard,
         "tensorflow",
     ),
     Fix(

@@ -119,6 +119,17 @@ def fix_symbolic_build() -> None:
 # ------------------------------------------------- fix: multi-worker metric reduction
 
 
+def _multi_worker_mean(strategy, value):
+    """The mean of ``value`` over all replicas of all workers (see ``fix_multi_worker_mean``)."""
+    if _private.tf_is_distributed_variable(_tf_var(value)):
+        # A metric whose result() returns its variable: reading it in cross-replica
+        # context already gives the value every replica agrees on (a SyncOnRead
+        # variable aggregates all replicas of all workers), as upstream's
+        # single-worker branch returns it.
+        return value
+    return strategy.reduce("MEAN", value, axis=None)
+
+
 def fix_multi_worker_mean() -> None:
     """Averages per-replica step results across workers with ``axis=None``.
 
@@ -130,8 +141,13 @@ def fix_multi_worker_mean() -> None:
     first axis; metric results are scalars, so it fails ("Invalid reduction dimension
     0 for input with 0 dimensions"), and for a non-scalar it would average the wrong
     axis. ``axis=None`` is the cross-worker form of the single-worker branch: the
-    mean across all replicas of all workers. Other reductions (``sum``, ``concat`` for
-    ``predict``, ``first``) are left to upstream.
+    mean across all replicas of all workers. A metric whose ``result()`` returns its
+    state variable (the Keras guide's example) hands back the variable itself; upstream
+    fails on it ("Cannot convert `input_tensor` to a `PerReplica` object"), while the
+    single-worker branch returns it unchanged: so does the fix (read in cross-replica
+    context, a metric variable already holds the value of all replicas of all
+    workers). Other reductions (``sum``, ``concat`` for ``predict``, ``first``) are left
+    to upstream.
     """
     import tensorflow as tf
 
@@ -146,7 +162,7 @@ def fix_multi_worker_mean() -> None:
                 and not tpu
                 and _private.tf_in_multi_worker_mode(strategy)
             ):
-                return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+                return tree.map_structure(lambda v: _multi_worker_mean(strategy, v), values)
             return original(values, strategy, reduction)
 
         return reduce_per_replica
@@ -172,7 +188,8 @@ def _accumulate_in_replica_context(optimizer, grads, variables) -> None:
 
     def merge_fn(distribution, summed, clipped):
         tf.cond(
-            (optimizer.iterations + 1) % steps == 0,
+            # The micro-step counter, as upstream: ``iterations`` counts updates only.
+            (_private.keras_optimizer_micro_steps(optimizer) + 1) % steps == 0,
             lambda: _cross_replica_update(
                 optimizer, distribution, clipped, variables, accumulators
             ),
@@ -247,7 +264,8 @@ def fix_gradient_accumulation() -> None:
 
     Every replica holds identical accumulators (they only ever receive all-reduced
     values), so the result equals accumulation on one device with the same global
-    batch. Without a strategy, or in cross-replica context, upstream's code runs.
+    batch. Without a strategy, in cross-replica context, or eagerly (where upstream's
+    ``merge_call`` inside ``ops.cond`` works), upstream's code runs unchanged.
     """
 
     def make(upstream):
@@ -258,6 +276,9 @@ def fix_gradient_accumulation() -> None:
                 not self.gradient_accumulation_steps
                 or not tf.distribute.has_strategy()
                 or tf.distribute.in_cross_replica_context()
+                # Eagerly (strategy.run outside a tf.function) upstream's cond is a Python
+                # branch and its merge_call works: upstream stays as it is there.
+                or tf.executing_eagerly()
             ):
                 return upstream(self, grads, trainable_variables)
             _accumulate_in_replica_context(self, grads, trainable_variables)

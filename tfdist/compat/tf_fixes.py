@@ -9,9 +9,14 @@ from __future__ import annotations
 import logging
 
 from tfdist import _private, config, process
+from tfdist.compat import sharding, startup_watch
 from tfdist.compat.registry import patch
 
-__all__ = ["fix_multi_worker_timeouts", "fix_multi_worker_logical_cpus"]
+__all__ = [
+    "fix_multi_worker_timeouts",
+    "fix_multi_worker_logical_cpus",
+    "fix_multi_worker_auto_shard",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +44,34 @@ def _before_multi_worker_init(extended, cluster_resolver) -> None:
         )
     if _private.tf_collectives_enabled():
         _private.tf_mark_server_started(extended)
+
+
+def _peers(cluster_resolver) -> tuple[list[str], int, str]:
+    """This task's job's addresses, its index in them, and the job's name."""
+    job = cluster_resolver.task_type or "worker"
+    addresses = list(cluster_resolver.cluster_spec().as_dict().get(job, []))
+    return addresses, int(cluster_resolver.task_id or 0), job
+
+
+def _watched(start, cluster_resolver):
+    """``start()`` saying whom it waits for; a start-up timeout as one line naming them."""
+    import tensorflow as tf
+
+    addresses, me, job = _peers(cluster_resolver)
+    try:
+        return startup_watch.watch_startup(addresses, me, start)
+    except tf.errors.DeadlineExceededError as err:
+        missing = startup_watch.missing_peers(addresses, me)
+        if not missing:
+            raise
+        # Upstream: ~80 lines ending in "Barrier timed out"; what to do fits on one.
+        raise tf.errors.DeadlineExceededError(
+            None,
+            None,
+            f"tfdist: worker {me} gave up after {_timeouts().register:.0f} s waiting for "
+            f"{startup_watch.describe(addresses, missing, job)} to start: start it, or "
+            "raise TFDIST_REGISTER_TIMEOUT.",
+        ) from (err if config.debug() else None)
 
 
 def fix_multi_worker_timeouts() -> None:
@@ -69,7 +102,7 @@ def fix_multi_worker_timeouts() -> None:
     def make(original):
         def _initialize_multi_worker(self, cluster_resolver):
             _before_multi_worker_init(self, cluster_resolver)
-            return original(self, cluster_resolver)
+            return _watched(lambda: original(self, cluster_resolver), cluster_resolver)
 
         return _initialize_multi_worker
 
@@ -122,5 +155,76 @@ def fix_multi_worker_logical_cpus() -> None:
         _private.tf_collective_extended_class(),
         "_initialize_local_devices",
         "tf_multi_worker_logical_cpus",
+        make,
+    )
+
+
+# Reasons already logged: "said once", not once per fit/evaluate/predict call.
+_SHARD_LOGGED: set[str] = set()
+
+
+def explicit_shard_policy(dataset, num_workers: int):
+    """``dataset`` with the auto-shard policy AUTO should pick set explicitly, or as is."""
+    import tensorflow as tf
+
+    policy, reason = sharding.auto_shard_policy(dataset, num_workers)
+    if policy is None:
+        return dataset
+    line = f"tfdist: sharding the input pipeline by {policy.name} ({reason})"
+    if line not in _SHARD_LOGGED:
+        _SHARD_LOGGED.add(line)
+        logger.info(line)
+    if (
+        policy.name == "DATA"
+        and sharding.unseeded_shuffle(dataset)
+        and "unseeded" not in _SHARD_LOGGED
+    ):
+        _SHARD_LOGGED.add("unseeded")
+        # Every worker reads the whole pipeline and keeps its slice: with a shuffle
+        # seeded at run time their orders differ, so slices overlap.
+        logger.warning(
+            "tfdist: the input pipeline shuffles without a seed and is sharded by DATA: "
+            "workers would see different orders, some examples twice and others never. "
+            "Pass shuffle(..., seed=N) or call keras.utils.set_random_seed(N) (the same N "
+            "on every worker) before building the dataset."
+        )
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+def fix_multi_worker_auto_shard() -> None:
+    """Shards a dataset with fewer files than workers by DATA instead of failing.
+
+    ``MultiWorkerMirroredStrategy.experimental_distribute_dataset`` (what Keras'
+    ``fit``/``evaluate``/``predict`` call on any tf.data pipeline) shards with the
+    dataset's auto-shard policy, AUTO unless the user set one. AUTO tries FILE first and
+    only falls back to DATA when the pipeline has no file reader: a pipeline reading
+    one file on two workers (``tfds.load("mnist")``, a single TFRecord, the official
+    Distributed-training tutorial) fails with "Could not apply FILE based sharding: the
+    dataset only has 1 file(s), which is not enough for the required 2 shards/workers".
+
+    The fix counts the files on the dataset's serialised graph (``compat.sharding``)
+    and sets the policy AUTO means explicitly: FILE with at least one file per worker
+    (what upstream does), DATA with fewer (upstream fails) or without a file reader
+    (upstream's fallback, minus its warning). The choice is logged once. A policy the
+    user set is left alone, and so is a pipeline whose files cannot be counted (file
+    names computed at run time): upstream decides as before. Single-worker strategies
+    are not touched.
+    """
+
+    def make(original):
+        def _experimental_distribute_dataset(self, dataset, options):
+            workers = _private.tf_extended_num_workers(self)
+            if workers > 1:
+                dataset = explicit_shard_policy(dataset, workers)
+            return original(self, dataset, options)
+
+        return _experimental_distribute_dataset
+
+    patch(
+        _private.tf_collective_extended_class(),
+        "_experimental_distribute_dataset",
+        "tf_multi_worker_auto_shard",
         make,
     )
