@@ -1,4 +1,5 @@
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -8,7 +9,7 @@ import tfdist
 from tfdist import config
 from tfdist.backends import tensorflow as strategy_mod
 
-from conftest import SCRIPTS, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
 
 
 @pytest.mark.parametrize("bad", [0, -3])
@@ -207,3 +208,94 @@ def test_a_keras_distribution_on_the_tensorflow_backend_is_warned_about():
                 pass
     finally:
         keras.distribution.set_distribution(None)
+
+
+# --- communication options: TFDIST_ALLREDUCE / TFDIST_BYTES_PER_PACK / Communication(...) ---
+
+
+def test_communication_defaults_leave_tensorflow_to_decide():
+    comm = config.Communication.from_env({})
+    assert (comm.implementation, comm.bytes_per_pack, comm.is_default) == ("auto", 0, True)
+
+
+def test_communication_environment_is_read_and_checked():
+    env = {"TFDIST_ALLREDUCE": "RING", "TFDIST_BYTES_PER_PACK": "65536"}
+    assert config.Communication.from_env(env) == config.Communication("ring", 65536)
+    with pytest.raises(config.ConfigError, match=r"TFDIST_ALLREDUCE must be one of .*'gloo'"):
+        config.Communication.from_env({"TFDIST_ALLREDUCE": "gloo"})
+    with pytest.raises(config.ConfigError, match=r"TFDIST_BYTES_PER_PACK.*Received.*'-1'"):
+        config.Communication.from_env({"TFDIST_BYTES_PER_PACK": "-1"})
+
+
+def test_communication_arguments_follow_the_validation_rule():
+    with pytest.raises(
+        ValueError, match=r"implementation must be one of .*Received: implementation='x'"
+    ):
+        config.Communication("x")
+    with pytest.raises(TypeError, match=r"bytes_per_pack must be a non-negative int"):
+        config.Communication(bytes_per_pack=1.5)
+    with pytest.raises(TypeError, match=r"communication must be a tfdist.config.Communication"):
+        strategy_mod.plan("default", communication="ring")
+
+
+def test_communication_argument_wins_over_environment_in_the_plan():
+    from tfdist.cluster import worker_tf_config
+
+    env = {
+        "TF_CONFIG": worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 0),
+        "TFDIST_BYTES_PER_PACK": "1024",
+    }
+    assert strategy_mod.plan("auto", environ=env).communication.bytes_per_pack == 1024
+    chosen = config.Communication("ring", 4096)
+    assert strategy_mod.plan("auto", communication=chosen, environ=env).communication == chosen
+
+
+def test_multi_worker_refuses_a_mirrored_only_implementation():
+    from tfdist.cluster import worker_tf_config
+
+    env = {
+        "TF_CONFIG": worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 0),
+        "TFDIST_ALLREDUCE": "reduce_to_one",
+    }
+    with pytest.raises(config.ConfigError, match="MultiWorkerMirroredStrategy takes 'auto'"):
+        strategy_mod.plan("auto", environ=env)
+
+
+def test_mirrored_cross_device_ops_follow_the_implementation():
+    import tensorflow as tf
+
+    def ops(impl, devices=("/device:CPU:0", "/device:CPU:1")):
+        p = strategy_mod.StrategyPlan("mirrored", devices, communication=config.Communication(impl))
+        return strategy_mod._mirrored_cross_device_ops(p)
+
+    assert ops("auto") is None and ops("ring") is None  # TensorFlow's ring on CPUs
+    assert isinstance(ops("reduce_to_one"), tf.distribute.ReductionToOneDevice)
+    assert isinstance(ops("nccl", ("/device:GPU:0", "/device:GPU:1")), tf.distribute.NcclAllReduce)
+    with pytest.raises(config.ConfigError, match="nccl and hierarchical_copy need GPUs"):
+        ops("nccl")
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_packing_and_ring_do_not_change_the_trained_weights():
+    """1 device = 2 workers = 2 workers with 64 KiB packs on a ring, within 1e-5."""
+    job = [str(SCRIPTS / "mw_bench_job.py"), "--steps", "12", "--warmup", "2", "--weights"]
+    launch = [sys.executable, "-m", "tfdist", "launch", "-n", "2"]
+    runs = {
+        "one": [sys.executable, *job],
+        "workers": [*launch, *job],
+        "packed": [*launch, *job, "--bytes-per-pack", "65536", "--implementation", "ring"],
+    }
+    results = {}
+    for name, cmd in runs.items():
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results[name] = last_json_line(proc.stdout.replace("[w0] ", ""))
+    assert [results[n]["replicas"] for n in runs] == [1, 2, 2]
+    assert results["packed"]["communication"] == ["ring", 65536]
+    assert results["workers"]["communication"] == ["auto", 0]
+    for name in ("workers", "packed"):
+        for a, b in zip(results["one"]["weights"], results[name]["weights"], strict=True):
+            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0)

@@ -150,3 +150,20 @@ def test_cli_prints_the_three_parts_and_json_parses():
     figures = json.loads(out.stdout)
     assert {r["gpus"] for r in figures["table"]} == {8, 16, 32, 64, 128, 256, 512}
     assert [h["gpus"] for h in figures["horovod"]] == [128, 512]
+
+
+def test_the_gpu_workload_is_a_line_through_the_measured_rows():
+    data = json.loads((REPO / "tools" / "gpu_measured.json").read_text())
+    work = sm.gpu_workload(data)
+    assert work.us_per_example > 0 and work.overhead_ms >= 0
+    for row in data["rows"]:  # a straight line describes Keras fit on one GPU
+        fitted = sm.compute_s(work, row["global_batch"]) * 1000
+        assert fitted == pytest.approx(row["ms"]["none"], rel=0.15)
+    with pytest.raises(ValueError, match=r"rows at two or more global batches. Received: "):
+        sm.gpu_workload({**data, "rows": data["rows"][:1]})
+
+
+def test_cli_with_gpu_rows_adds_their_table():
+    text = _cli("--gpu", str(REPO / "tools" / "gpu_measured.json"))
+    assert text.returncode == 0, text.stderr
+    assert "## 4. Measured on one GPU" in text.stdout and "per-replica batch 1024" in text.stdout

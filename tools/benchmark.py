@@ -7,6 +7,7 @@ with its min/max. It prints one table, with the machine on top.
     python tools/benchmark.py                 # full run (tens of minutes on 2 cores)
     python tools/benchmark.py --quick         # < 3 minutes: fewer pairs, data subsets
     python tools/benchmark.py --only pipeline --json figures.json
+    python tools/benchmark.py --scaling       # 1/2/4 workers x 1/2 devices, both backends
 
 The test suite runs ``--quick`` as a smoke test; no test asserts on a timing.
 """
@@ -403,8 +404,7 @@ def _comparisons() -> list[Comparison]:
 
 def format_table(mach: dict, rows: list[tuple[Comparison, Result | None, str | None]]) -> str:
     lines = [
-        f"machine: {mach['cpu']}, {mach['cores']} cores, GPUs: {', '.join(mach['gpus']) or 'none'}; "
-        f"python {mach['python']}, tensorflow {mach['tensorflow']}, keras {mach['keras']}; {mach['date']}",
+        machine_line(mach),
         "",
         "| name | A | B | A/B median (min-max) | goal | met |",
         "|---|---|---|---|---|---|",
@@ -429,6 +429,27 @@ def format_table(mach: dict, rows: list[tuple[Comparison, Result | None, str | N
     return "\n".join(lines)
 
 
+def machine_line(mach: dict) -> str:
+    """The line on top of every table."""
+    return (
+        f"machine: {mach['cpu']}, {mach['cores']} cores, GPUs: {', '.join(mach['gpus']) or 'none'}; "
+        f"python {mach['python']}, tensorflow {mach['tensorflow']}, keras {mach['keras']}; {mach['date']}"
+    )
+
+
+def _scaling(quick: bool, rounds: int, json_path: str | None) -> int:
+    import bench_scaling
+
+    mach = machine()
+    figures = bench_scaling.scaling(quick=quick, rounds=rounds)
+    print(bench_scaling.format_table(figures, machine_line(mach)))
+    if json_path:
+        Path(json_path).write_text(
+            json.dumps({"machine": mach, "quick": quick, **figures}, indent=2)
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer pairs, data subsets (< 3 min)")
@@ -440,6 +461,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     parser.add_argument("--child", choices=sorted(CHILD_ROWS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="the scaling table instead: 1/2/4 workers x 1/2 devices, TensorFlow and JAX",
+    )
     args = parser.parse_args(argv)
     pairs = args.pairs if args.pairs is not None else (1 if args.quick else 5)
     if pairs < 1:
@@ -450,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         # numpy scalars (np.float64, np.bool_) from the benchmark modules -> plain Python
         print(json.dumps(figures, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
         return 0
+
+    if args.scaling:
+        return _scaling(args.quick, pairs if args.pairs is not None else 3, args.json)
 
     comparisons = _comparisons()
     names = [c.name for c in comparisons]

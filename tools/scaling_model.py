@@ -10,6 +10,7 @@ over P times the throughput on one, at the same per-replica batch: step(1) / ste
     python tools/scaling_model.py                        # the checks and the 8-512 GPU table
     python tools/scaling_model.py --json                 # the same figures as JSON
     python tools/scaling_model.py --measured rows.json   # this machine's rows from a file
+    python tools/scaling_model.py --gpu tools/gpu_measured.json  # + the measured-GPU table
 
 Every bandwidth, latency and compute figure below carries its source. Limits: the ring is
 the only algorithm (NCCL switches to trees for small messages at scale, so the ring
@@ -35,6 +36,7 @@ if str(REPO) not in sys.path:  # `python tools/scaling_model.py` from a checkout
 from tfdist import validate  # noqa: E402  (light: no TensorFlow)
 
 MEASURED = Path(__file__).resolve().parent / "scaling_measured.json"
+GPU_MEASURED = Path(__file__).resolve().parent / "gpu_measured.json"
 NCCL_TUNING = "NCCL src/graph/tuning.cc hwLat, Ring/Simple"
 
 
@@ -470,7 +472,7 @@ TABLE_LINKS = (ROCE25, IB_EDR, NDR_X8)
 TABLE_MODELS = ((MNIST_FAST_H100, 128), (RESNET101_H100, 64))
 
 
-def scaling_table(gpus_per_node: int = 8) -> list[dict]:
+def scaling_table(gpus_per_node: int = 8, models=TABLE_MODELS) -> list[dict]:
     """Step time, efficiency and the 90% batch for each model x inter link x GPU count.
 
     TensorFlow's defaults: a flat ring, one pack, no overlap, NVLink 4 inside a node.
@@ -481,7 +483,7 @@ def scaling_table(gpus_per_node: int = 8) -> list[dict]:
     """
     validate.positive_int(gpus_per_node, "gpus_per_node", "scaling_table")
     rows = []
-    for work, batch in TABLE_MODELS:
+    for work, batch in models:
         for link in TABLE_LINKS:
             for gpus in TABLE_GPUS:
                 cluster = Cluster(max(1, gpus // gpus_per_node), min(gpus, gpus_per_node),
@@ -496,6 +498,71 @@ def scaling_table(gpus_per_node: int = 8) -> list[dict]:
                     "global_batch_90": None if b90 is None else b90 * cluster.replicas,
                 })  # fmt: skip
     return rows
+
+
+# --- a workload measured on one GPU (tools/bench_gpu.py) -------------------------------
+
+
+def gpu_workload(data: dict, variant: str = "none") -> Workload:
+    """The convnet as measured by tools/bench_gpu.py: a least-squares line through its rows.
+
+    ms/step = overhead + batch x per-example, fitted over the measured global batches
+    (Keras ``fit`` on one device, so the overhead includes its per-step dispatch).
+
+    Example:
+        >>> rows = [{"global_batch": 100, "ms": {"none": 1.5}},
+        ...         {"global_batch": 300, "ms": {"none": 2.5}}]
+        >>> w = gpu_workload({"rows": rows, "device_kind": "X", "date": "d", "source": "s"})
+        >>> round(w.us_per_example, 3), round(w.overhead_ms, 3)
+        (5.0, 1.0)
+    """
+    validate.instance(data, dict, "data", "gpu_workload", "a dict (tools/gpu_measured.json)")
+    points = [(r["global_batch"], r["ms"][variant]) for r in data["rows"]]
+    if len({b for b, _ in points}) < 2:
+        raise ValueError(validate.message(
+            "gpu_workload", "data['rows']", "rows at two or more global batches", points
+        ))  # fmt: skip
+    n = len(points)
+    mean_b = sum(b for b, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / sum(
+        (b - mean_b) ** 2 for b, _ in points
+    )
+    base = MNIST_FAST_H100
+    return replace(
+        base,
+        name=f"MNIST fast convnet, Keras fit on {data['device_kind']} (measured)",
+        us_per_example=slope * 1000,
+        overhead_ms=max(0.0, mean_t - slope * mean_b),
+        source=f"{data.get('source', 'tools/bench_gpu.py')}, {data['date']}: "
+        + ", ".join(f"{t:.2f} ms at {b}" for b, t in points),
+    )
+
+
+def gpu_report(data: dict) -> dict:
+    """Measured rows, the fitted workload and its 8-512 GPU table."""
+    work = gpu_workload(data)
+    models = ((work, 128), (work, 1024))
+    return {"workload": asdict(work), "rows": data["rows"], "table": scaling_table(models=models),
+            "machine": data.get("machine", data["device_kind"])}  # fmt: skip
+
+
+def format_gpu(g: dict) -> list[str]:
+    work = Workload(**g["workload"])
+    lines = [
+        f"## 4. Measured on one GPU: {g['machine']}",
+        f"fitted: {work.overhead_ms:.2f} ms + {work.us_per_example:.3f} us/example ({work.source})",
+        "",
+        "| global batch | no distribution ms/step | tfdist.scope ms/step | images/s | tfdist/none |",
+        "|---|---|---|---|---|",
+    ]
+    for r in g["rows"]:
+        lines.append(
+            f"| {r['global_batch']} | {r['ms']['none']:.2f} | {r['ms']['tfdist']:.2f} | "
+            f"{r['images_per_s']['none']:,.0f} | {r['tfdist_over_none']:.2f} |"
+        )
+    lines.append("")
+    return lines + format_table(g["table"], ((work, 128), (work, 1024)), "### 4b.")
 
 
 # --- output ----------------------------------------------------------------------------
@@ -548,9 +615,9 @@ def format_horovod(checks: list[dict]) -> list[str]:
     return lines
 
 
-def format_table(rows: list[dict]) -> list[str]:
-    lines = ["## 3. 8-512 GPUs, 8 per node (NVLink 4 inside; flat ring, one pack, no overlap)"]
-    for work, batch in TABLE_MODELS:
+def format_table(rows: list[dict], models=TABLE_MODELS, title: str = "## 3.") -> list[str]:
+    lines = [f"{title} 8-512 GPUs, 8 per node (NVLink 4 inside; flat ring, one pack, no overlap)"]
+    for work, batch in models:
         head = " | ".join(
             f"{link.name}: eff (ms/step) | global batch at 90%" for link in TABLE_LINKS
         )
@@ -562,7 +629,8 @@ def format_table(rows: list[dict]) -> list[str]:
                 r = next(
                     r
                     for r in rows
-                    if (r["model"], r["inter"], r["gpus"]) == (work.name, link.name, gpus)
+                    if (r["model"], r["inter"], r["gpus"], r["per_replica_batch"])
+                    == (work.name, link.name, gpus, batch)
                 )
                 b90 = (
                     "> 2^20 per GPU"
@@ -602,9 +670,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.add_argument("--measured", metavar="FILE", default=str(MEASURED),
                         help="this machine's rows (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--gpu", metavar="FILE", default=None,
+                        help="rows measured on one GPU by tools/bench_gpu.py (e.g. "
+                        f"{GPU_MEASURED.name}): adds their fitted 8-512 GPU table")  # fmt: skip
     args = parser.parse_args(argv)
     data = load_measured(args.measured)
     result = report(data)
+    if args.gpu:
+        result["gpu"] = gpu_report(json.loads(Path(args.gpu).read_text()))
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -612,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     lines += format_machine(result["machine"], data) + [""]
     lines += format_horovod(result["horovod"]) + [""]
     lines += format_table(result["table"])
+    if args.gpu:
+        lines += [""] + format_gpu(result["gpu"])
     print("\n".join(lines))
     return 0
 

@@ -111,6 +111,23 @@ def distribution(*, mesh=None, layout_map=None, batch_dim_name: str | None = Non
     return kd.ModelParallel(layout_map=layout_map, batch_dim_name=axis)
 
 
+def _warn_communication() -> None:
+    """TFDIST_ALLREDUCE / TFDIST_BYTES_PER_PACK are TensorFlow's: say so, never ignore silently.
+
+    Under JAX the all-reduce is XLA's, planned by the compiler (NCCL on GPUs, gloo between
+    CPU processes), and it fuses gradients itself; there is nothing to set per job.
+    """
+    comm = config.Communication.from_env()
+    if not comm.is_default:
+        logger.warning(
+            "tfdist: %s has no effect on the JAX backend (XLA chooses and fuses the "
+            "all-reduce itself); unset %s and %s.",
+            comm,
+            config.ALLREDUCE_ENV,
+            config.BYTES_PER_PACK_ENV,
+        )
+
+
 @contextlib.contextmanager
 def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ignored):
     """Sets tfdist's distribution inside the block and restores the previous one after.
@@ -125,6 +142,7 @@ def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ig
             "Under KERAS_BACKEND=jax pass mesh=, layout_map= or batch_dim_name=."
         )
     chosen = distribution(mesh=mesh, layout_map=layout_map, batch_dim_name=batch_dim_name)
+    _warn_communication()
     st = process.state()
     previous = kd.distribution()
     with st.lock:

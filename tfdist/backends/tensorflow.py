@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from tfdist import _private, cluster, compat, config, process, validate
-from tfdist.config import ConfigError, MultiWorkerTimeouts
+from tfdist.config import Communication, ConfigError, MultiWorkerTimeouts
 
 __all__ = [
     "NAME",
@@ -59,6 +59,7 @@ class StrategyPlan:
         num_workers: training processes in the cluster (1 without one).
         cluster_source: ``TF_CONFIG``, ``SLURM`` or ``none``.
         timeouts: for ``multi_worker`` only: how long the job waits for its peers.
+        communication: how gradients are all-reduced (``tfdist.config.Communication``).
     """
 
     kind: str
@@ -66,6 +67,7 @@ class StrategyPlan:
     num_workers: int = 1
     cluster_source: str = "none"
     timeouts: MultiWorkerTimeouts | None = None
+    communication: Communication = Communication()
 
     @property
     def num_replicas(self) -> int:
@@ -119,7 +121,7 @@ def configure_cpu_devices(n: int) -> list[str]:
     return [f"/device:CPU:{i}" for i in range(n)]
 
 
-def _check_plan_args(kind, devices, timeouts) -> None:
+def _check_plan_args(kind, devices, timeouts, communication) -> None:
     validate.one_of(
         kind,
         KINDS,
@@ -144,6 +146,14 @@ def _check_plan_args(kind, devices, timeouts) -> None:
             "strategy",
             "a tfdist.config.MultiWorkerTimeouts or None",
         )
+    if communication is not None:
+        validate.instance(
+            communication,
+            Communication,
+            "communication",
+            "strategy",
+            "a tfdist.config.Communication or None",
+        )
 
 
 def _auto_kind(info: cluster.ClusterInfo, devices, local: tuple[str, ...]) -> str:
@@ -154,7 +164,7 @@ def _auto_kind(info: cluster.ClusterInfo, devices, local: tuple[str, ...]) -> st
     return "mirrored" if len(local) > 1 else "default"
 
 
-def _multi_worker_plan(info, devices, local, timeouts, env) -> StrategyPlan:
+def _multi_worker_plan(info, devices, local, timeouts, comm, env) -> StrategyPlan:
     if not info.is_multi_worker:
         raise ConfigError(
             "strategy: kind='multi_worker' needs a cluster of more than one training task. "
@@ -168,8 +178,17 @@ def _multi_worker_plan(info, devices, local, timeouts, env) -> StrategyPlan:
             f"devices={devices!r}. Limit the GPUs with CUDA_VISIBLE_DEVICES, or use "
             "`tfdist launch --devices-per-worker K`."
         )
+    if comm.implementation not in ("auto", "ring", "nccl"):
+        raise ConfigError(
+            f"strategy: implementation {comm.implementation!r} is a MirroredStrategy "
+            "cross_device_ops; MultiWorkerMirroredStrategy takes 'auto', 'ring' or 'nccl'. "
+            f"Received: {config.ALLREDUCE_ENV}/Communication(implementation="
+            f"{comm.implementation!r}). Use one of those three."
+        )
     timeouts = timeouts or MultiWorkerTimeouts.from_env(env)
-    return StrategyPlan("multi_worker", local, info.num_workers, info.source, timeouts)
+    return StrategyPlan(
+        "multi_worker", local, info.num_workers, info.source, timeouts, communication=comm
+    )
 
 
 def plan(
@@ -178,6 +197,7 @@ def plan(
     devices: Sequence[str] | None = None,
     cpu_devices: int | None = None,
     timeouts: MultiWorkerTimeouts | None = None,
+    communication: Communication | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> StrategyPlan:
     """Resolves which strategy ``strategy()`` would build, without building it.
@@ -191,8 +211,9 @@ def plan(
         >>> plan("auto").kind  # doctest: +SKIP
         'default'
     """
-    _check_plan_args(kind, devices, timeouts)
+    _check_plan_args(kind, devices, timeouts, communication)
     env = os.environ if environ is None else environ
+    comm = communication or Communication.from_env(env)
     wanted = config.cpu_devices(cpu_devices, environ=env)
     cpus = configure_cpu_devices(wanted) if wanted else None
     local = _local_devices(cpus)
@@ -200,10 +221,10 @@ def plan(
     if kind == "auto":
         kind = _auto_kind(info, devices, local)
     if kind == "multi_worker":
-        return _multi_worker_plan(info, devices, local, timeouts, env)
+        return _multi_worker_plan(info, devices, local, timeouts, comm, env)
     chosen = tuple(devices) if devices else local
     if kind == "mirrored":
-        return StrategyPlan(kind, chosen)
+        return StrategyPlan(kind, chosen, communication=comm)
     if kind == "one_device":
         return StrategyPlan(kind, chosen[:1])
     return StrategyPlan("default", (local[0],))
@@ -259,9 +280,41 @@ def slurm_cluster_resolver(
     )
 
 
+def _mirrored_cross_device_ops(p: StrategyPlan):
+    """MirroredStrategy's ``cross_device_ops`` for the plan; None keeps TensorFlow's choice.
+
+    TensorFlow's own choice is its collective all-reduce: ring on CPUs, NCCL on GPUs.
+    """
+    comm = p.communication
+    if comm.bytes_per_pack:
+        logger.warning(
+            "tfdist: bytes_per_pack=%d applies to MultiWorkerMirroredStrategy only; "
+            "MirroredStrategy packs its gradients itself.",
+            comm.bytes_per_pack,
+        )
+    on_cpu = all("CPU" in d.upper() for d in p.devices)
+    impl = comm.implementation
+    if impl == "auto" or (impl == "ring" and on_cpu):
+        return None
+    if impl == "nccl" and not on_cpu:
+        return tf.distribute.NcclAllReduce()
+    if impl == "hierarchical_copy" and not on_cpu:
+        return tf.distribute.HierarchicalCopyAllReduce()
+    if impl == "reduce_to_one":
+        return tf.distribute.ReductionToOneDevice()
+    raise ConfigError(
+        f"strategy: MirroredStrategy on {list(p.devices)} cannot all-reduce with "
+        f"implementation={impl!r} (nccl and hierarchical_copy need GPUs; TensorFlow has no "
+        f"public ring for GPUs in one process). Received: {config.ALLREDUCE_ENV}="
+        f"{impl!r}. Use 'auto'."
+    )
+
+
 def _build(p: StrategyPlan) -> tf.distribute.Strategy:
     if p.kind == "mirrored":
-        return tf.distribute.MirroredStrategy(devices=list(p.devices))
+        return tf.distribute.MirroredStrategy(
+            devices=list(p.devices), cross_device_ops=_mirrored_cross_device_ops(p)
+        )
     if p.kind == "one_device":
         return tf.distribute.OneDeviceStrategy(p.devices[0])
     if p.kind == "multi_worker":
@@ -269,12 +322,23 @@ def _build(p: StrategyPlan) -> tf.distribute.Strategy:
     return tf.distribute.get_strategy()
 
 
+_IMPLEMENTATIONS = {
+    "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+    "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+    "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+}
+
+
 def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
     if p.cluster_source == "SLURM":
         resolver = slurm_cluster_resolver()
     else:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=p.timeouts.collective)
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=p.communication.bytes_per_pack,
+        timeout_seconds=p.timeouts.collective,
+        implementation=_IMPLEMENTATIONS[p.communication.implementation],
+    )
     # The coordination-service timeouts are applied by compat's tf_multi_worker_timeouts
     # fix while the strategy initialises; it reads them from the process state.
     process.state().multi_worker_timeouts = p.timeouts
@@ -283,7 +347,7 @@ def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
     )
 
 
-def _check_same(existing: StrategyPlan, kind, devices, cpu_devices, timeouts) -> None:
+def _check_same(existing: StrategyPlan, kind, devices, cpu_devices, timeouts, comm) -> None:
     # Compare only what the caller asked for explicitly: the environment was already
     # read when the strategy was created.
     conflicts = (
@@ -291,12 +355,14 @@ def _check_same(existing: StrategyPlan, kind, devices, cpu_devices, timeouts) ->
         or (devices is not None and tuple(devices) != existing.devices)
         or (cpu_devices is not None and cpu_devices != len(existing.devices))
         or (timeouts is not None and timeouts != existing.timeouts)
+        or (comm is not None and comm != existing.communication)
     )
     if conflicts:
         raise RuntimeError(
             f"strategy: this process already has a {existing.kind!r} strategy on "
             f"{list(existing.devices)}; it cannot also have kind={kind!r}, "
-            f"devices={devices!r}, cpu_devices={cpu_devices!r}, timeouts={timeouts!r}. "
+            f"devices={devices!r}, cpu_devices={cpu_devices!r}, timeouts={timeouts!r}, "
+            f"communication={comm!r}. "
             "Create the strategy once, before building models (call tfdist.strategy(...) "
             "first), or use a new process."
         )
@@ -308,6 +374,7 @@ def strategy(
     devices: Sequence[str] | None = None,
     cpu_devices: int | None = None,
     timeouts: MultiWorkerTimeouts | None = None,
+    communication: Communication | None = None,
 ) -> tf.distribute.Strategy:
     """The process's strategy: created on the first call, the same object afterwards.
 
@@ -319,6 +386,9 @@ def strategy(
             ``TFDIST_CPU_DEVICES``); only possible before TensorFlow initialises devices.
         timeouts: for multi-worker: how long to wait for peers (overrides the
             ``TFDIST_*_TIMEOUT`` variables; see ``tfdist.config.MultiWorkerTimeouts``).
+        communication: all-reduce implementation and gradient packing (overrides
+            ``TFDIST_ALLREDUCE`` / ``TFDIST_BYTES_PER_PACK``; see
+            ``tfdist.config.Communication``).
 
     Raises:
         RuntimeError: a strategy of another kind or on other devices already exists.
@@ -331,9 +401,15 @@ def strategy(
     st = process.state()
     with st.lock:
         if st.distribution is not None:
-            _check_same(st.distribution[0], kind, devices, cpu_devices, timeouts)
+            _check_same(st.distribution[0], kind, devices, cpu_devices, timeouts, communication)
             return st.distribution[1]
-        wanted = plan(kind, devices=devices, cpu_devices=cpu_devices, timeouts=timeouts)
+        wanted = plan(
+            kind,
+            devices=devices,
+            cpu_devices=cpu_devices,
+            timeouts=timeouts,
+            communication=communication,
+        )
         compat.apply_all()
         obj = _build(wanted)
         st.distribution = (wanted, obj)

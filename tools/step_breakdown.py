@@ -1,0 +1,279 @@
+"""Where a training step's time goes: 2 workers against 2 logical devices in one process.
+
+The job (this file with ``--child``, the MLP of tests/scripts/mw_bench_job.py: 269k
+parameters in 6 tensors, global batch 128, SGD) times, under ``tfdist.strategy()``, each
+part of a step as its own ``tf.function`` called in a loop (median of rounds, each round
+timing every part once, so load drift hits all parts alike):
+
+* ``input``: ``next()`` on the distributed dataset iterator, nothing else;
+* ``compute``: input + forward + backward in each replica, no all-reduce, no update;
+* ``allreduce``: one all-reduce of tensors shaped like the gradients, nothing else;
+* ``step``: input + forward + backward + all-reduce + SGD update (a hand-written step);
+* ``fit``: ``model.fit``'s step (Keras's train function, its callbacks and Python loop).
+
+``steps_per_execution > 1`` and ``jit_compile=True`` are not columns: on CPUs both fail
+under these strategies (Keras 3.15.1, TF 2.21): steps_per_execution under Mirrored and
+MultiWorkerMirrored ("You must feed a value for placeholder tensor", keras#19246);
+jit_compile under MirroredStrategy on logical CPUs ("Trying to access resource ...
+located in device CPU:1 from device CPU:0") and under MultiWorkerMirroredStrategy
+("Collectives are not yet implemented for CPU devices when compiling with XLA").
+
+From them: exposed all-reduce = step - compute, Python/callback overhead = fit - step.
+The parent runs the job as ``tfdist launch -n 2`` and with ``TFDIST_CPU_DEVICES=2``,
+alternating, and prints both columns side by side.
+
+    python tools/step_breakdown.py               # 3 alternated pairs
+    python tools/step_breakdown.py --pairs 1 --json breakdown.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+REPO = TOOLS.parent
+TIMEOUT_S = 900
+PARTS = ("input", "compute", "allreduce", "step", "fit")
+
+
+def _model(keras, **compile_args):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        **compile_args,
+    )
+    return model
+
+
+def _dataset(tf, global_batch: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.random((global_batch * 8, 784), dtype=np.float32)
+    y = rng.integers(0, 10, size=(global_batch * 8,))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(global_batch)
+        .with_options(options)
+        .prefetch(2)
+    )
+
+
+def _step_functions(tf, keras, strategy, model, iterator):
+    """The hand-written parts, each a tf.function over strategy.run."""
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="sum_over_batch_size"
+    )
+    shapes = [v.shape for v in model.trainable_variables]
+
+    def grads_of(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True)) / strategy.num_replicas_in_sync
+        return tape.gradient(loss, model.trainable_variables)
+
+    def compute(batch):
+        return tf.add_n([tf.reduce_sum(g) for g in grads_of(*batch)])
+
+    def step(batch):  # the optimizer all-reduces (sum) and updates, as in fit
+        grads = grads_of(*batch)
+        model.optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+    def allreduce():
+        tensors = [tf.ones(s) for s in shapes]
+        out = tf.distribute.get_replica_context().all_reduce("sum", tensors)
+        return out[-1][0]
+
+    return {
+        "input": tf.function(
+            lambda: strategy.run(lambda b: tf.reduce_sum(b[0]), (next(iterator),))
+        ),
+        "compute": tf.function(lambda: strategy.run(compute, (next(iterator),))),
+        "allreduce": tf.function(lambda: strategy.run(allreduce)),
+        "step": tf.function(lambda: strategy.run(step, (next(iterator),))),
+    }
+
+
+def _time_calls(fn, calls: int) -> float:
+    """Milliseconds per call, ``calls`` calls, synchronised at the end."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    if out is not None:
+        import tensorflow as tf
+
+        tf.nest.map_structure(lambda t: getattr(t, "numpy", lambda: t)(), out)
+    return 1000 * (time.perf_counter() - start) / calls
+
+
+def _fit_ms(keras, model, data, steps: int) -> float:
+    """Milliseconds per step of ``model.fit`` (first step excluded)."""
+    marks = {}
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if "warm" not in marks:
+                marks["warm"], marks["first"] = time.perf_counter(), batch
+            marks["end"], marks["last"] = time.perf_counter(), batch
+
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Clock()])
+    return 1000 * (marks["end"] - marks["warm"]) / (marks["last"] - marks["first"])
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def child(rounds: int, calls: int, global_batch: int) -> dict:
+    """Runs in each worker (or the one process): every part, ``rounds`` times each."""
+    import tfdist
+
+    strategy = tfdist.strategy()
+    import keras
+    import tensorflow as tf
+
+    data = _dataset(tf, global_batch)
+    with strategy.scope():
+        model = _model(keras)
+    fits = {"fit": model}
+    for m in fits.values():  # warm up; builds the optimizers before the parts use one
+        _fit_ms(keras, m, data, 16)
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    parts = _step_functions(tf, keras, strategy, model, iterator)
+    for fn in parts.values():  # trace and warm up
+        _time_calls(fn, 5)
+    times = {name: [] for name in PARTS}
+    for _ in range(rounds):
+        for name, fn in parts.items():
+            times[name].append(_time_calls(fn, calls))
+        for name, m in fits.items():
+            times[name].append(_fit_ms(keras, m, data, calls + 8))
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "ms": {name: _median(v) for name, v in times.items()},
+        "chief": tfdist.is_chief(),
+    }
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _run(where: str, child_args: list[str]) -> dict:
+    me = [str(Path(__file__).resolve()), "--child", *child_args]
+    if where == "workers":
+        cmd, env = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me], _env()
+    else:
+        cmd, env = [sys.executable, *me], _env(TFDIST_CPU_DEVICES="2")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    for line in reversed(proc.stdout.splitlines()):
+        start = line.find("{")
+        if start >= 0 and line[:start].strip() in ("", "[w0]"):
+            return json.loads(line[start:])
+    raise RuntimeError(
+        f"step_breakdown: {where} run exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    )
+
+
+def measure(pairs: int = 3, rounds: int = 3, calls: int = 40, global_batch: int = 128) -> dict:
+    """Medians over ``pairs`` alternated runs of each column (workers, devices).
+
+    Example:
+        >>> measure(pairs=1)["workers"]["step"]  # doctest: +SKIP
+        16.2
+    """
+    args = ["--rounds", str(rounds), "--calls", str(calls), "--global-batch", str(global_batch)]
+    runs = {"workers": [], "devices": []}
+    for i in range(pairs):
+        for where in ("workers", "devices") if i % 2 == 0 else ("devices", "workers"):
+            runs[where].append(_run(where, args)["ms"])
+    out = {}
+    for where, results in runs.items():
+        out[where] = {p: _median([r[p] for r in results]) for p in PARTS}
+        out[where + "_range"] = {
+            p: [min(v), max(v)] if (v := [r[p] for r in results if r[p] is not None]) else None
+            for p in PARTS
+        }
+    out.update(pairs=pairs, rounds=rounds, calls=calls, global_batch=global_batch)
+    return out
+
+
+def derived(ms: dict) -> dict:
+    """The step explained: compute, exposed all-reduce, Python/callback overhead."""
+    return {
+        "input": ms["input"],
+        "compute_without_input": ms["compute"] - ms["input"],
+        "exposed_allreduce": ms["step"] - ms["compute"],
+        "python_callbacks": ms["fit"] - ms["step"],
+        "fit": ms["fit"],
+    }
+
+
+def format_table(f: dict) -> str:
+    w, d = f["workers"], f["devices"]
+    lines = [
+        f"per step, ms (median of {f['pairs']} alternated run(s) x {f['rounds']} rounds of "
+        f"{f['calls']} calls; global batch {f['global_batch']})",
+        "",
+        "| part | 2 workers | 2 devices, 1 process | ratio |",
+        "|---|---|---|---|",
+    ]
+    for name in PARTS:
+        if w[name] is None or d[name] is None:
+            cells = [
+                f"{v:.2f}" if v is not None else "fails (keras#19246)" for v in (w[name], d[name])
+            ]
+            lines.append(f"| {name} | {cells[0]} | {cells[1]} | - |")
+            continue
+        lines.append(f"| {name} | {w[name]:.2f} | {d[name]:.2f} | {w[name] / d[name]:.2f} |")
+    dw, dd = derived(w), derived(d)
+    lines += ["", "| derived | 2 workers | 2 devices | difference |", "|---|---|---|---|"]
+    for name in dw:
+        lines.append(f"| {name} | {dw[name]:.2f} | {dd[name]:.2f} | {dw[name] - dd[name]:+.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--global-batch", type=int, default=128)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        result = child(args.rounds, args.calls, args.global_batch)
+        if result.pop("chief"):
+            print(json.dumps(result), flush=True)
+        return 0
+    figures = measure(args.pairs, args.rounds, args.calls, args.global_batch)
+    print(format_table(figures))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
