@@ -29,7 +29,7 @@ TOL = 1e-5
 
 def test_every_fix_is_named_once_and_documented():
     names = compat.fix_names()
-    assert len(names) == len(set(names)) == 9
+    assert len(names) == len(set(names)) == 10
     for fix in compat.FIXES:
         assert fix.summary and fix.apply.__doc__
         # The docstring says what changes and why it is correct, not just a title.

@@ -120,7 +120,11 @@ def test_jax_process_gets_no_tensorflow_runtime_patches_and_its_own_fixes():
         KERAS_BACKEND="jax",
     )
     result = last_json_line(proc.stdout)
-    assert result["applied"] == ["keras_jax_initialize_once", "keras_jax_model_keeps_distribution"]
+    assert result["applied"] == [
+        "keras_jax_initialize_once",
+        "keras_jax_model_keeps_distribution",
+        "keras_jax_distributed_lookahead",
+    ]
 
 
 _FIT_SEES = """
@@ -173,3 +177,50 @@ def test_keras_initialize_after_jax_was_initialised(exclude, expect):
     """Upstream refuses a second jax initialisation; fixed, the script's call joins."""
     proc = run_python(_INIT_TWICE, KERAS_BACKEND="jax", TFDIST_COMPAT_EXCLUDE=exclude)
     assert proc.stdout.strip().splitlines()[-1].startswith(expect), proc.stdout
+
+
+# How far ahead of the step the batches are sent to the devices: the data adapter's
+# iterator counts what it handed out when each training step begins. jax reports an
+# accelerator backend here (the fix is a no-op on CPU, as upstream's own look-ahead is).
+_LOOKAHEAD = """
+import json
+import jax
+jax.default_backend = lambda: "gpu"
+import numpy as np
+import tfdist, keras
+from keras.src.trainers.data_adapters import array_data_adapter as ada
+pulled = [0]
+original = ada.ArrayDataAdapter.get_jax_iterator
+def counting(self):
+    for batch in original(self):
+        pulled[0] += 1
+        yield batch
+ada.ArrayDataAdapter.get_jax_iterator = counting
+ahead = []
+class Probe(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        ahead.append(pulled[0] - (batch + 1))
+keras.utils.set_random_seed(0)
+with tfdist.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+x = np.arange(32, dtype="float32").reshape(16, 2) / 32
+model.fit(x, x[:, :1], batch_size=4, shuffle=False, callbacks=[Probe()], verbose=0)
+print(json.dumps({"ahead": ahead, "weights": [w.tolist() for w in model.get_weights()]}))
+"""
+
+
+@pytest.mark.devices
+def test_batches_reach_the_devices_one_step_ahead_under_a_distribution():
+    results = {}
+    for exclude in ("keras_jax_distributed_lookahead", ""):
+        proc = run_python(
+            _LOOKAHEAD, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE=exclude
+        )
+        results[exclude] = last_json_line(proc.stdout)
+    upstream, fixed = results["keras_jax_distributed_lookahead"], results[""]
+    # Upstream's loop holds only the batch it is about to run; with the fix the batches
+    # after it have been produced (their copies started) while a step runs.
+    assert len(fixed["ahead"]) == len(upstream["ahead"]) == 4
+    assert all(f > u for f, u in zip(fixed["ahead"][:-1], upstream["ahead"][:-1], strict=True))
+    assert fixed["weights"] == upstream["weights"]  # the same batches, in the same order

@@ -59,6 +59,7 @@ __all__ = [
     "keras_optimizer_distributed_update",
     "keras_optimizer_ema_step",
     "keras_jax_distribution_lib",
+    "keras_jax_epoch_iterator_class",
     "tf_wait_at_barrier",
     "jax_wait_at_barrier",
     "keras_trainer_class",
@@ -72,6 +73,7 @@ REQUIRED = {
         "keras.src.backend.jax.distribution_lib:initialize",
         "keras.src.backend.jax.distribution_lib:initialize_rng",
         "keras.src.backend.jax.trainer:JAXTrainer.fit",
+        "keras.src.backend.jax.trainer:JAXEpochIterator._get_distributed_iterator",
         "keras.src.trainers.trainer:Trainer.__init__",
         "jax._src.distributed:State.client",
     ],
@@ -442,6 +444,11 @@ def keras_trainer_class():
 def keras_jax_trainer_class():
     """``JAXTrainer``: ``fit``/``evaluate``/``predict`` of every model on the JAX backend."""
     return importlib.import_module("keras.src.backend.jax.trainer").JAXTrainer
+
+
+def keras_jax_epoch_iterator_class():
+    """``JAXEpochIterator``: feeds ``fit``'s batches to the devices on the JAX backend."""
+    return importlib.import_module("keras.src.backend.jax.trainer").JAXEpochIterator
 
 
 def tf_wait_at_barrier(name: str, timeout_ms: int) -> None:

@@ -10,7 +10,11 @@ import logging
 from tfdist import _private
 from tfdist.compat.registry import patch
 
-__all__ = ["fix_initialize_once", "fix_model_keeps_distribution"]
+__all__ = [
+    "fix_initialize_once",
+    "fix_model_keeps_distribution",
+    "fix_distributed_lookahead",
+]
 
 _ENTRY_POINTS = (
     "fit",
@@ -107,3 +111,49 @@ def fix_model_keeps_distribution() -> None:
     )
     for name in _ENTRY_POINTS:
         patch(trainer_class, name, "keras_jax_model_keeps_distribution", make_entry)
+
+
+def fix_distributed_lookahead() -> None:
+    """Copies the next batch to the accelerators while the current step runs, as without
+    a distribution.
+
+    Upstream's JAX epoch iterator starts each batch's host-to-device copy one step ahead
+    only when no distribution is set (``_one_batch_ahead_iterator``); under any
+    ``keras.distribution`` (``DataParallel``, ``ModelParallel``: tfdist's or hand-written)
+    each batch is copied just before its step, so the copy is never overlapped with
+    compute. Measured on one H100 (MNIST convnet): a step under ``DataParallel`` took
+    1.29-1.76x the undistributed one at global batch 1024-8192; with one batch of
+    look-ahead, 0.98-1.05. The fix yields the same batches in the same order, one
+    ``_distribute_data`` call earlier (the copy is asynchronous). On the CPU backend
+    upstream deliberately does no look-ahead ("no benefit on CPU"), and the fix keeps that:
+    upstream runs unchanged there.
+    """
+
+    def make(original):
+        def _get_distributed_iterator(self, distribution):
+            import jax
+
+            batches = original(self, distribution)
+            if jax.default_backend() == "cpu":
+                return batches
+            return _one_ahead(batches)
+
+        return _get_distributed_iterator
+
+    patch(
+        _private.keras_jax_epoch_iterator_class(),
+        "_get_distributed_iterator",
+        "keras_jax_distributed_lookahead",
+        make,
+    )
+
+
+def _one_ahead(batches):
+    """Yields each item once the next one has been produced (started its copy)."""
+    pending = None
+    for batch in batches:
+        if pending is not None:
+            yield pending
+        pending = batch
+    if pending is not None:
+        yield pending
