@@ -1,6 +1,7 @@
-"""Every walkthrough notebook runs top to bottom on a real kernel, with small parameters.
+"""Every walkthrough notebook runs top to bottom on a real kernel, twice, with small parameters.
 
-The notebooks are stored without outputs; each has one cell tagged ``parameters`` whose
+The second run goes into the same working folder, as a reader who reruns a notebook does
+(notebook 01 then resumes from its checkpoints and has nothing left to train). The notebooks are stored without outputs; each has one cell tagged ``parameters`` whose
 values the test overrides (fewer epochs, a slice of MNIST), the way papermill would.
 """
 
@@ -29,6 +30,7 @@ OVERRIDES = {
     "01_mirrored_mnist": {"EPOCHS": 2, "TRAIN_SPLIT": "train[:5%]"},
     "02_restart_from_checkpoint": {"EPOCHS": 2, "TRAIN_SPLIT": "train[:10%]", "SAVE_FREQ": 5},
     "03_multi_worker_mnist": {"EPOCHS": 1, "TRAIN_SPLIT": "train[:5%]"},
+    "04_jax_data_and_model_parallel": {"TRAIN_SPLIT": "train[:5%]", "TIMED_STEPS": 5},
 }
 
 
@@ -44,22 +46,13 @@ def test_every_notebook_is_stored_without_outputs_and_has_parameters():
             assert f"{name} =" in tagged[0].source, f"{path.name} has no parameter {name}"
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
+def _execute(path: Path, tmp_path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     overrides = dict(OVERRIDES[path.stem], WORKDIR=str(tmp_path / "work"))
     cell.source += "\n# injected by the test\n" + "\n".join(
         f"{k} = {v!r}" for k, v in overrides.items()
     )
-    # The kernel inherits this environment: quiet TensorFlow, no cluster from the shell.
-    env = child_env()
-    for key in list(os.environ):
-        monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
     client = nbclient.NotebookClient(
         nb,
         timeout=600,
@@ -70,3 +63,21 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     # The notebooks assert their own results (equal predictions, exit codes, agreeing
     # workers); check here that every code cell actually ran.
     assert all(c.execution_count for c in nb.cells if c.cell_type == "code")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=[pytest.mark.jax] if "jax" in p.stem else []) for p in NOTEBOOKS],
+    ids=[p.stem for p in NOTEBOOKS],
+)
+def test_notebook_runs_top_to_bottom_twice(path, tmp_path, monkeypatch):
+    # The kernel inherits this environment: quiet TensorFlow, no cluster from the shell.
+    env = child_env()
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    _execute(path, tmp_path)
+    _execute(path, tmp_path)  # a rerun into the same folder must work as well

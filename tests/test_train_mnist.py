@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tfdist.cli import build_parser
-from tfdist.examples import mnist
+from tfdist.config import ConfigError
+from tfdist.examples import job, mnist
 
 from conftest import child_env
 
@@ -69,6 +70,74 @@ def test_bad_workers_is_an_error_before_anything_runs(capsys):
     assert "--workers must be >= 1" in capsys.readouterr().err
 
 
+def test_output_that_is_a_file_is_refused_at_once(tmp_path):
+    afile = tmp_path / "results.txt"
+    afile.write_text("not a folder")
+    with pytest.raises(ValueError, match="--output must be a folder.*That path is a file"):
+        mnist.config_from_args(parse("--output", str(afile)))
+    with pytest.raises(ConfigError, match="--checkpoint-dir must be a folder"):
+        mnist.config_from_args(parse("--checkpoint-dir", str(afile)))
+
+
+def test_help_explains_recipe_verbose_and_backend_with_defaults():
+    text = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = text._subparsers._group_actions[0].choices["mnist"].format_help()
+    for needle in ("(default: fast)", "(default: auto)", "--backend", "(default: 200)"):
+        assert needle in " ".join(text.split()), needle
+
+
+def test_backend_is_passed_to_the_workers():
+    config = mnist.config_from_args(parse("--backend", "jax", "--output", "out"))
+    assert config.backend == "jax"
+    again = mnist.config_from_args(build_parser().parse_args(mnist.worker_argv(config)))
+    assert again == config
+
+
+def test_history_is_numbers_one_row_per_epoch(tmp_path):
+    path = tmp_path / "history.csv"
+    # Epoch 1 was logged, the run was killed before its checkpoint, and it ran again.
+    path.write_text("epoch,accuracy,loss\n0,0.5,1.5\n1,0.7,0.9\n1,0.8,0.7\n")
+    assert mnist._history_rows(str(path)) == [
+        {"epoch": 0, "accuracy": 0.5, "loss": 1.5},
+        {"epoch": 1, "accuracy": 0.8, "loss": 0.7},
+    ]
+
+
+def _folder_of_another_job(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "ckpt-1.keras").write_bytes(b"")
+    identity = {
+        "recipe": "fast", "replicas": 2, "per_replica_batch": 128, "global_batch": 256,
+        "train_split": "train", "backend": "tensorflow",
+    }  # fmt: skip
+    record = {"identity": identity, "wall_time_s": 75.3, "runs": [{}], "partial_epochs": []}
+    (ckpt / "job.json").write_text(json.dumps(record))
+    return str(ckpt), identity
+
+
+def test_checkpoints_of_another_job_are_refused_naming_both(tmp_path):
+    ckpt, identity = _folder_of_another_job(tmp_path)
+    other = dict(identity, replicas=1, global_batch=128)
+    with pytest.raises(ConfigError) as info:
+        job.open_record(ckpt, other)
+    message = str(info.value)
+    assert "replicas=2 there, 1 now" in message and "global_batch=256 there, 128 now" in message
+    assert "--output" in message and "delete" in message
+
+
+def test_a_rerun_adds_to_the_total_training_time(tmp_path):
+    ckpt, identity = _folder_of_another_job(tmp_path)
+    record = job.open_record(ckpt, identity)
+    record.start_run(None, steps_per_epoch=10, start=time.perf_counter() - 18.1)
+    saved = json.loads((tmp_path / "ckpt" / "job.json").read_text())
+    assert saved["wall_time_s"] == pytest.approx(75.3 + 18.1, abs=1.0)
+    assert len(saved["runs"]) == 2 and saved["runs"][-1]["wall_time_s"] >= 18.1
+    # Without checkpoints there is nothing to resume: a new job, whatever the record says.
+    os.remove(os.path.join(ckpt, "ckpt-1.keras"))
+    assert job.open_record(ckpt, dict(identity, replicas=1)).data["wall_time_s"] == 0.0
+
+
 def _job(tmp_path, *extra):
     return [
         sys.executable, "-m", "tfdist", "train", "mnist", "--output", str(tmp_path / "run"),
@@ -105,9 +174,14 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
     summary = done.stdout.strip().splitlines()[-1]
     assert summary.startswith("test_accuracy=") and "epochs=2" in summary
 
+    assert "tfdist train mnist: resuming from" in done.stdout  # said once, on stdout
     out = tmp_path / "run"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["resumed_from"] is not None  # it did not start again from scratch
+    assert metrics["runs"] == 2 and metrics["wall_time_s"] > metrics["this_run_wall_time_s"]
+    if metrics["resumed_from"]["batch"]:  # killed mid-epoch: that epoch's row is partial
+        assert metrics["partial_epochs"][0]["epoch"] == metrics["resumed_from"]["epoch"]
+    assert all(isinstance(v, (int, float)) for r in metrics["history"] for v in r.values())
     assert metrics["test_accuracy"] > 0.9  # 2 epochs on 3,000 images
     assert f"test_accuracy={metrics['test_accuracy']:.4f}" in summary
     assert [int(r["epoch"]) for r in metrics["history"]] == [0, 1]
@@ -122,8 +196,40 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
     )
     assert loaded.stdout.strip().endswith("(None, 10)"), loaded.stderr[-2000:]
 
+    # The same command again only evaluates, and says so; the total time grows.
+    again = subprocess.run(
+        _job(tmp_path), env=child_env(), capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished 2 epochs: evaluating only" in again.stdout
+    total = json.loads((out / "metrics.json").read_text())["wall_time_s"]
+    assert total > metrics["wall_time_s"]
 
-def test_job_without_mnist_fails_fast_naming_tfds_data_dir(tmp_path):
+    # Another batch in the same folder is refused, naming both values.
+    other = subprocess.run(
+        _job(tmp_path, "--per-replica-batch", "64"),
+        env=child_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "per_replica_batch=128 there, 64 now" in other.stderr
+
+
+@pytest.mark.jax
+@pytest.mark.slow
+@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+def test_backend_jax_trains_the_same_job(tmp_path):
+    argv = _job(tmp_path, "--backend", "jax")
+    argv[argv.index("2")] = "1"  # one epoch: this checks the backend, not the accuracy
+    proc = subprocess.run(
+        argv, env=child_env(KERAS_BACKEND=None), capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["backend"] == "jax" and metrics["test_accuracy"] > 0.8
+
+
+@pytest.mark.parametrize("workers", [[], ["--workers", "2"]], ids=["one", "workers"])
+def test_job_without_mnist_fails_fast_naming_tfds_data_dir(tmp_path, workers):
     # A closed loopback port as proxy: a download attempt fails here, never on the network.
     env = child_env(
         TFDS_DATA_DIR=str(tmp_path / "empty"),
@@ -133,8 +239,11 @@ def test_job_without_mnist_fails_fast_naming_tfds_data_dir(tmp_path):
         http_proxy="http://127.0.0.1:9",
     )
     start = time.monotonic()
-    proc = subprocess.run(_job(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        _job(tmp_path, *workers), env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "launching" not in proc.stdout  # with --workers: checked before any worker starts
     assert time.monotonic() - start < 60  # tfds alone would retry for minutes
     assert "TFDS_DATA_DIR" in proc.stderr and "tfdist train: error" in proc.stderr
     assert not (tmp_path / "run" / "ckpt").exists()  # it failed before writing anything

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Sequence
 
@@ -24,15 +23,19 @@ __all__ = ["main", "build_parser", "console_main"]
 
 
 def _quiet_tensorflow() -> None:
-    # TensorFlow's C++ start-up chatter goes to stderr; keep warnings, drop INFO.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    # TensorFlow's C++ start-up chatter and the known-harmless warnings (tfdist.quiet)
+    # would bury the answer; errors still show.
+    from tfdist import quiet
+
+    quiet.install()
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist import info
+    from tfdist import info, quiet
 
-    report = info.report()
+    with quiet.filtered_stderr():  # TensorFlow's C++ start-up lines, too
+        report = info.report()
     print(json.dumps(report, indent=2) if args.json else info.render(report))
     return 0
 
@@ -74,8 +77,9 @@ def _launch_options(args: argparse.Namespace):
         )
     hosts = tuple(h.strip() for h in args.hosts.split(",")) if args.hosts else None
     nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else 1)
+    _check_standalone(args, nnodes)
     return launch.LaunchOptions(
-        nproc=args.nproc,
+        nproc=_resolve_nproc(args.nproc),
         target=args.script,
         args=tuple(args.args),
         module=args.module,
@@ -91,7 +95,49 @@ def _launch_options(args: argparse.Namespace):
         fixes=not args.no_fixes,
         grace=args.grace,
         finish_timeout=args.finish_timeout,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        verbose=args.verbose,
     )
+
+
+def _nproc_value(text: str):
+    """``-n``'s value: an int, ``auto`` or ``gpu`` (resolved when the job starts)."""
+    if text in ("auto", "gpu"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an int, auto or gpu. Received: {text!r}"
+        ) from None
+
+
+def _resolve_nproc(value):
+    """``auto``: one worker per visible GPU, else 1; ``gpu``: one per GPU (GPUs needed)."""
+    if value not in ("auto", "gpu"):
+        return value
+    from tfdist.launch import visible_gpus
+
+    gpus = len(visible_gpus())
+    if gpus:
+        return gpus
+    if value == "gpu":
+        raise ConfigError(
+            "launch: --nproc-per-node gpu needs a GPU. Received: nproc_per_node='gpu', and "
+            "none is visible (CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus). Pass a number, "
+            "or auto (1 worker without GPUs)."
+        )
+    return 1
+
+
+def _check_standalone(args: argparse.Namespace, nnodes: int) -> None:
+    # torchrun's --standalone: one node, loopback, free ports (what -n does anyway).
+    if args.standalone and (nnodes > 1 or args.hosts):
+        raise ConfigError(
+            "launch: --standalone runs a single-node job on loopback. Received: "
+            f"nnodes={nnodes}, hosts={args.hosts!r}. Leave out --standalone, or --nnodes/--hosts."
+        )
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -99,6 +145,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from tfdist import launch
 
     _configure_launch_log(args.verbose)
+    if args.write_config:  # a config needs no script; its values are checked when used
+        return _write_config(args)
     options = _launch_options(args)
     if args.firewall == "print":
         return _print_firewall(options)
@@ -121,6 +169,82 @@ def _print_firewall(options) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the descriptions' line breaks; every option's help names its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+# Not options: what argparse adds, and what a config file must not set.
+_NOT_CONFIG = ("script", "args", "config", "write_config", "func", "launch_parser", "command")
+_CONFIG_NAMES = {"nproc_per_node": "nproc"}  # long option name -> its dest, where they differ
+
+
+def _config_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    """The options of a ``--config`` TOML file, as ``parser`` defaults (checked)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(
+            f"launch: config must be a readable TOML file ({err}). Received: config={path!r}"
+        ) from None
+    defaults = vars(parser.parse_args([]))
+    values = {}
+    for key, value in data.items():
+        dest = key.replace("-", "_")
+        dest = _CONFIG_NAMES.get(dest, dest)
+        if dest not in defaults or dest in _NOT_CONFIG:
+            raise ConfigError(
+                f"launch: config keys must be long option names of tfdist launch. Received: "
+                f"{key}={value!r} in {path}. See tfdist launch --help (e.g. nproc-per-node = 2)."
+            )
+        flag = isinstance(defaults[dest], bool)
+        if flag != isinstance(value, bool):
+            what = "true or false" if flag else "a value, not true or false"
+            raise ConfigError(f"launch: {key} must be {what}. Received: {key}={value!r} in {path}")
+        values[dest] = value
+    return values
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))  # a TOML basic string uses JSON's escapes
+
+
+def _write_config(args: argparse.Namespace) -> int:
+    """``--write-config FILE``: the options in effect, as a file for ``--config``."""
+    names = {dest: name for name, dest in _CONFIG_NAMES.items()}
+    lines = [
+        f"{names.get(dest, dest).replace('_', '-')} = {_toml_value(value)}"
+        for dest, value in sorted(vars(args).items())
+        if dest not in _NOT_CONFIG and value is not None
+    ]
+    with open(args.write_config, "w", encoding="utf-8") as file:
+        file.write("# tfdist launch --config FILE; command-line flags override it\n")
+        file.write("\n".join(lines) + "\n")
+    print(f"tfdist launch: wrote {args.write_config}", file=sys.stderr)
+    return 0
+
+
+def _with_config(parser, args: argparse.Namespace, argv) -> argparse.Namespace:
+    """With ``launch --config FILE``: ``argv`` parsed again, FILE's options as defaults."""
+    path = getattr(args, "config", None)
+    if not path:
+        return args
+    args.launch_parser.set_defaults(**_config_defaults(args.launch_parser, path))
+    return parser.parse_args(argv)
+
+
 _LAUNCH_DESCRIPTION = (
     "Start N worker processes of a multi-worker job on this host, each with TF_CONFIG "
     "(free ports on 127.0.0.1, in a private network namespace where Linux allows it: "
@@ -140,7 +264,21 @@ _LAUNCH_EPILOG = (
 
 def _add_worker_flags(launch: argparse.ArgumentParser) -> None:
     launch.add_argument(
-        "-n", "--nproc", type=int, default=1, metavar="N", help="workers on this node (default 1)"
+        "-n",
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=_nproc_value,
+        default=1,
+        metavar="N",
+        help="workers on this node: a number, auto (one per visible GPU, else 1) or gpu (one "
+        "per visible GPU) (default: %(default)s)",
+    )
+    launch.add_argument(
+        "--standalone",
+        action="store_true",
+        help="single node on loopback with free ports, as torchrun --standalone: what -n "
+        "does without --hosts anyway (accepted for torchrun users)",
     )
     launch.add_argument(
         "--devices-per-worker",
@@ -155,7 +293,7 @@ def _add_worker_flags(launch: argparse.ArgumentParser) -> None:
         default=0,
         metavar="R",
         help="restart the whole group at most R times after a failure or a restart request "
-        "(exit code 75); the job resumes from its checkpoints (default 0)",
+        "(exit code 75); the job resumes from its checkpoints (default: %(default)s)",
     )
     launch.add_argument(
         "--no-fixes",
@@ -182,7 +320,9 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         "--node-rank", type=int, default=0, metavar="I", help="this node's index in --hosts"
     )
     launch.add_argument(
-        "--hosts", metavar="H0,H1,...", help="address of every node, in node-rank order"
+        "--hosts",
+        metavar="H0,H1,...",
+        help="address of every node, in node-rank order (default: 127.0.0.1 per node)",
     )
     launch.add_argument(
         "--allow-remote",
@@ -216,16 +356,50 @@ def _add_supervision_flags(launch: argparse.ArgumentParser) -> None:
         type=float,
         default=30.0,
         metavar="S",
-        help="seconds between forwarding SIGINT/SIGTERM to the workers and SIGKILL (default 30)",
+        help="seconds between forwarding SIGINT/SIGTERM to the workers and SIGKILL "
+        "(default: %(default)s)",
     )
     launch.add_argument(
         "--finish-timeout",
         type=float,
         default=600.0,
         metavar="S",
-        help="once a worker finished, seconds the others may still run (default 600)",
+        help="once a worker finished, seconds the others may still run (default: %(default)s)",
     )
-    launch.add_argument("-v", "--verbose", action="store_true", help="more launcher messages")
+    launch.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="more launcher messages, and every worker line: without it the known-harmless "
+        "start-up noise (tfdist.quiet) is dropped and workers get TF_CPP_MIN_LOG_LEVEL=2 "
+        "unless it is set",
+    )
+
+
+def _add_output_flags(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="write worker i's whole output (unfiltered) to DIR/worker-<i>.log instead of the "
+        "console (default: console only)",
+    )
+    launch.add_argument(
+        "--tee",
+        action="store_true",
+        help="with --log-dir, also print the workers' output, prefixed (as torchrun --tee)",
+    )
+    launch.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file of launch options: keys are the long option names (nproc-per-node = "
+        "2, log-dir = 'logs', standalone = true); command-line flags override it",
+    )
+    launch.add_argument(
+        "--write-config",
+        metavar="FILE",
+        help="write the options given (config file and flags merged) to FILE as TOML and "
+        "exit without launching",
+    )
 
 
 def _add_launch_parser(sub) -> None:
@@ -234,11 +408,12 @@ def _add_launch_parser(sub) -> None:
         help="run a training script as N workers on this host (TF_CONFIG set for each)",
         description=_LAUNCH_DESCRIPTION,
         epilog=_LAUNCH_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     _add_worker_flags(launch)
     _add_network_flags(launch)
     _add_supervision_flags(launch)
+    _add_output_flags(launch)
     launch.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name (like python -m)"
     )
@@ -246,7 +421,7 @@ def _add_launch_parser(sub) -> None:
     launch.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
     )
-    launch.set_defaults(func=_cmd_launch)
+    launch.set_defaults(func=_cmd_launch, launch_parser=launch)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -270,9 +445,22 @@ def _add_train(sub) -> None:
         help="MNIST convnet: --recipe fast (>= 99%% test accuracy) or tutorial (the guides')",
         description="Train MNIST (from tensorflow_datasets; set TFDS_DATA_DIR to run offline). "
         "Writes OUTPUT/model.keras, metrics.json, history.csv, curves.png, checkpoints and "
-        "TensorBoard logs, and ends with a line `test_accuracy=...`.",
+        "TensorBoard logs, and ends with a line `test_accuracy=...`. Rerun the same command to "
+        "resume; a checkpoint folder made with another recipe, replica count or batch is "
+        "refused (OUTPUT/ckpt/job.json records them and the total training time).",
     )
-    mnist.add_argument("--recipe", choices=("fast", "tutorial"), default="fast")
+    _add_train_mnist_options(mnist)
+    train.set_defaults(func=_cmd_train)
+
+
+def _add_train_mnist_options(mnist) -> None:
+    mnist.add_argument(
+        "--recipe",
+        choices=("fast", "tutorial"),
+        default="fast",
+        help="fast: >= 99%% test accuracy in little time; tutorial: the guides' model and "
+        "12 epochs (default: %(default)s)",
+    )
     mnist.add_argument("--epochs", type=int, help="total epochs (default: the recipe's)")
     mnist.add_argument("--per-replica-batch", type=int, help="default: the recipe's")
     mnist.add_argument("--output", default=None, help="default: runs/mnist-RECIPE")
@@ -281,24 +469,46 @@ def _add_train(sub) -> None:
         "--devices", type=int, help="devices per process: GPUs if any, else logical CPUs"
     )
     mnist.add_argument(
-        "--workers", type=int, default=1, help="run N workers on this host via `tfdist launch`"
+        "--workers",
+        type=int,
+        default=1,
+        help="run N workers on this host via `tfdist launch`, in a private network "
+        "namespace; MNIST is fetched first (default: %(default)s)",
     )
     mnist.add_argument(
-        "--max-restarts", type=int, default=3, help="with --workers: group restarts allowed"
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="with --workers: group restarts allowed (default: %(default)s)",
     )
-    mnist.add_argument("--seed", type=int, default=0, help="data order and initial weights")
+    mnist.add_argument(
+        "--seed", type=int, default=0, help="data order and initial weights (default: %(default)s)"
+    )
     mnist.add_argument(
         "--save-freq",
         default="200",
-        help="checkpoint every N steps as well as every epoch ('epoch': epochs only)",
+        help="checkpoint every N steps as well as every epoch ('epoch': epochs only) "
+        "(default: %(default)s)",
     )
-    mnist.add_argument("--verbose", default="auto", choices=("auto", "0", "1", "2"))
+    mnist.add_argument(
+        "--verbose",
+        default="auto",
+        choices=("auto", "0", "1", "2"),
+        help="Keras progress output on the chief: 0 none, 1 progress bar, 2 one line per "
+        "epoch, auto as Keras (default: %(default)s)",
+    )
+    mnist.add_argument(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        default=None,
+        help="Keras backend of the job: sets KERAS_BACKEND (default: $KERAS_BACKEND, "
+        "else tensorflow)",
+    )
     mnist.add_argument(
         "--train-split",
         default="train",
         help="tfds split to train on, e.g. 'train[:10%%]' for a quick run (default: train)",
     )
-    train.set_defaults(func=_cmd_train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -306,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfdist",
         description="Distributed training of Keras 3 models with TensorFlow.",
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"tfdist {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -316,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="show versions, devices, the strategy tfdist would use, and the cluster",
         description="Show versions, devices, the strategy `auto` picks (and its replica "
         "count), the cluster from TF_CONFIG/SLURM, and TFDS_DATA_DIR.",
+        formatter_class=_HelpFormatter,
     )
     info.add_argument("--json", action="store_true", help="print machine-readable JSON")
     info.set_defaults(func=_cmd_info)
@@ -334,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        args = _with_config(parser, args, argv)
         return args.func(args)
     except ConfigError as err:
         # A wrong tfdist setting (option, TFDIST_* variable, TF_CONFIG): one clear line.

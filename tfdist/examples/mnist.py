@@ -5,7 +5,15 @@ pipelines and the recipe's model, restores the newest checkpoint, trains, evalua
 the test set and, on the chief, writes the final model, ``metrics.json``, the
 per-epoch history (``history.csv``) and a plot of the curves (``curves.png``). Running
 the same command again after a kill -9 or SIGTERM resumes from the checkpoints; a run
-that already finished only evaluates and rewrites its outputs.
+that already finished only evaluates and rewrites its outputs. Each decision (a new
+job, resuming from which checkpoint at which epoch and batch, evaluating only, waiting
+for the workers) is printed once, on the chief, as a ``tfdist train mnist: ...`` line.
+``CKPT_DIR/job.json`` (``tfdist.examples.job``) records what the checkpoints were made
+with: a folder from another recipe, replica count, batch or split is refused with a
+``ConfigError``. ``metrics.json`` has numbers as numbers, ``wall_time_s`` is the total
+over every run of the job (``this_run_wall_time_s`` the last one's) and
+``partial_epochs`` names the epochs trained across a mid-epoch restart: Keras's
+history row of such an epoch only covers the batches trained after the resume.
 
 Example:
     >>> from tfdist.examples import mnist
@@ -21,13 +29,14 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 
 from tfdist import validate
 from tfdist.config import ConfigError
 
-__all__ = ["MnistMissing", "TrainConfig", "plot_history", "run", "summary_line"]
+__all__ = ["MnistMissing", "TrainConfig", "ensure_mnist", "plot_history", "run", "summary_line"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,8 @@ class TrainConfig:
         save_freq: also checkpoint every that many steps (``"epoch"``: epoch ends only).
         verbose: Keras progress output on the chief (``"auto"``, 0, 1 or 2).
         train_split: the tfds split to train on, e.g. ``"train[:10%]"`` for a quick run.
+        backend: ``"tensorflow"`` or ``"jax"`` (sets ``KERAS_BACKEND`` for the job);
+            None keeps ``KERAS_BACKEND`` (else Keras's default, TensorFlow).
     """
 
     recipe: str = "fast"
@@ -61,6 +72,7 @@ class TrainConfig:
     save_freq: int | str = 200
     verbose: int | str = "auto"
     train_split: str = "train"
+    backend: str | None = None
 
     @property
     def ckpt_dir(self) -> str:
@@ -73,10 +85,15 @@ class MnistMissing(ConfigError, FileNotFoundError):
 
 
 def _strategy(devices: int | None):
+    import keras
     import tensorflow as tf
 
     import tfdist
 
+    if keras.backend.backend() == "jax":
+        # keras.distribution DataParallel over every device of the job; --devices was
+        # applied as TFDIST_CPU_DEVICES before JAX started (see _select_backend).
+        return tfdist.distribute.current()
     if devices is None:
         return tfdist.distribute.strategy()
     gpus = tf.config.list_physical_devices("GPU")
@@ -91,11 +108,25 @@ def _strategy(devices: int | None):
     return tfdist.distribute.strategy("mirrored" if devices > 1 else "one_device", devices=names)
 
 
+def _number(text: str) -> int | float | str:
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
 def _history_rows(path: str) -> list[dict]:
+    """Keras's CSV log as numbers, one row per epoch (the last row wins when a run was
+    killed between writing an epoch's row and its checkpoint, and the epoch ran again)."""
     if not os.path.exists(path):
         return []
     with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+        rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    by_epoch = {row["epoch"]: row for row in rows}
+    return [by_epoch[e] for e in sorted(by_epoch)]
 
 
 def plot_history(history_csv: str, png_path: str, *, title: str = "MNIST") -> str:
@@ -116,11 +147,11 @@ def plot_history(history_csv: str, png_path: str, *, title: str = "MNIST") -> st
             "plot_history: no epochs recorded in history_csv. "
             f"Received: history_csv={history_csv!r}. Train at least one epoch first."
         )
-    epochs = [int(r["epoch"]) + 1 for r in rows]
+    epochs = [int(r["epoch"]) + 1 for r in rows]  # Keras counts from 0, people from 1
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, ("loss", "accuracy"), strict=True):
         ax.plot(epochs, [float(r[metric]) for r in rows], "o-", label="train")
-        if rows[0].get(f"val_{metric}"):
+        if rows[0].get(f"val_{metric}") not in (None, ""):
             ax.plot(epochs, [float(r[f"val_{metric}"]) for r in rows], "s-", label="test")
         ax.set_xlabel("epoch")
         ax.set_ylabel(metric)
@@ -142,12 +173,22 @@ def summary_line(metrics: dict) -> str:
     )
 
 
+def _say(message: str) -> None:
+    """Prints one decision of the job, on the chief only (workers stay quiet)."""
+    import tfdist
+
+    if tfdist.distribute.is_chief():
+        print(f"tfdist train mnist: {message}", flush=True)
+
+
 def run(config: TrainConfig) -> dict:
     """Trains (or resumes) the MNIST job of ``config``; returns the metrics it wrote.
 
     Raises:
         FileNotFoundError: MNIST is not on disk and cannot be downloaded (names
             ``TFDS_DATA_DIR``; a ``MnistMissing``).
+        ConfigError: the checkpoint folder belongs to a job with another recipe, replica
+            count or batch (see ``tfdist.examples.job``).
 
     Example:
         >>> run(TrainConfig(epochs=1, output="/tmp/mnist"))["epochs"]  # doctest: +SKIP
@@ -155,13 +196,16 @@ def run(config: TrainConfig) -> dict:
     """
     start = time.perf_counter()
     import tfdist
+    from tfdist.examples import job
 
+    _say_waiting()
     strategy = _strategy(config.devices)
     recipe = _recipe(config)
-    replicas = strategy.num_replicas_in_sync
+    replicas = tfdist.distribute.num_replicas(strategy=strategy)
     # Load the data first: a missing dataset should fail before anything is written.
     train, test = _datasets(config, recipe, strategy)
     steps_per_epoch = _steps_per_epoch(train, recipe, replicas)
+    record = job.open_record(config.ckpt_dir, _identity(config, recipe, replicas))
     os.makedirs(config.output, exist_ok=True)
     model, initial_epoch = tfdist.make_or_restore(
         _model_builder(config, recipe, replicas, steps_per_epoch),
@@ -169,31 +213,84 @@ def run(config: TrainConfig) -> dict:
         strategy=strategy,
     )
     resumed = tfdist.checkpoint.resume_state(model)  # None for a fresh model
+    _say_start(config, recipe, initial_epoch, resumed, steps_per_epoch)
+    record.start_run(resumed, steps_per_epoch, start)
     history_csv = os.path.join(config.output, "history.csv")
-    _fit(model, config, recipe, (train, test), initial_epoch, history_csv)
+    _fit(model, config, recipe, (train, test), initial_epoch, history_csv, record)
     test_loss, test_accuracy = model.evaluate(test, verbose=0)
     tfdist.save(model, os.path.join(config.output, "model.keras"))
-    metrics = {
-        "test_accuracy": float(test_accuracy),
-        "test_loss": float(test_loss),
-        "epochs": recipe.epochs,
-        "resumed_from": (
-            {"checkpoint": resumed.path, "epoch": resumed.epoch, "batch": resumed.batch}
-            if resumed
-            else None
-        ),
-        "wall_time_s": time.perf_counter() - start,
+    record.save()
+    metrics = _metrics(config, recipe, replicas, record, history_csv)
+    metrics.update(test_accuracy=float(test_accuracy), test_loss=float(test_loss))
+    if tfdist.distribute.is_chief():
+        _write_outputs(config.output, recipe.name, metrics, history_csv)
+    return metrics
+
+
+def _identity(config: TrainConfig, recipe, replicas: int) -> dict:
+    """What a checkpoint folder must agree on to be resumed by this job."""
+    import keras
+
+    return {
+        "recipe": recipe.name,
         "replicas": replicas,
-        "workers": tfdist.cluster_from_env().num_workers,
+        "per_replica_batch": recipe.per_replica_batch,
+        "global_batch": recipe.global_batch(replicas),
+        "train_split": config.train_split,
+        "backend": keras.backend.backend(),
+    }
+
+
+def _metrics(config: TrainConfig, recipe, replicas: int, record, history_csv: str) -> dict:
+    import tfdist
+
+    runs = record.data["runs"]
+    return {
+        "test_accuracy": None,
+        "test_loss": None,
+        "epochs": recipe.epochs,
+        "resumed_from": runs[-1]["resumed_from"],
+        # Total training time of the job over every run (restarts included).
+        "wall_time_s": record.data["wall_time_s"],
+        "this_run_wall_time_s": runs[-1]["wall_time_s"],
+        "runs": len(runs),
+        "partial_epochs": record.data["partial_epochs"],
+        "replicas": replicas,
+        "workers": tfdist.distribute.num_workers(),
+        "backend": record.data["identity"]["backend"],
         "recipe": recipe.name,
         "per_replica_batch": recipe.per_replica_batch,
         "global_batch": recipe.global_batch(replicas),
         "config": asdict(config),
         "history": _history_rows(history_csv),
     }
-    if tfdist.distribute.is_chief():
-        _write_outputs(config.output, recipe.name, metrics, history_csv)
-    return metrics
+
+
+def _say_waiting() -> None:
+    import tfdist
+
+    workers = tfdist.cluster_from_env().num_workers
+    if workers > 1:
+        _say(f"waiting for all {workers} workers to connect")
+
+
+def _say_start(config: TrainConfig, recipe, initial_epoch: int, resumed, steps: int) -> None:
+    """The one line saying what this run does: start, resume, or only evaluate."""
+    if initial_epoch >= recipe.epochs:
+        _say(
+            f"{config.ckpt_dir} already finished {recipe.epochs} epochs: evaluating only "
+            "(delete it or pass --output elsewhere to train again, or raise --epochs)"
+        )
+    elif resumed is not None:
+        _say(
+            f"resuming from {resumed.path} at epoch {resumed.epoch + 1} of {recipe.epochs}, "
+            f"batch {resumed.batch} of {steps}"
+        )
+    else:
+        _say(
+            f"starting a new job in {config.ckpt_dir}: {recipe.epochs} epochs of {steps} "
+            f"steps, recipe {recipe.name}"
+        )
 
 
 def _recipe(config: TrainConfig):
@@ -249,7 +346,7 @@ def _model_builder(config: TrainConfig, recipe, replicas: int, steps_per_epoch: 
     return build_and_compile
 
 
-def _fit(model, config: TrainConfig, recipe, data, initial_epoch: int, history_csv: str):
+def _fit(model, config: TrainConfig, recipe, data, initial_epoch: int, history_csv: str, record):
     """Trains the epochs still missing, with the standard callbacks (+ CSV on the chief)."""
     import keras
 
@@ -260,11 +357,10 @@ def _fit(model, config: TrainConfig, recipe, data, initial_epoch: int, history_c
     callbacks = tfdist.callbacks.standard(
         config.ckpt_dir, decay=recipe.epoch_decay, save_freq=config.save_freq
     )
+    callbacks.append(record.callback())
     if chief:
         # append=True keeps the epochs of earlier (interrupted) runs in one history.
         callbacks.append(keras.callbacks.CSVLogger(history_csv, append=initial_epoch > 0))
-    if initial_epoch > 0:
-        logger.info("tfdist: resuming MNIST job at epoch %d of %d", initial_epoch, recipe.epochs)
     if initial_epoch < recipe.epochs:
         model.fit(
             train,
@@ -324,18 +420,37 @@ def config_from_args(args) -> TrainConfig:
         value = getattr(args, name)
         if value is not None:
             _flag(validate.positive_int, value, "--" + name.replace("_", "-"))
+    output = args.output or os.path.join("runs", f"mnist-{args.recipe}")
+    _check_folder(output, "--output")
+    if args.checkpoint_dir is not None:
+        _check_folder(args.checkpoint_dir, "--checkpoint-dir")
     return TrainConfig(
         recipe=args.recipe,
         epochs=args.epochs,
         per_replica_batch=args.per_replica_batch,
-        output=args.output or os.path.join("runs", f"mnist-{args.recipe}"),
+        output=output,
         checkpoint_dir=args.checkpoint_dir,
         devices=args.devices,
         seed=args.seed,
         save_freq=_save_freq(args.save_freq),
         verbose=args.verbose if args.verbose == "auto" else int(args.verbose),
         train_split=args.train_split,
+        backend=getattr(args, "backend", None),
     )
+
+
+def _check_folder(path: str, flag: str) -> None:
+    """A folder flag naming an existing file fails at once, before TensorFlow starts."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(
+            validate.message(
+                "train mnist",
+                flag,
+                "a folder (it is created if missing)",
+                path,
+                "That path is a file: pass another folder.",
+            )
+        )
 
 
 def worker_argv(config: TrainConfig) -> list[str]:
@@ -351,11 +466,45 @@ def worker_argv(config: TrainConfig) -> list[str]:
         argv += ["--checkpoint-dir", config.checkpoint_dir]
     argv += ["--save-freq", str(config.save_freq), "--verbose", str(config.verbose)]
     argv += ["--train-split", config.train_split]
+    if config.backend is not None:
+        argv += ["--backend", config.backend]
     if config.epochs is not None:
         argv += ["--epochs", str(config.epochs)]
     if config.per_replica_batch is not None:
         argv += ["--per-replica-batch", str(config.per_replica_batch)]
     return argv
+
+
+def _select_backend(config: TrainConfig) -> None:
+    """Sets ``KERAS_BACKEND`` (and, under JAX, ``--devices`` logical CPU devices) before
+    Keras starts; a Keras already started with another backend is a ``ConfigError``."""
+    if config.backend is None:
+        return
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.backend.backend() != config.backend:
+        raise ConfigError(
+            f"train mnist: Keras already runs on {keras.backend.backend()}. Received: "
+            f"--backend={config.backend}. Run `tfdist train mnist` in a new process."
+        )
+    os.environ["KERAS_BACKEND"] = config.backend
+    if config.backend == "jax" and config.devices is not None:
+        os.environ.setdefault("TFDIST_CPU_DEVICES", str(config.devices))
+
+
+def ensure_mnist(train_split: str = "train") -> None:
+    """Downloads and prepares MNIST (``tfdist.data.mnist``) unless it is on disk already;
+    a ``MnistMissing`` naming ``TFDS_DATA_DIR`` when it cannot be had.
+
+    Example:
+        >>> ensure_mnist("train[:5%]")  # doctest: +SKIP
+    """
+    import tfdist
+
+    try:
+        tfdist.data.mnist(train_split)
+        tfdist.data.mnist("test")
+    except FileNotFoundError as err:
+        raise MnistMissing(str(err)) from err
 
 
 def main(args) -> int:
@@ -369,8 +518,13 @@ def main(args) -> int:
     config = config_from_args(args)
     _flag(validate.integer, args.workers, "--workers", low=1, what=">= 1")
     _flag(validate.integer, args.max_restarts, "--max-restarts", low=0, what=">= 0")
+    _select_backend(config)
     if args.workers > 1:
         from tfdist import launch
+
+        # Workers run in a private network namespace (no internet): fetch MNIST here.
+        ensure_mnist(config.train_split)
+        _say(f"launching {args.workers} workers")
 
         return launch.run(
             launch.LaunchOptions(
