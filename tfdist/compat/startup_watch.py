@@ -6,6 +6,11 @@ can. ``watch_startup`` runs the wait next to a watcher process that, every
 ``interval`` seconds, prints the peers whose server is not reachable yet (index and
 address), and gives SIGTERM/SIGINT their default action (end the process) meanwhile.
 
+Known limit (TensorFlow 2.21): once the coordination service starts, its preemption
+notifier installs a C++ SIGTERM handler, so a SIGTERM that arrives during the wait only
+takes effect when the wait ends (``TFDIST_REGISTER_TIMEOUT``, 300 s by default).
+``tfdist launch`` does not depend on it: it sends SIGKILL after ``--grace`` seconds.
+
 Example:
     >>> watch_startup(["127.0.0.1:2222", "127.0.0.1:2223"], 0, lambda: None)  # doctest: +SKIP
 """
@@ -99,8 +104,9 @@ def watch_startup(
     previous = {s: signal.getsignal(s) for s in _SIGNALS} if on_main else {}
     for signum, handler in previous.items():
         if handler in (signal.SIG_DFL, signal.default_int_handler, None):
-            # Python's C handler writes the signal to the wakeup fd without the GIL.
-            signal.signal(signum, lambda *_: None)
+            # The kernel's default action ends the process at once; a Python handler
+            # (even one that only writes the wakeup fd) waits behind the held GIL.
+            signal.signal(signum, signal.SIG_DFL)
     old_fd = signal.set_wakeup_fd(write_end) if on_main else None
     watcher = subprocess.Popen(
         [sys.executable, __file__, str(os.getpid()), str(me), str(interval), *addresses],
