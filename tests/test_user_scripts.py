@@ -76,6 +76,7 @@ def test_policy_is_file_with_a_file_per_worker_data_otherwise(tmp_path):
 
 
 def test_unseeded_shuffle_is_detected():
+    tf.random.set_seed(None)  # earlier tests in this process may have set a global seed
     assert sharding.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8).batch(2))
     assert not sharding.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8, seed=3))
     assert not sharding.unseeded_shuffle(tf.data.Dataset.range(8))

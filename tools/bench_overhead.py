@@ -32,7 +32,9 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
     from tfdist.examples.recipes import tutorial_model
 
     strategy_a = tfdist.strategy()
-    devices = list(tfdist.strategy.current_plan().devices)
+    from tfdist.backends import tensorflow as tf_backend
+
+    devices = list(tf_backend.current_plan().devices)
     raw = tfdist.data.mnist(split)
 
     def build():

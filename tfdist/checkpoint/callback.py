@@ -26,7 +26,12 @@ import tensorflow as tf
 
 from tfdist import cluster, config, distribute, saving, validate
 from tfdist.checkpoint.archive import resume_metadata, write_resume_metadata
-from tfdist.checkpoint.names import check_dir, checkpoint_name, list_checkpoints
+from tfdist.checkpoint.names import (
+    check_dir,
+    check_save_target,
+    checkpoint_name,
+    list_checkpoints,
+)
 from tfdist.checkpoint.preemption import PreemptionWatch
 from tfdist.checkpoint.restore import (
     ResumeState,
@@ -126,6 +131,9 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def on_train_begin(self, logs=None):
         self.role = saving.write_role()
+        # A save that would fail after training (a directory or an immutable file with a
+        # checkpoint's name, an unwritable directory) fails now, on every worker, naming it.
+        check_save_target(self.checkpoint_dir, _WHERE, writable=self.role.is_chief)
         if self.role.is_chief:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
             saving.remove_stale_staging(self.checkpoint_dir)

@@ -11,8 +11,11 @@ Example:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import stat
+import struct
 import tempfile
 
 from tfdist import saving, validate
@@ -23,13 +26,21 @@ __all__ = [
     "checkpoint_name",
     "parse_checkpoint_name",
     "list_checkpoints",
+    "checkpoint_entries",
+    "quarantine_path",
+    "blocked_paths",
     "check_dir",
+    "check_save_target",
 ]
 
 _NAME_RE = re.compile(r"^ckpt-(\d+)(?:-(\d+))?\.keras$")
 # Suffix given to a checkpoint that does not load, so that it is kept for inspection but
 # neither restored nor counted (or pruned) as a checkpoint again.
 CORRUPT_SUFFIX = ".corrupt"
+# Linux inode flags (linux/fs.h) that make rename onto / removal of a file fail, even for
+# root: chattr +i (immutable) and +a (append only).
+_FS_IOC_GETFLAGS = 0x80086601
+_IMMUTABLE_FLAGS = 0x00000010 | 0x00000020
 
 
 def checkpoint_name(epoch: int, batch: int = 0) -> str:
@@ -86,6 +97,124 @@ def list_checkpoints(checkpoint_dir: str | os.PathLike) -> list[tuple[Position, 
         if position is not None and os.path.isfile(path):
             found.append((position, path))
     return sorted(found)
+
+
+def checkpoint_entries(checkpoint_dir: str | os.PathLike) -> list[tuple[Position, str]]:
+    """Every entry with a checkpoint's name but a directory, oldest first: restore candidates.
+
+    Unlike ``list_checkpoints`` it keeps what is not a readable regular file (a dangling
+    symlink, a FIFO...), so that a restore can warn about it and move it aside instead of
+    silently passing over it.
+
+    Example:
+        >>> checkpoint_entries("ckpt/")  # doctest: +SKIP
+        [(Position(epoch=1, batch=0), 'ckpt/ckpt-1.keras')]
+    """
+    found = []
+    for position, path in _named_entries(checkpoint_dir):
+        if not (os.path.isdir(path) and not os.path.islink(path)):
+            found.append((position, path))
+    return found
+
+
+def _named_entries(checkpoint_dir) -> list[tuple[Position, str]]:
+    directory = os.fspath(checkpoint_dir)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        position = parse_checkpoint_name(name)
+        if position is not None:
+            found.append((position, os.path.join(directory, name)))
+    return sorted(found)
+
+
+def quarantine_path(path: str) -> str:
+    """A free name for a damaged checkpoint kept aside: ``ckpt-3.keras.corrupt`` first.
+
+    Example:
+        >>> quarantine_path("/no/such/dir/ckpt-3.keras")
+        '/no/such/dir/ckpt-3.keras.corrupt'
+    """
+    candidate, number = path + CORRUPT_SUFFIX, 1
+    while os.path.lexists(candidate):
+        number += 1
+        candidate = f"{path}.{number}{CORRUPT_SUFFIX}"
+    return candidate
+
+
+def blocked_paths(checkpoint_dir: str | os.PathLike) -> list[str]:
+    """Entries with a checkpoint's name that a save cannot replace nor pruning remove.
+
+    A directory (``os.replace`` of a file onto it fails) and an immutable or append-only
+    file (``chattr +i``/``+a``: renames onto it and its removal fail, even for root).
+    A symlink is not one: the save replaces the link itself.
+
+    Example:
+        >>> blocked_paths("/no/such/dir")
+        []
+    """
+    return [path for _position, path in _named_entries(checkpoint_dir) if _blocks(path)]
+
+
+def _blocks(path: str) -> bool:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        return False
+    return stat.S_ISDIR(mode) or _is_immutable(path)
+
+
+def _is_immutable(path: str) -> bool:
+    """Whether the inode flags say immutable or append only (False where unknown)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        flags = fcntl.ioctl(fd, _FS_IOC_GETFLAGS, bytes(8))
+    except OSError:  # a filesystem without inode flags
+        return False
+    finally:
+        os.close(fd)
+    return bool(struct.unpack("=i", flags[:4])[0] & _IMMUTABLE_FLAGS)
+
+
+def check_save_target(checkpoint_dir, where: str, *, writable: bool = True) -> str:
+    """The absolute checkpoint directory, once nothing in the way of a save was found.
+
+    Call it before training (``on_train_begin``, ``make_or_restore``) so that a save
+    that would fail fails now, before any training is lost, naming the path and the fix.
+    Every worker checks the entries (the same ones on shared storage, so all fail
+    together); the chief (``writable``) also creates and probes the directory.
+
+    Raises:
+        NotADirectoryError: ``checkpoint_dir`` is a file.
+        PermissionError: ``writable`` and the directory is not writable, or a file with
+            a checkpoint's name is immutable.
+        IsADirectoryError: a directory has a checkpoint's name.
+
+    Example:
+        >>> check_save_target("ckpt/", "on_train_begin").endswith("ckpt")  # doctest: +SKIP
+        True
+    """
+    directory = check_dir(checkpoint_dir, where, writable=writable)
+    blocked = blocked_paths(directory)
+    if blocked:
+        path = blocked[0]
+        kind = "a directory" if os.path.isdir(path) else "immutable (chattr +i or +a)"
+        error = IsADirectoryError if os.path.isdir(path) else PermissionError
+        raise error(
+            f"{where}: {path!r} has a checkpoint's name but is {kind}, so a checkpoint "
+            f"saved there would fail after training. Received: checkpoint_dir={directory!r}"
+            f" ({len(blocked)} such path(s): {blocked[:5]}). Move it out of the checkpoint "
+            "directory (or chattr -i it); nothing was changed."
+        )
+    return directory
 
 
 def check_dir(checkpoint_dir, where: str, *, writable: bool) -> str:

@@ -27,10 +27,10 @@ from tfdist import distribute, process, saving, validate
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive
 from tfdist.checkpoint.names import (
-    CORRUPT_SUFFIX,
-    check_dir,
-    list_checkpoints,
+    check_save_target,
+    checkpoint_entries,
     parse_checkpoint_name,
+    quarantine_path,
 )
 from tfdist.checkpoint.rng import set_rng_state
 
@@ -144,9 +144,11 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     default, see ``tfdist.strategy()``) and must return a compiled model. If
     ``checkpoint_dir`` holds checkpoints, the newest one that reads back intact is loaded
     into that model: weights, optimizer state (iterations, slots, learning rate) and the
-    dropout RNG state. A truncated or corrupt newest checkpoint is skipped with a warning
-    naming it (and renamed to ``*.keras.corrupt`` so it is kept but not tried again);
-    the previous one is used. A missing or empty directory gives the fresh model.
+    dropout RNG state. A newest checkpoint that cannot be read back, for any reason of the
+    file (truncated, garbage, missing members, unreadable, a dangling link...), is skipped
+    with a warning naming it and renamed ``*.keras.corrupt`` (kept, never tried again);
+    the previous one is used, or the fresh model when none reads back. A missing or
+    empty directory gives the fresh model.
 
     Pass the returned ``initial_epoch`` to ``fit`` together with
     ``tfdist.callbacks.checkpoint(checkpoint_dir)`` (or ``standard``): when the
@@ -166,7 +168,9 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
             model; a checkpoint reads back intact but does not fit the model (another
             architecture or optimizer); nothing is deleted in either case.
         NotADirectoryError: ``checkpoint_dir`` is a file.
-        PermissionError: the chief cannot write to ``checkpoint_dir``.
+        PermissionError: the chief cannot write to ``checkpoint_dir``, or a file with a
+            checkpoint's name is immutable (a save would fail after training).
+        IsADirectoryError: a directory has a checkpoint's name (a save would fail).
 
     Example:
         >>> def build_and_compile():                                  # doctest: +SKIP
@@ -178,18 +182,10 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
         ...           callbacks=tfdist.callbacks.standard("ckpt/"))
     """
     where = "make_or_restore"
-    if not callable(build_fn):
-        raise TypeError(
-            validate.message(
-                where,
-                "build_fn",
-                "a callable that returns a compiled keras.Model",
-                build_fn,
-                "Pass the function itself, e.g. make_or_restore(build_and_compile, 'ckpt/').",
-            )
-        )
+    _check_build_fn(build_fn, where)
     role = saving.write_role()
-    directory = check_dir(checkpoint_dir, where, writable=role.is_chief)
+    # Before building: a path that would make a later save fail is reported now.
+    directory = check_save_target(checkpoint_dir, where, writable=role.is_chief)
     strategy = distribute.current(strategy)
     with strategy.scope():
         model = _build(build_fn, where)
@@ -210,6 +206,22 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
         state.step,
     )
     return model, state.epoch
+
+
+def _check_build_fn(build_fn, where: str) -> None:
+    """A function that builds the model, not a model (which is callable too)."""
+    hint = "Pass the function itself, e.g. make_or_restore(build_and_compile, 'ckpt/')."
+    if isinstance(build_fn, keras.layers.Layer):
+        what = "a function that builds and compiles the model, not a model instance"
+        hint = (
+            "Move the model's construction and compile() into a function that returns it, "
+            "and pass that function: make_or_restore(build_and_compile, 'ckpt/') (it is "
+            "called inside the strategy scope, where the variables must be created)."
+        )
+        raise TypeError(validate.message(where, "build_fn", what, build_fn, hint))
+    if not callable(build_fn):
+        what = "a callable that returns a compiled keras.Model"
+        raise TypeError(validate.message(where, "build_fn", what, build_fn, hint))
 
 
 def _build(build_fn: Callable, where: str):
@@ -236,8 +248,11 @@ def _build(build_fn: Callable, where: str):
 
 
 def _newest_readable(directory: str, role: saving.WriteRole) -> tuple[str, dict] | None:
-    """``(path, info)`` of the newest checkpoint that reads back intact, or None."""
-    for _position, path in reversed(list_checkpoints(directory)):
+    """``(path, info)`` of the newest checkpoint that reads back intact, or None.
+
+    Deterministic given the bytes, so workers on shared storage skip the same files.
+    """
+    for _position, path in reversed(checkpoint_entries(directory)):
         try:
             return path, inspect_archive(path)
         except CorruptCheckpoint as err:
@@ -254,9 +269,17 @@ def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
         stacklevel=4,  # the caller of make_or_restore
     )
     logger.warning("tfdist: skipping unreadable checkpoint %s (%s)", path, reason)
-    if role.is_chief:
-        with contextlib.suppress(OSError):
-            os.replace(path, path + CORRUPT_SUFFIX)
+    if not role.is_chief:
+        return
+    target = quarantine_path(path)
+    try:
+        os.replace(path, target)
+    except FileNotFoundError:
+        pass  # gone already (another process moved it)
+    except OSError as err:
+        # Not fatal: it is skipped again at the next start, and a save onto its name
+        # is checked at train begin (check_save_target).
+        logger.warning("tfdist: could not move %s to %s: %s", path, target, err)
 
 
 # --------------------------------------------------------------------------- into a model
@@ -285,7 +308,10 @@ def _build_from_archive(model, path: str, info: dict) -> None:
     if not model.built:
         build_config = info["config"].get("build_config")
         if build_config:
-            model.build_from_config(build_config)
+            try:
+                model.build_from_config(build_config)
+            except Exception as err:  # noqa: BLE001 - the file reads back: it does not fit
+                raise _does_not_fit(model, path, err) from err
         if not model.built:
             raise ValueError(
                 f"make_or_restore: the model from build_fn is not built and {path!r} does "
@@ -298,22 +324,40 @@ def _build_from_archive(model, path: str, info: dict) -> None:
         model.optimizer.build(model.trainable_variables)
 
 
+def _does_not_fit(model, path: str, err: Exception) -> ValueError:
+    said = " ".join(f"{type(err).__name__}: {err}".split())
+    return ValueError(
+        f"make_or_restore: checkpoint {path!r} reads back intact but does not fit the "
+        f"model build_fn returns ({model.name!r}: another architecture or optimizer). "
+        "Restore with the build_fn that wrote it, or pass a new checkpoint_dir; nothing "
+        f"was deleted. Keras said: {said[:400]}"
+    )
+
+
+def _changed_while_restoring(path: str, err: OSError) -> RuntimeError:
+    # It read back whole a moment before: the file changed or the storage fails. Not
+    # skipped here (the workers already agreed on it); the next start reads it again.
+    return RuntimeError(
+        f"make_or_restore: checkpoint {path!r} read back intact, then failed to load "
+        f"({type(err).__name__}: {err}); it changed meanwhile or the storage is failing. "
+        "Restart the job: a checkpoint that no longer reads back is then skipped."
+    )
+
+
 def _load_weights(model, path: str) -> None:
     """``model.load_weights(path)``; a checkpoint that does not fit is an error, not a warning."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             model.load_weights(path)
-        except (ValueError, KeyError, TypeError) as err:
-            # The bytes are intact (checked before): the model is not the one that
-            # wrote them. Starting fresh would later prune the real checkpoints.
-            said = " ".join(str(err).split())
-            raise ValueError(
-                f"make_or_restore: checkpoint {path!r} reads back intact but does not fit "
-                "the model build_fn returns (another architecture or optimizer). Restore "
-                "with the build_fn that wrote it, or pass a new checkpoint_dir; nothing was "
-                f"deleted. Keras said: {said[:400]}"
-            ) from err
+        except MemoryError:
+            raise
+        except OSError as err:
+            raise _changed_while_restoring(path, err) from err
+        except Exception as err:  # noqa: BLE001 - the file reads back: it does not fit
+            # The file read back whole (inspect_archive): the model is not the one that
+            # wrote it. Starting fresh would later prune the real checkpoints.
+            raise _does_not_fit(model, path, err) from err
     for warning in caught:
         if "Skipping variable loading for optimizer" in str(warning.message):
             raise ValueError(
