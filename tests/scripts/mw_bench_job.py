@@ -47,24 +47,18 @@ import tensorflow as tf  # noqa: E402
 def build():
     keras.utils.set_random_seed(0)
     if args.model == "convnet":
-        layers = [
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(16, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(10),
-        ]
+        from tfdist.examples.recipes import fast_model
+
+        model = fast_model()  # the MNIST job's own convnet
     else:
-        layers = [
-            keras.Input((784,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    model = keras.Sequential(layers)
+        model = keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
     model.compile(
         optimizer=keras.optimizers.SGD(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
