@@ -9,6 +9,8 @@ defect: narrow that fix's version range.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,7 +31,7 @@ TOL = 1e-5
 
 def test_every_fix_is_named_once_and_documented():
     names = compat.fix_names()
-    assert len(names) == len(set(names)) == 10
+    assert len(names) == len(set(names)) == 11
     for fix in compat.FIXES:
         assert fix.summary and fix.apply.__doc__
         # The docstring says what changes and why it is correct, not just a title.
@@ -297,3 +299,37 @@ def test_a_peer_that_never_starts_hangs_upstream_and_fails_clearly_with_the_fix(
     assert error.count("task:") == 1 and "TFDIST_REGISTER_TIMEOUT" in error
     progress = [line for line in out.splitlines() if "waiting 10 s for" in line]
     assert len(progress) == 1 and "/job:worker/replica:0/task:1 (127.0.0.1:" in progress[0]
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_sigterm_to_the_group_ends_the_start_up_wait_at_once():
+    """TensorFlow's preemption notifier holds the worker's SIGTERM during the wait; a
+    SIGTERM to its process group (what tfdist launch, a terminal and SLURM send) ends
+    the wait within seconds, saying so, instead of after the 120 s timeout."""
+    ports = launch.free_ports(2)
+    config = worker_tf_config([f"127.0.0.1:{p}" for p in ports], 0)
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tfdist.bootstrap", str(SCRIPTS / "mw_lone.py")],
+        cwd=REPO,
+        env=child_env(TF_CONFIG=config, TFDIST_REGISTER_TIMEOUT="120"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        seen = []
+        for line in worker.stdout:  # the first progress line: the worker is in the wait
+            seen.append(line)
+            if "waiting 10 s for" in line:
+                break
+        assert worker.poll() is None, "".join(seen)
+        os.killpg(worker.pid, signal.SIGTERM)
+        # Well before the 120 s register timeout, or communicate raises.
+        rest, _ = worker.communicate(timeout=60)
+    finally:
+        worker.kill()
+    assert worker.returncode == -signal.SIGKILL  # the watcher ended it, not the timeout
+    assert "ERROR" not in rest
+    assert "worker 0 got SIGTERM while waiting for the other workers; ending it." in rest

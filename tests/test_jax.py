@@ -124,6 +124,7 @@ def test_jax_process_gets_no_tensorflow_runtime_patches_and_its_own_fixes():
         "keras_jax_initialize_once",
         "keras_jax_model_keeps_distribution",
         "keras_jax_distributed_lookahead",
+        "keras_jax_sharded_epoch_length",
     ]
 
 
@@ -224,3 +225,85 @@ def test_batches_reach_the_devices_one_step_ahead_under_a_distribution():
     assert len(fixed["ahead"]) == len(upstream["ahead"]) == 4
     assert all(f > u for f, u in zip(fixed["ahead"][:-1], upstream["ahead"][:-1], strict=True))
     assert fixed["weights"] == upstream["weights"]  # the same batches, in the same order
+
+
+# Keras's per-process sharding (rebatch + shard) of a seeded pipeline, called directly:
+# in one process it runs the same code as in each process of a multi-process job.
+_SHARDED_LENGTH = """
+import json
+import numpy as np
+import tfdist, keras
+import tensorflow as tf
+from keras import distribution as kd
+x = np.arange(64, dtype="float32").reshape(32, 2)
+with tfdist.scope() as dist:
+    train = tfdist.data.pipeline((x, x[:, :1]), 4, seed=1)
+    evaluation = tfdist.data.pipeline((x, x[:, :1]), 4, shuffle=None)
+print(json.dumps({
+    "declared": int(train.cardinality()),
+    "sharded": int(dist.distribute_tf_dataset(train).cardinality()),
+    "sharded_batches": sum(1 for _ in dist.distribute_tf_dataset(train)),
+    "evaluation": int(dist.distribute_tf_dataset(evaluation).cardinality()),
+}))
+"""
+
+
+@pytest.mark.devices
+@pytest.mark.parametrize(("exclude", "sharded"), [("keras_jax_sharded_epoch_length", -2), ("", 4)])
+def test_per_process_sharding_keeps_the_declared_epoch_length(exclude, sharded):
+    """Upstream's sharded dataset has an unknown length (Keras then takes the first,
+    possibly resumed and short, epoch's length for all); fixed, it keeps the pipeline's."""
+    proc = run_python(
+        _SHARDED_LENGTH, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE=exclude
+    )
+    result = last_json_line(proc.stdout)
+    assert result["declared"] == 4  # 32 examples, global batch 8
+    assert result["sharded"] == sharded
+    assert result["sharded_batches"] == 4  # the data itself is the same either way
+    # an unshuffled pipeline with no partial batch has a static batch size (Keras needs
+    # it to shard), and its length is lost and kept alike
+    assert result["evaluation"] == sharded
+
+
+_PARTIAL_BATCH = """
+import json
+import numpy as np
+import tfdist, keras
+x = np.arange(62, dtype="float32").reshape(31, 2)
+y = x[:, :1]
+with tfdist.scope():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    model.compile("sgd", "mse", metrics=["mae"])
+results = {}
+# 30 examples, global batch 8: a last batch of 6, 3 per replica
+evaluation = tfdist.data.pipeline((x[:30], y[:30]), 4, shuffle=None)
+results["split"] = model.evaluate(evaluation, verbose=0, return_dict=True)
+kernel = model.get_weights()[0]
+errors = x[:30] @ kernel - y[:30]
+results["expected"] = {"loss": float(np.mean(errors**2)), "mae": float(np.mean(abs(errors)))}
+for name, count, processes in (("replicas", 31, 1), ("processes", 32 - 2, 2)):
+    jax_count = tfdist.backends.jax.jax.process_count
+    tfdist.backends.jax.jax.process_count = lambda: processes
+    try:
+        tfdist.data.pipeline((x[:count], y[:count]), 4, shuffle=None)
+    except ValueError as err:
+        results[name] = str(err)
+    finally:
+        tfdist.backends.jax.jax.process_count = jax_count
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.devices
+def test_a_partial_last_batch_splits_evenly_or_fails_when_built():
+    """Keras on JAX splits every batch evenly between devices: a last batch that does
+    is evaluated whole; one that does not fails when the pipeline is built, naming the
+    numbers, instead of deep inside jax at the last step."""
+    proc = run_python(_PARTIAL_BATCH, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2")
+    result = last_json_line(proc.stdout)
+    for metric in ("loss", "mae"):
+        assert abs(result["split"][metric] - result["expected"][metric]) <= 1e-5
+    assert "31 examples, so its last batch has 7 (global batch 8)" in result["replicas"]
+    assert "cannot split that batch between 2 replicas" in result["replicas"]
+    assert "drop_remainder=True" in result["replicas"]
+    assert "cannot split that batch between 2 processes" in result["processes"]

@@ -117,13 +117,15 @@ def test_jax_kill_in_save_and_kill_mid_epoch_then_resume_exactly(tmp_path, refer
 @pytest.mark.slow
 @pytest.mark.multiworker
 def test_two_processes_resume_exactly_after_sigterm_then_kill_9(tmp_path, reference):
-    """2 processes x 2 devices. Attempt 0: SIGTERM reaches process 1 after step 10; both
-    save after step 11 and exit 75. Attempt 1: resumes there; process 1 is killed -9
-    after step 14. Attempt 2: resumes from step 12 and ends with the reference weights."""
+    """2 processes x 2 devices. Attempt 0: SIGTERM reaches process 1 after step 5; both
+    save after step 6 (mid epoch 0) and exit 75. Attempt 1: resumes there, ends epoch 0
+    short and runs epoch 1 in full (not cut to the resumed epoch's length); process 1 is
+    killed -9 after step 14. Attempt 2: resumes from step 12 and ends with the reference
+    weights."""
     temp = tmp_path / "tmp"  # where process 1 stages its discarded copy of each save
     temp.mkdir()
     directory = tmp_path / "ckpt"
-    faults = ("--sigterm-at-step", "10", "--sigterm-rank", "1")
+    faults = ("--sigterm-at-step", "5", "--sigterm-rank", "1")
     faults += ("--sigkill-at-step", "14", "--sigkill-rank", "1", "--sigkill-attempt", "1")
     proc = launch_job(directory, temp, *faults)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -131,8 +133,8 @@ def test_two_processes_resume_exactly_after_sigterm_then_kill_9(tmp_path, refere
     assert '[w1] {"dying_at_step": 14}' in proc.stdout
     for worker in ("w0", "w1"):
         preempted, resumed = worker_results(proc, worker)  # the killed attempt printed none
-        assert preempted["exit_code"] == RESTART and preempted["iterations"] == 11
-        assert "ckpt-2-3.keras" in preempted["checkpoints"]
+        assert preempted["exit_code"] == RESTART and preempted["iterations"] == 6
+        assert "ckpt-1-6.keras" in preempted["checkpoints"]
         assert resumed["restored"] == {"path": "ckpt-2-4.keras", "epoch": 1, "batch": 4, "step": 12}
         assert resumed["replicas"] == 4 and resumed["iterations"] == 16
         assert max_diff(resumed["weights"], reference["weights"]) <= 1e-5

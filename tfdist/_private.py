@@ -64,6 +64,7 @@ __all__ = [
     "jax_wait_at_barrier",
     "keras_trainer_class",
     "keras_jax_trainer_class",
+    "keras_distribution_class",
     "MODEL_CHECKPOINT_HOOKS",
 ]
 
@@ -74,6 +75,7 @@ REQUIRED = {
         "keras.src.backend.jax.distribution_lib:initialize_rng",
         "keras.src.backend.jax.trainer:JAXTrainer.fit",
         "keras.src.backend.jax.trainer:JAXEpochIterator._get_distributed_iterator",
+        "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
         "keras.src.trainers.trainer:Trainer.__init__",
         "jax._src.distributed:State.client",
     ],
@@ -96,7 +98,7 @@ REQUIRED = {
         "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._variant_tensor",
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
-        # tfdist.data.epochs.FullEpochs implements this abstract method of tf.data.Dataset.
+        # tfdist.compat.datasets.FullEpochs implements this abstract method of tf.data.Dataset.
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._inputs",
     ],
     "keras": [
@@ -439,6 +441,12 @@ def keras_jax_distribution_lib():
 def keras_trainer_class():
     """``keras.src.trainers.trainer.Trainer``: every model's ``__init__`` runs through it."""
     return importlib.import_module("keras.src.trainers.trainer").Trainer
+
+
+def keras_distribution_class():
+    """``keras.src.distribution.distribution_lib.Distribution``: the base of ``DataParallel``
+    and ``ModelParallel``; its ``distribute_tf_dataset`` shards a dataset per process."""
+    return importlib.import_module("keras.src.distribution.distribution_lib").Distribution
 
 
 def keras_jax_trainer_class():

@@ -48,6 +48,8 @@ class ProcessState:
         jax_initialized: whether tfdist called ``jax.distributed.initialize`` (JAX).
         barriers: unnamed ``tfdist.barrier()`` calls so far (names them in call order).
         version_warnings: packages already warned about as outside the verified range.
+        chief_values: values shared from the chief so far (names their keys in call
+            order, as ``barriers`` does for unnamed barriers).
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -62,6 +64,7 @@ class ProcessState:
     jax_initialized: bool = False
     barriers: int = 0
     version_warnings: set[str] = field(default_factory=set)
+    chief_values: int = 0
 
 
 _STATE = ProcessState()

@@ -207,6 +207,35 @@ def barrier(name: str, timeout: float) -> None:
         ) from None
 
 
+def chief_value(name: str, value: str, timeout: float) -> str:
+    """Process 0's ``value``, on every process (through jax's coordination store).
+
+    Every process must make the same calls in the same order: the n-th call of each
+    process reads the n-th value process 0 published.
+
+    Example:
+        >>> chief_value("seed", "1804289383", timeout=60)  # doctest: +SKIP
+        '1804289383'
+    """
+    if jax.process_count() == 1:
+        return value
+    state = process.state()
+    with state.lock:
+        state.chief_values += 1
+        key = f"tfdist/{name}/{state.chief_values}"
+    if jax.process_index() == 0:
+        _private.jax_key_value_set(key, value)
+        return value
+    try:
+        return _private.jax_key_value_get(key, int(timeout * 1000))
+    except Exception as err:  # jax raises its runtime's own error types
+        first = str(err).strip().splitlines()
+        raise TimeoutError(
+            f"tfdist: process {jax.process_index()} did not receive process 0's {name} "
+            f"within {timeout:.0f} s ({first[0] if first else type(err).__name__})."
+        ) from None
+
+
 def is_chief() -> bool:
     """Whether this is process 0."""
     return jax.process_index() == 0

@@ -35,10 +35,23 @@ each upstream failure without its fix, so we notice when upstream fixes it):
 
 Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``
 (``all`` for every fix: what ``tfdist launch --no-fixes`` sets).
-Under the JAX backend none of these applies (each is guarded by backend and version).
+Under the JAX backend none of these applies (each is guarded by backend and version);
+these do instead:
+
+========================================  =============================================
+``keras_jax_initialize_once``              ``keras.distribution.initialize()`` joins the
+                                           job tfdist already initialised (timeouts).
+``keras_jax_model_keeps_distribution``     ``fit`` after ``with distribution.scope():``
+                                           stays data parallel.
+``keras_jax_distributed_lookahead``        the next batch is copied to the devices while
+                                           a distributed step runs.
+``keras_jax_sharded_epoch_length``         per-process sharding keeps a pipeline's epoch
+                                           length (full epochs after a resume).
+========================================  =============================================
 
 Layout: ``registry`` (the Fix record, version guards, ``patch``), ``keras_fixes``,
-``tf_fixes``; this module lists them and applies them.
+``tf_fixes``, ``jax_fixes``, ``datasets`` (a dataset with a declared length); this
+module lists them and applies them.
 
 Example:
     >>> from tfdist import compat
@@ -131,6 +144,13 @@ FIXES: list[Fix] = [
         "just before its step (no look-ahead): up to 1.76x slower per step on one H100",
         keras_jax_backend((3, 0), (4, 0)),
         jax_fixes.fix_distributed_lookahead,
+    ),
+    Fix(
+        "keras_jax_sharded_epoch_length",
+        "Keras 3 on JAX, multi-process: sharding a dataset per process loses its declared "
+        "length, so after a mid-epoch resume every later epoch is cut short",
+        keras_jax_backend((3, 0), (4, 0)),
+        jax_fixes.fix_sharded_epoch_length,
     ),
 ]
 

@@ -14,6 +14,7 @@ __all__ = [
     "fix_initialize_once",
     "fix_model_keeps_distribution",
     "fix_distributed_lookahead",
+    "fix_sharded_epoch_length",
 ]
 
 _ENTRY_POINTS = (
@@ -157,3 +158,35 @@ def _one_ahead(batches):
         pending = batch
     if pending is not None:
         yield pending
+
+
+def fix_sharded_epoch_length() -> None:
+    """Keeps a dataset's declared epoch length through Keras's per-process sharding.
+
+    In a multi-process job ``Distribution.distribute_tf_dataset`` gives each process its
+    share of every global batch (``rebatch`` then ``shard``, or ``prefetch``), and the
+    result's length is recomputed from the graph: a length the dataset declared (as
+    ``tfdist.data.pipeline`` does for a seeded or shuffled pipeline, whose epochs start
+    inside a per-epoch function) becomes unknown. Keras then takes the first epoch's
+    length for every epoch, so a job resumed in the middle of an epoch runs every later
+    epoch short (measured: 2 processes x 2 devices, 8 batches an epoch, resumed at batch
+    6 of epoch 0: epoch 1 ran 3 batches instead of 8). The fix declares the source's
+    length on the sharded dataset when upstream lost it and every batch is full (a
+    process then sees exactly one batch per global batch); otherwise upstream's dataset
+    is returned unchanged.
+    """
+
+    def make(original):
+        def distribute_tf_dataset(self, dataset):
+            from tfdist.compat.datasets import keep_epoch_length
+
+            return keep_epoch_length(dataset, original(self, dataset))
+
+        return distribute_tf_dataset
+
+    patch(
+        _private.keras_distribution_class(),
+        "distribute_tf_dataset",
+        "keras_jax_sharded_epoch_length",
+        make,
+    )

@@ -6,10 +6,13 @@ can. ``watch_startup`` runs the wait next to a watcher process that, every
 ``interval`` seconds, prints the peers whose server is not reachable yet (index and
 address), and gives SIGTERM/SIGINT their default action (end the process) meanwhile.
 
-Known limit (TensorFlow 2.21): once the coordination service starts, its preemption
-notifier installs a C++ SIGTERM handler, so a SIGTERM that arrives during the wait only
-takes effect when the wait ends (``TFDIST_REGISTER_TIMEOUT``, 300 s by default).
-``tfdist launch`` does not depend on it: it sends SIGKILL after ``--grace`` seconds.
+Once the coordination service starts (TensorFlow 2.21), its preemption notifier
+installs a C++ SIGTERM handler in the worker, which only records the signal. The
+watcher shares the worker's process group and ends it on a SIGTERM/SIGINT of its own,
+so a signal to the group ends the wait at once: ``tfdist launch`` signals each
+worker's group, as do a terminal's Ctrl-C and SLURM. Known limit: a SIGTERM sent to
+the worker's pid alone only takes effect when the wait ends
+(``TFDIST_REGISTER_TIMEOUT``, 300 s by default); ``kill -TERM -<pgid>`` or SIGINT work.
 
 Example:
     >>> watch_startup(["127.0.0.1:2222", "127.0.0.1:2223"], 0, lambda: None)  # doctest: +SKIP
@@ -56,23 +59,32 @@ def describe(addresses: Sequence[str], indexes: Sequence[int], job: str = "worke
     return ", ".join(f"/job:{job}/replica:0/task:{i} ({addresses[i]})" for i in indexes)
 
 
+def _end_worker(parent: int, me: int, signum: int) -> None:
+    name = signal.Signals(signum).name
+    print(
+        f"tfdist: worker {me} got {name} while waiting for the other workers; ending it.",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(parent, signal.SIGKILL)
+    os._exit(0)
+
+
 def _watch(addresses, me: int, parent: int, interval: float) -> None:
     """The watcher process: a line every ``interval`` s naming the peers not up yet, and
-    the end of the worker when a signal byte arrives on stdin (its wakeup fd)."""
+    the end of the worker when a signal byte arrives on stdin (its wakeup fd) or a
+    SIGTERM/SIGINT reaches the watcher itself: it shares the worker's process group, so
+    a signal to the group (``tfdist launch``, Ctrl-C in a terminal, SLURM's ``scancel``)
+    reaches it even while TensorFlow's own SIGTERM handler holds the worker's."""
+    for signum in _SIGNALS:
+        signal.signal(signum, lambda s, _frame: _end_worker(parent, me, s))
     waited = said = 0.0
     while os.getppid() == parent:  # else the worker is gone
         ready, _, _ = select.select([sys.stdin], [], [], 0.5)
         if ready:
             got = os.read(sys.stdin.fileno(), 1)
             if got and got[0] in _SIGNALS:
-                name = signal.Signals(got[0]).name
-                print(
-                    f"tfdist: worker {me} got {name} while waiting for the other workers;"
-                    " ending it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os.kill(parent, signal.SIGKILL)
+                _end_worker(parent, me, got[0])
             return
         waited += 0.5
         if waited - said < interval:

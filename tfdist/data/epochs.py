@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import _private
+from tfdist.compat.datasets import FullEpochs
 from tfdist.data.positions import PositionVariables
 from tfdist.data.seeds import epoch_seed
 
@@ -103,34 +103,3 @@ def streamed_epochs(
         return ds.skip(skip * skip_per_batch)
 
     return _per_epoch(one_epoch)
-
-
-class FullEpochs(tf.data.Dataset):
-    """The pipeline as returned: a dataset whose ``cardinality()`` is a full epoch's batches.
-
-    A positioned pipeline starts each iteration inside a per-epoch function, so
-    tf.data cannot know its length. Keras 3 then takes the length of the first epoch it
-    runs for every later epoch; after a resume that skips batches, the first epoch is
-    short and every later one would be cut short too. Reporting a full epoch instead
-    makes Keras run full epochs and end the short one where its data ends.
-
-    Example:
-        >>> FullEpochs(ds, 10).cardinality()  # doctest: +SKIP
-        <tf.Tensor: shape=(), dtype=int64, numpy=10>
-    """
-
-    def __init__(self, dataset: tf.data.Dataset, batches: int):
-        self._dataset = dataset
-        self._batches = batches
-        # The same graph; only the length differs.
-        super().__init__(_private.tf_dataset_variant(dataset))
-
-    def _inputs(self):  # tf.data.Dataset's abstract method: the datasets this one reads
-        return [self._dataset]
-
-    @property
-    def element_spec(self):
-        return self._dataset.element_spec
-
-    def cardinality(self):
-        return tf.constant(self._batches, tf.int64)

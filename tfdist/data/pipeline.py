@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import distribute
+from tfdist import backends, distribute
 from tfdist.data import checks, seeds
 from tfdist.data.epochs import FullEpochs, in_memory_epochs, streamed_epochs
 from tfdist.data.memory import read_into_memory
@@ -103,6 +103,34 @@ def _shuffle_seed(plan: _Plan) -> int | None:
     return seeds.agreed_seed(plan.strategy, plan.num_workers)
 
 
+def _drop_remainder(plan: _Plan, count: int | None) -> bool:
+    """``drop_remainder`` for ``batch``: also True when no batch is partial, so the batch
+    size is static (Keras on JAX needs it to split batches between processes)."""
+    if plan.drop_remainder or count is None:
+        return plan.drop_remainder
+    partial = count % plan.batch
+    if partial and backends.name() == "jax":
+        _check_jax_partial_batch(plan, count, partial)
+    return partial == 0
+
+
+def _check_jax_partial_batch(plan: _Plan, count: int, partial: int) -> None:
+    """Keras on JAX splits every batch evenly between the devices (and processes)."""
+    if plan.num_workers == 1 and partial % plan.replicas == 0:
+        return  # each replica gets partial / replicas examples
+    where = (
+        f"between {plan.num_workers} processes"
+        if plan.num_workers > 1
+        else f"between {plan.replicas} replicas"
+    )
+    raise ValueError(
+        f"pipeline: the dataset has {count} examples, so its last batch has {partial} "
+        f"(global batch {plan.batch}), and Keras on JAX cannot split that batch {where}: "
+        "every batch must divide evenly. Pass drop_remainder=True (the last "
+        f"{partial} examples are left out), or a per_replica_batch for which it does."
+    )
+
+
 def _build_in_memory(plan: _Plan, state: PipelineState, shuffle_seed):
     """Batches gathered from the source read into memory: (dataset, count, how)."""
     state.data, count, how = read_into_memory(plan.source, plan.map_fn, plan.map_on)
@@ -121,7 +149,7 @@ def _build_in_memory(plan: _Plan, state: PipelineState, shuffle_seed):
         shuffle=plan.shuffle,
         skip_per_batch=plan.batch,
         batch=plan.batch,
-        drop_remainder=plan.drop_remainder,
+        drop_remainder=_drop_remainder(plan, count),
     )
     return ds, count, how
 
@@ -151,7 +179,7 @@ def _build_streamed(plan: _Plan, state: PipelineState, shuffle_seed):
         )
     elif plan.shuffle is not None:  # FILE-sharded: each worker shuffles its own files
         ds = ds.shuffle(plan.shuffle, seed=seeds.agreed_seed(plan.strategy, 1))
-    return ds.batch(plan.batch, drop_remainder=plan.drop_remainder), count, how
+    return ds.batch(plan.batch, drop_remainder=_drop_remainder(plan, count)), count, how
 
 
 def _build(plan: _Plan, state: PipelineState):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import config
+from tfdist import backends, config
 from tfdist.data.host import on_host
 
 __all__ = ["SEED_RANGE", "epoch_seed", "agreed_seed"]
@@ -43,13 +43,14 @@ def _local_seed() -> int:
         ) from err
 
 
-def agreed_seed(strategy: tf.distribute.Strategy, num_workers: int) -> int:
+def agreed_seed(strategy, num_workers: int) -> int:
     """A shuffle seed for an unseeded pipeline, the same on every worker.
 
     Drawn from TensorFlow's global generator, so ``keras.utils.set_random_seed`` makes
     it reproducible. Under multi-worker the chief's draw is shared through an
-    all-reduce, which every worker must reach: the wait is bounded (a worker may still
-    be loading its data) by ``config.SEED_AGREEMENT_TIMEOUT_S``.
+    all-reduce (TensorFlow) or jax's coordination store (JAX), which every worker must
+    reach: the wait is bounded (a worker may still be loading its data) by
+    ``config.SEED_AGREEMENT_TIMEOUT_S``.
 
     Example:
         >>> agreed_seed(strategy, 2)  # every worker gets the chief's draw  # doctest: +SKIP
@@ -59,6 +60,8 @@ def agreed_seed(strategy: tf.distribute.Strategy, num_workers: int) -> int:
     if num_workers == 1:
         return local
     timeout = config.SEED_AGREEMENT_TIMEOUT_S
+    if backends.name() == "jax":
+        return _chief_seed_jax(local, timeout)
     options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
 
     def chief_seed():
@@ -79,3 +82,17 @@ def agreed_seed(strategy: tf.distribute.Strategy, num_workers: int) -> int:
             f"{timeout:.0f} s. Every worker must build the same pipelines in "
             "the same order; or pass seed=... so that no agreement is needed."
         ) from err
+
+
+def _chief_seed_jax(local: int, timeout: float) -> int:
+    """Process 0's draw on every process: Keras on JAX gives each process its share of
+    the same global batches, so every process must shuffle alike."""
+    from tfdist.backends import jax as jax_backend
+
+    try:
+        return int(jax_backend.chief_value("seed", str(local), timeout))
+    except TimeoutError as err:
+        raise RuntimeError(
+            f"pipeline: {err} Every process must build the same pipelines in the same "
+            "order; or pass seed=... so that no agreement is needed."
+        ) from None
