@@ -271,6 +271,22 @@ def test_auto_map_is_per_example_even_when_vectorised(caplog):
     assert flat(epochs(per_example, 1)[0]) == [0] * 12
 
 
+def test_a_batch_safe_map_fn_is_called_once_on_all_examples_with_the_same_result():
+    calls = []
+
+    def double(x):
+        calls.append(x.shape.rank)
+        return x * 2
+
+    double.batch_safe = True  # as tfdist.data.scale is
+    fast = data.pipeline(ids(12), 4, map_fn=double, shuffle=None)
+    assert calls == [1]  # traced once, on the whole (1-D) batch of ids: no vectorising
+    per_example = data.pipeline(ids(12), 4, map_fn=double, map_on="example", shuffle=None)
+    expected = [[[0, 2, 4, 6], [8, 10, 12, 14], [16, 18, 20, 22]]]
+    assert epochs(fast, 1) == epochs(per_example, 1) == expected
+    assert data.scale.batch_safe is True
+
+
 def test_map_on_batch_applies_map_fn_to_each_global_batch():
     ds = data.pipeline(ids(8), 4, map_fn=_minus_min, map_on="batch", shuffle=None)
     assert epochs(ds, 1)[0] == [[0, 1, 2, 3], [0, 1, 2, 3]]

@@ -20,6 +20,11 @@ from tfdist.data.seeds import epoch_seed
 __all__ = ["in_memory_epochs", "streamed_epochs", "FullEpochs"]
 
 
+# Dataset functions of plain TensorFlow ops, with no Python control flow on tensors:
+# traced as written, without autograph's conversion (a cost paid at every build).
+_plain = tf.autograph.experimental.do_not_convert
+
+
 def _per_epoch(one_epoch) -> tf.data.Dataset:
     # One element, flat-mapped: ``one_epoch`` runs (and reads the position) only when an
     # iteration starts, not when an iterator is created.
@@ -50,6 +55,7 @@ def in_memory_epochs(
         skip_per_batch: examples per batch the position's ``batch`` counts.
     """
 
+    @_plain
     def gather(idx):
         return tf.nest.map_structure(lambda v: tf.gather(v, idx), variables)
 
@@ -59,6 +65,7 @@ def in_memory_epochs(
 
     seed_t = tf.constant(seed, tf.int64)
 
+    @_plain
     def one_epoch(_):
         epoch, skip = holder.start_iteration()
         order = tf.range(count, dtype=tf.int64)
@@ -88,6 +95,7 @@ def streamed_epochs(
     position (read inside the dataset graph when an iteration starts). Not batched."""
     seed_t = tf.constant(seed, tf.int64)
 
+    @_plain
     def one_epoch(_):
         epoch, skip = holder.start_iteration()
         ds = source

@@ -40,6 +40,12 @@ def _vectorised(source: tf.data.Dataset, map_fn: Callable, size: int, unfused):
             fallback_to_while_loop=False,
         )
 
+    if getattr(map_fn, "batch_safe", False):  # e.g. tfdist.data.scale: one call does it
+        return (
+            source.batch(size)
+            .with_options(unfused)
+            .map(lambda *examples: _call(map_fn, examples if is_tuple else examples[0], is_tuple))
+        )
     try:
         return source.batch(size).with_options(unfused).map(vectorized)
     except (ValueError, TypeError, NotImplementedError) as err:

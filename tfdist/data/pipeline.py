@@ -287,7 +287,9 @@ def pipeline(
         map_on: ``'auto'`` (default): per example, and when the data is cached in
             memory vectorised over all examples at once with ``tf.vectorized_map``
             (the same results, many times faster; functions it cannot vectorise run per
-            example); ``'example'``: one call per example; ``'batch'``: called on each
+            example; a function marked ``fn.batch_safe = True``, as
+            ``tfdist.data.scale`` is, is called once on all of them); ``'example'``: one
+            call per example; ``'batch'``: called on each
             global batch, every epoch, after the cache (random augmentation; ``map_fn``
             must accept batches).
         cache: ``True`` keeps the (mapped) examples in memory; a path caches them in
