@@ -95,10 +95,11 @@ def test_scaling_commands_use_the_launcher_and_logical_devices():
 
 def test_step_breakdown_explains_the_step_from_its_parts():
     sb = _tool("step_breakdown")
-    ms = {"input": 1.0, "compute": 5.0, "allreduce": 4.0, "step": 8.0, "fit": 11.0}
+    ms = {"input": 1.0, "compute": 5.0, "allreduce": 4.0, "step": 8.0, "fit": 11.0,
+          "fit_accuracy": 12.5}  # fmt: skip
     assert sb.derived(ms) == {
         "input": 1.0, "compute_without_input": 4.0, "exposed_allreduce": 3.0,
-        "python_callbacks": 3.0, "fit": 11.0,
+        "python_callbacks": 3.0, "fit": 11.0, "metrics": 1.5,
     }  # fmt: skip
     table = sb.format_table(
         {"workers": ms, "devices": {k: v / 2 for k, v in ms.items()}, "pairs": 1, "rounds": 1,

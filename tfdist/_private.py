@@ -108,6 +108,8 @@ REQUIRED = {
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
         "keras.src.tree:map_structure",
+        "keras.src.tree:flatten",
+        "keras.src.tree:pack_sequence_as",
         "keras.src.ops:cond",
         "keras.src.backend:Variable",
         "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",

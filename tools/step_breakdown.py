@@ -10,6 +10,8 @@ timing every part once, so load drift hits all parts alike):
 * ``allreduce``: one all-reduce of tensors shaped like the gradients, nothing else;
 * ``step``: input + forward + backward + all-reduce + SGD update (a hand-written step);
 * ``fit``: ``model.fit``'s step (Keras's train function, its callbacks and Python loop).
+* ``fit_accuracy``: the same with ``metrics=["accuracy"]``, as the tutorials compile:
+  the step's loss and accuracy are averaged across workers (in one all-reduce).
 
 ``steps_per_execution > 1`` and ``jit_compile=True`` are not columns: on CPUs both fail
 under these strategies (Keras 3.15.1, TF 2.21): steps_per_execution under Mirrored and
@@ -40,7 +42,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 TIMEOUT_S = 900
-PARTS = ("input", "compute", "allreduce", "step", "fit")
+PARTS = ("input", "compute", "allreduce", "step", "fit", "fit_accuracy")
 
 
 def _model(keras, **compile_args):
@@ -154,7 +156,8 @@ def child(rounds: int, calls: int, global_batch: int) -> dict:
     data = _dataset(tf, global_batch)
     with strategy.scope():
         model = _model(keras)
-    fits = {"fit": model}
+        with_accuracy = _model(keras, metrics=["accuracy"])
+    fits = {"fit": model, "fit_accuracy": with_accuracy}
     for m in fits.values():  # warm up; builds the optimizers before the parts use one
         _fit_ms(keras, m, data, 16)
     iterator = iter(strategy.experimental_distribute_dataset(data))
@@ -227,6 +230,7 @@ def derived(ms: dict) -> dict:
         "exposed_allreduce": ms["step"] - ms["compute"],
         "python_callbacks": ms["fit"] - ms["step"],
         "fit": ms["fit"],
+        "metrics": ms["fit_accuracy"] - ms["fit"],
     }
 
 

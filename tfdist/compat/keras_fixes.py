@@ -130,6 +130,39 @@ def _multi_worker_mean(strategy, value):
     return strategy.reduce("MEAN", value, axis=None)
 
 
+def _multi_worker_means(strategy, values, tree):
+    """Every value's mean over all replicas of all workers, the scalars of each dtype
+    stacked into one all-reduce (a step's loss and metrics: one collective, not one each).
+
+    The mean of a stacked vector is the mean of each element, computed alike: the
+    results are those of one reduction per value.
+    """
+    import tensorflow as tf
+
+    leaves = tree.flatten(values)
+    reduced = [None] * len(leaves)
+    by_dtype: dict = {}
+    for index, value in enumerate(leaves):
+        local = strategy.experimental_local_results(value)
+        if _private.tf_is_distributed_variable(_tf_var(value)) or not all(
+            isinstance(t, tf.Tensor) and t.shape.rank == 0 for t in local
+        ):
+            reduced[index] = _multi_worker_mean(strategy, value)
+        else:
+            by_dtype.setdefault(local[0].dtype, []).append(index)
+    for indexes in by_dtype.values():
+        if len(indexes) == 1:
+            reduced[indexes[0]] = _multi_worker_mean(strategy, leaves[indexes[0]])
+            continue
+        stacked = strategy.run(
+            lambda *scalars: tf.stack(scalars), args=[leaves[i] for i in indexes]
+        )
+        means = strategy.reduce("MEAN", stacked, axis=None)
+        for position, index in enumerate(indexes):
+            reduced[index] = means[position]
+    return tree.pack_sequence_as(values, reduced)
+
+
 def fix_multi_worker_mean() -> None:
     """Averages per-replica step results across workers with ``axis=None``.
 
@@ -162,7 +195,7 @@ def fix_multi_worker_mean() -> None:
                 and not tpu
                 and _private.tf_in_multi_worker_mode(strategy)
             ):
-                return tree.map_structure(lambda v: _multi_worker_mean(strategy, v), values)
+                return _multi_worker_means(strategy, values, tree)
             return original(values, strategy, reduction)
 
         return reduce_per_replica
