@@ -248,6 +248,21 @@ def test_worker_envs_give_each_rank_its_tf_config_and_cpu_devices():
         launch.worker_envs(opts, addresses[:2], environ=parent)
 
 
+def test_workers_on_one_node_share_its_cores_for_tensorflow_intra_op_threads():
+    from tfdist.launch import environment
+
+    cores = len(os.sched_getaffinity(0))
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    two = LaunchOptions(nproc=2, target="t.py")
+    envs = launch.worker_envs(two, addresses, environ={})
+    assert [e["TF_NUM_INTRAOP_THREADS"] for e in envs] == [str(max(1, cores // 2))] * 2
+    mine = launch.worker_envs(two, addresses, environ={"TF_NUM_INTRAOP_THREADS": "7"})
+    assert [e["TF_NUM_INTRAOP_THREADS"] for e in mine] == ["7", "7"]  # the user's value
+    alone = launch.worker_envs(LaunchOptions(nproc=1, target="t.py"), addresses[:1], environ={})
+    assert "TF_NUM_INTRAOP_THREADS" not in alone[0]  # TensorFlow's own default
+    assert environment.intra_op_threads(cores * 4) == 1
+
+
 def test_worker_envs_split_the_visible_gpus():
     addresses = ["127.0.0.1:1", "127.0.0.1:2"]
     four = {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "TFDIST_CPU_DEVICES": "4"}

@@ -36,6 +36,9 @@ What a worker gets: the launcher's environment, plus
 ``PYTHONUNBUFFERED``       ``1``, so lines arrive as they are printed.
 ``TFDIST_COMPAT_EXCLUDE``  ``all`` with ``--no-fixes``: upstream behaviour even for a
                            script that imports tfdist.
+``TF_NUM_INTRAOP_THREADS`` with several workers on a node, unless set: each worker's
+                           share of the node's cores (TensorFlow would give each all of
+                           them; torchrun's ``OMP_NUM_THREADS=1`` habit).
 =========================  ==========================================================
 
 and without ``SLURM_STEP_NUM_TASKS`` and ``SLURM_PROCID`` (a SLURM step around the
