@@ -105,6 +105,53 @@ def test_a_repeating_dataset_is_refused():
         data.pipeline(tf.data.Dataset.range(5).repeat(), 2)
 
 
+def _examples() -> tf.data.Dataset:
+    return tf.data.Dataset.from_tensor_slices((np.zeros((40, 3), "float32"), np.arange(40)))
+
+
+@pytest.mark.parametrize(
+    "batched",
+    [
+        lambda: _examples().cache().shuffle(40).batch(8).prefetch(2),  # the guides' pipeline
+        lambda: _examples().batch(8, drop_remainder=True).map(lambda x, y: (x + 1, y)),
+        lambda: _examples().map(lambda x, y: x).padded_batch(8),
+        lambda: _examples().batch(8).with_options(tf.data.Options()),
+    ],
+    ids=["batch-prefetch", "batch-then-map", "padded-batch", "batch-then-options"],
+)
+def test_an_already_batched_dataset_is_refused_not_batched_twice(batched):
+    """Upstream would silently yield batches of batches (shape (16, 8, 3) here)."""
+    with pytest.raises(
+        ValueError,
+        match=r"dataset must be a dataset of single examples, but its elements are batches"
+        r".*Received: dataset=.*Pass the dataset before its \.batch\(\).*\.unbatch\(\)",
+    ):
+        data.pipeline(batched(), 8)
+
+
+@needs_mnist
+def test_tfds_loaded_with_batch_size_is_refused():
+    import tensorflow_datasets as tfds
+
+    ds = tfds.load("mnist", split="test", as_supervised=True, batch_size=32, data_dir=MNIST_DIR)
+    with pytest.raises(ValueError, match=r"its elements are batches \(made by PaddedBatch"):
+        data.pipeline(ds, 8)
+
+
+def test_examples_made_with_batch_then_unbatched_or_mapped_are_examples():
+    """``.unbatch()``, and the text tutorial's sequences (``batch(seq_len + 1)`` mapped
+    to fixed-size (input, target) pairs) are datasets of examples: accepted."""
+    unbatched = _examples().batch(8).unbatch()
+    sequences = (
+        tf.data.Dataset.range(200).batch(11, drop_remainder=True).map(lambda s: (s[:-1], s[1:]))
+    )
+    _, labels = next(iter(data.pipeline(unbatched, 8, shuffle=None)))
+    assert labels.numpy().tolist() == list(range(len(labels)))
+    inputs, targets = next(iter(data.pipeline(sequences, 2, shuffle=None)))
+    assert inputs.shape[1:] == (10,) and inputs[0].numpy().tolist() == list(range(10))
+    assert targets[0].numpy().tolist() == list(range(1, 11))
+
+
 def test_fewer_examples_than_one_dropped_batch_is_an_error_that_says_what_to_do():
     with pytest.raises(ValueError, match=r"has 5 examples, fewer than one global batch of 8"):
         data.pipeline(ids(5), 8)

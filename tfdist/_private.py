@@ -42,6 +42,7 @@ __all__ = [
     "tf_distributed_dataset",
     "tf_dataset_variant",
     "tf_dataset_graph_def",
+    "tf_dataset_inputs",
     "keras_tf_trainer_module",
     "keras_tf_optimizer_module",
     "keras_tree",
@@ -302,6 +303,14 @@ def tf_dataset_variant(dataset):
     """A dataset's variant tensor, to wrap the same graph in a ``tf.data.Dataset``
     subclass that reports another cardinality."""
     return dataset._variant_tensor
+
+
+def tf_dataset_inputs(dataset) -> list:
+    """The datasets ``dataset`` reads from (empty for a source), to walk a pipeline back."""
+    try:
+        return list(dataset._inputs())
+    except Exception:  # noqa: BLE001 - a dataset that cannot say: treat it as a source
+        return []
 
 
 def tf_dataset_graph_def(dataset, **kwargs):

@@ -7,6 +7,9 @@ Example:
     >>> check_options(64, None, "auto", True, 10_000, 0, None)  # doctest: +SKIP
     >>> as_dataset(np.arange(10)).cardinality()                  # doctest: +SKIP
     10
+    >>> check_not_batched(tf.data.Dataset.range(8).batch(4), "ds")  # doctest: +SKIP
+    Traceback (most recent call last):
+    ValueError: pipeline: dataset must be a dataset of single examples, ...
 """
 
 from __future__ import annotations
@@ -17,9 +20,16 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from tfdist import validate
+from tfdist import _private, validate
 
-__all__ = ["MAP_ON", "short", "check_options", "as_dataset", "check_finite"]
+__all__ = [
+    "MAP_ON",
+    "short",
+    "check_options",
+    "as_dataset",
+    "check_finite",
+    "check_not_batched",
+]
 
 MAP_ON = ("auto", "example", "batch")
 _WHERE = "pipeline"
@@ -182,3 +192,63 @@ def check_finite(source: tf.data.Dataset, dataset) -> None:
                 "model.fit(epochs=...) iterates it once per epoch.",
             )
         )
+
+
+def _unknown_leading_axis(spec) -> bool:
+    """Every leaf has a first axis of unknown size: how a batch's spec looks."""
+    leaves = tf.nest.flatten(spec)
+    return bool(leaves) and all(
+        isinstance(leaf, tf.TensorSpec) and leaf.shape.rank and leaf.shape[0] is None
+        for leaf in leaves
+    )
+
+
+def _batching_op(source: tf.data.Dataset):
+    """The batch transformation whose batches ``source`` yields, or None.
+
+    Walks back from ``source`` through the transformations that keep the element spec
+    (prefetch, cache, shuffle, repeat, take, a map that keeps the shape...) and through
+    maps between batches of unknown size (tfds's ``as_supervised`` after its
+    ``batch_size``). The first other change of spec decides: a ``.batch()`` or
+    ``padded_batch()`` means the elements are batches; anything else (``unbatch``, a
+    map to fixed-size ``(features, label)``, a source) means they are examples. So
+    ``ids.batch(seq_len + 1, drop_remainder=True).map(split_input_target)``, the
+    sequence-building step of TensorFlow's text tutorial, is not mistaken for batching.
+    """
+    current = source
+    for _ in range(100):  # a pipeline is a short chain; never loop on a strange graph
+        name = type(current).__name__.lstrip("_")
+        if name.endswith("BatchDataset") and not name.endswith(
+            ("UnbatchDataset", "RebatchDataset")
+        ):
+            return current
+        inputs = _private.tf_dataset_inputs(current)
+        if len(inputs) != 1:
+            return None
+        spec, before = current.element_spec, inputs[0].element_spec
+        if spec != before and not (_unknown_leading_axis(spec) and _unknown_leading_axis(before)):
+            return None
+        current = inputs[0]
+    return None
+
+
+def check_not_batched(source: tf.data.Dataset, dataset) -> None:
+    """ValueError when the user's dataset already yields batches (pipeline() batches)."""
+    if not isinstance(dataset, tf.data.Dataset):
+        return  # arrays in memory are sliced into examples by as_dataset
+    op = _batching_op(source)
+    if op is None:
+        return
+    raise ValueError(
+        validate.message(
+            _WHERE,
+            "dataset",
+            "a dataset of single examples, but its elements are batches (made by "
+            f"{type(op).__name__.lstrip('_')}; element spec {short(source.element_spec)})",
+            short(dataset),
+            "Pass the dataset before its .batch() (pipeline() batches with the global "
+            "batch size, then prefetches), or call .unbatch() on it. If each element is "
+            "one example built with .batch() (a window of a sequence), map it to its final "
+            "(features, label) form first.",
+        )
+    )

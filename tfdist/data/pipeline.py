@@ -66,6 +66,7 @@ def _plan(
     checks.check_options(per_replica_batch, map_fn, map_on, cache, shuffle, seed, drop_remainder)
     source = checks.as_dataset(dataset)
     checks.check_finite(source, dataset)
+    checks.check_not_batched(source, dataset)
     strategy = distribute.current(strategy)
     per_replica_batch = int(per_replica_batch)
     num_workers = distribute.num_workers(strategy)
@@ -281,7 +282,10 @@ def pipeline(
     Args:
         dataset: a finite ``tf.data.Dataset`` of single examples (not batched), or data
             in memory: a numpy array, or a tuple/list/dict of arrays with a leading
-            example axis (what Keras ``fit`` takes).
+            example axis (what Keras ``fit`` takes). A dataset that already yields
+            batches (``.batch()``/``padded_batch()`` with only prefetch, cache, shuffle
+            or shape-keeping maps after it, or ``tfds.load(batch_size=...)``) is
+            refused rather than batched twice.
         per_replica_batch: examples per replica per step.
         map_fn: applied to every example (decode, scale, ...), e.g. ``tfdist.data.scale``.
         map_on: ``'auto'`` (default): per example, and when the data is cached in
