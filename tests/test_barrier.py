@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,3 +49,35 @@ def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend):
     seconds = int(error.split("ERROR after ")[1].split("s:")[0])
     assert seconds < 60
     assert "[w0] DONE 0" in out and "[w1] DONE 1" in out
+
+
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
+    """The other worker finishes; the chief's predict waits for it, then TensorFlow says
+    "The tasks have crashed". The worker ends within 60 s with one line naming the lost
+    worker and the every-worker rule, not a traceback."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "tfdist", "launch", "-n", "2"),
+            str(SCRIPTS / "chief_only_predict.py"),
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    chief = [line for line in output.splitlines() if line.startswith("[w0]")]
+    text = "\n".join(chief)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[w1] END 1" in proc.stdout and "END 0" not in text
+    assert "Traceback" not in text, text[-3000:]
+    verdict = next(line for line in chief if line.startswith("[w0] tfdist: UnavailableError"))
+    assert "unhealthy" in verdict and "/job:worker/replica:0/task:1" in verdict, verdict
+    assert "every worker must make the same calls" in verdict, verdict
+    assert "failed: worker w0 exited with code 1" in proc.stderr
+    assert elapsed < 120, f"{elapsed:.0f} s"  # start-up + the 10 s heartbeat, never a hang

@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 from collections.abc import Sequence
@@ -55,9 +56,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as err:
         if config.debug() or not _is_lost_peer(err):
             raise
-        # A peer died or never came: the launcher names it; one line is enough here.
+        # A peer died or never came: the launcher names it; one line is enough here. A
+        # peer that simply finished while this worker was in a collective it never joined
+        # (a chief-only predict) looks the same to TensorFlow ("tasks have crashed").
         print(
-            f"tfdist: {type(err).__name__}: {_summary(err)} (TFDIST_DEBUG=1 shows the traceback)",
+            f"tfdist: {type(err).__name__}: {_summary(err)} ({_LOST_PEER_HINT}; "
+            "TFDIST_DEBUG=1 shows the traceback)",
             file=sys.stderr,
         )
         raise SystemExit(1) from None
@@ -67,6 +71,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 # or the same codes in jax's runtime errors); anything else keeps its traceback.
 _LOST_PEER_TF = {"UnavailableError", "DeadlineExceededError", "AbortedError", "CancelledError"}
 _LOST_PEER_JAX = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "heartbeat", "coordination service")
+
+
+_LOST_PEER_HINT = (
+    "that worker died, stopped answering or never started; or it finished while this one "
+    "was in a call it never made, such as fit, evaluate, predict, save or load on the "
+    "chief only: every worker must make the same calls"
+)
 
 
 def _is_lost_peer(err: BaseException) -> bool:
@@ -80,10 +91,14 @@ def _is_lost_peer(err: BaseException) -> bool:
 
 def _summary(err: BaseException) -> str:
     """The line of the error that names the lost peer (TensorFlow puts it deep inside)."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    # "{{function_node ...}}" is TensorFlow's name for the graph function: noise here.
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(err))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     for word in ("unhealthy", "/job:", "task", "heartbeat"):
-        for line in lines:
+        for i, line in enumerate(lines):
             if word in line:
+                if line.endswith(":") and i + 1 < len(lines):  # the task list follows
+                    line = f"{line} {lines[i + 1]}"
                 return line[:400]
     return lines[0][:400] if lines else "(no message)"
 
