@@ -55,6 +55,18 @@ def run_python(
     return proc
 
 
+def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """``python -m tfdist launch *argv`` from the repository, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist", "launch", *argv],
+        cwd=REPO,
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def last_json_line(text: str):
     """The last line of ``text`` that parses as JSON (children print results that way)."""
     import json

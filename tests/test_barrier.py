@@ -3,15 +3,13 @@ some workers only ends with a clear error within its timeout, never a hang."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import pytest
 
 import tfdist
 
-from conftest import REPO, SCRIPTS, child_env
+from conftest import SCRIPTS, launch_cli
 
 
 def test_barrier_is_a_no_op_on_one_worker_and_checks_its_arguments():
@@ -32,14 +30,7 @@ def test_chief_print_prints_on_the_chief(capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend):
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(SCRIPTS / "barrier_job.py")],
-        cwd=REPO,
-        env=child_env(KERAS_BACKEND=backend),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = launch_cli("-n", "2", str(SCRIPTS / "barrier_job.py"), KERAS_BACKEND=backend)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
     assert out.count("all workers reached 'start'") == 1  # chief_print: once, not per worker
@@ -58,17 +49,7 @@ def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
     "The tasks have crashed". The worker ends within 60 s with one line naming the lost
     worker and the every-worker rule, not a traceback."""
     start = time.monotonic()
-    proc = subprocess.run(
-        [
-            *(sys.executable, "-m", "tfdist", "launch", "-n", "2"),
-            str(SCRIPTS / "chief_only_predict.py"),
-        ],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = launch_cli("-n", "2", str(SCRIPTS / "chief_only_predict.py"))
     elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     chief = [line for line in output.splitlines() if line.startswith("[w0]")]

@@ -26,7 +26,7 @@ from tfdist import launch
 from tfdist.backends import tensorflow as strategy_mod
 from tfdist.config import MultiWorkerTimeouts
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, last_json_line, launch_cli, run_python
 
 FLAGS = ["--validation", "--evaluate", "--predict", "--accumulate", "2"]
 COMPARED = ("weights", "loss", "val_loss", "val_mae", "evaluate", "predict")
@@ -47,17 +47,6 @@ def assert_same(result: dict, reference: dict) -> None:
                 np.testing.assert_allclose(np.array(v), np.array(u), atol=1e-5, rtol=0)
         else:
             np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0, err_msg=key)
-
-
-def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", *argv],
-        cwd=REPO,
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def worker_results(proc: subprocess.CompletedProcess) -> dict[str, dict]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,20 +18,13 @@ import tensorflow as tf
 
 from tfdist.compat import sharding, tf_fixes
 
-from conftest import REPO, SCRIPTS, child_env
+from conftest import SCRIPTS, launch_cli
 
 TFDS_DIR = Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser()
 
 
 def launch(*argv: str, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tfdist", "launch", "-n", "2", *argv],
-        cwd=REPO,
-        env=child_env(TFDS_DATA_DIR=str(TFDS_DIR), **env),
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    return launch_cli("-n", "2", *argv, timeout=400, TFDS_DATA_DIR=str(TFDS_DIR), **env)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:

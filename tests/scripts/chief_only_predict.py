@@ -5,8 +5,6 @@ TensorFlow's "The tasks have crashed" and a traceback. Under tfdist the worker e
 one line that names the lost worker and the every-worker rule.
 """
 
-import time
-
 import keras
 import numpy as np
 
@@ -17,8 +15,6 @@ with tfdist.scope():
     model.compile("sgd", "mse")
 x = np.zeros((64, 4), "float32")
 model.fit(x, np.zeros((64, 1), "float32"), batch_size=16, epochs=1, verbose=0)
-start = time.monotonic()
-print("PREDICT", tfdist.worker_index(), flush=True)
 if tfdist.is_chief():
     model.predict(x, batch_size=16, verbose=0)  # broken: worker 1 never calls it
 print("END", tfdist.worker_index(), flush=True)
