@@ -26,10 +26,13 @@ def test_info_json_has_every_bug_report_field():
     assert report["environment"]["TFDIST_HEARTBEAT_TIMEOUT"] == "30"
     assert report["mnist"] == {"data_dir": "/nonexistent/tfds", "present": False}
     names = {fix["name"]: fix for fix in report["fixes"]}
-    assert (
-        names["keras_multi_worker_mean"]["applies"] and names["keras_multi_worker_mean"]["active"]
-    )
-    assert not names["keras_jax_initialize_once"]["applies"]
+    assert names["keras_multi_worker_mean"]["state"] == "applied"
+    assert names["keras_jax_initialize_once"] == {
+        "name": "keras_jax_initialize_once",
+        "package": "keras",
+        "state": "not needed",
+        "why": "another backend",
+    }
 
 
 @pytest.mark.devices
@@ -37,6 +40,7 @@ def test_info_text_explains_the_one_cpu_device():
     proc = run_python("import sys; from tfdist.cli import main; sys.exit(main(['info']))")
     assert "the CPU is one device; TFDIST_CPU_DEVICES=N splits it" in proc.stdout
     assert "cores" in proc.stdout and "fixes:" in proc.stdout
+    assert "  not needed:  keras_jax_initialize_once" in proc.stdout
 
 
 @pytest.mark.jax

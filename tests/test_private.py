@@ -86,3 +86,13 @@ def test_seed_generators_are_found_through_nested_layers():
     inner = keras.Sequential([keras.layers.Dropout(0.5, seed=3)])
     model = keras.Sequential([keras.Input((2,)), inner, keras.layers.Dropout(0.2, seed=4)])
     assert len(_private.keras_seed_generators(model)) == 2
+
+
+@pytest.mark.parametrize("entry", _private.SOURCE_ATTRIBUTES)
+def test_private_instance_attribute_is_set_by_its_class(entry):
+    from tfdist.compat import registry
+
+    fix = registry.Fix(
+        "probe", "s", lambda: True, lambda: None, targets=registry.targets(entry + " (instance)")
+    )
+    assert registry.guard(fix) is None

@@ -20,6 +20,7 @@ import importlib
 __all__ = [
     "REQUIRED",
     "INSTANCE_ATTRIBUTES",
+    "SOURCE_ATTRIBUTES",
     "resolve",
     "tf_context",
     "tf_context_initialized",
@@ -101,6 +102,9 @@ REQUIRED = {
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
         # tfdist.compat.datasets.FullEpochs implements this abstract method of tf.data.Dataset.
         "tensorflow.python.data.ops.dataset_ops:DatasetV2._inputs",
+        "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
+        "tensorflow.python.distribute.collective_all_reduce_strategy:"
+        "CollectiveAllReduceExtended._experimental_distribute_dataset",
     ],
     "keras": [
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
@@ -138,6 +142,25 @@ INSTANCE_ATTRIBUTES = {
     "keras model": ["_distribute_strategy"],
     "keras layer": ["_seed_generators"],
 }
+
+# Private attributes that instances get in upstream's own code (``self.<name> = ...`` in
+# the class or a base): the fixes' guards check them in the source (tfdist.compat.registry),
+# since some exist only in a multi-worker job (the test checks them the same way).
+SOURCE_ATTRIBUTES = [
+    "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy",
+    "keras.src.backend.tensorflow.trainer:TFEpochIterator._distributed_dataset",
+    "keras.src.optimizers.base_optimizer:BaseOptimizer._accumulated_gradients",
+    "keras.src.optimizers.base_optimizer:BaseOptimizer._iterations",
+    "keras.src.optimizers.base_optimizer:BaseOptimizer._trainable_variables",
+    "tensorflow.python.distribute.collective_all_reduce_strategy:"
+    "CollectiveAllReduceExtended._communication_options",
+    "tensorflow.python.distribute.collective_all_reduce_strategy:"
+    "CollectiveAllReduceExtended._std_server_started",
+    "tensorflow.python.distribute.collective_all_reduce_strategy:"
+    "CollectiveAllReduceExtended._num_workers",
+    "tensorflow.python.eager.context:Context._collective_ops_server_def",
+    "tensorflow.python.eager.context:Context._context_handle",
+]
 
 # ModelCheckpoint's hooks that tfdist's checkpoint callback overrides (no public hook
 # exists for "save to this exact file at this exact step").
@@ -205,7 +228,9 @@ def tf_collective_extended_class():
 
 def tf_extended_num_workers(extended) -> int:
     """How many workers a ``CollectiveAllReduceExtended`` spans (1 without a cluster)."""
-    return int(getattr(extended, "_num_workers", 1))
+    # No default: a renamed attribute must not silently read as "one worker" (the
+    # auto-shard fix's guard checks it exists before the fix is applied).
+    return int(extended._num_workers)
 
 
 def tf_is_distributed_variable(value) -> bool:

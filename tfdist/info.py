@@ -107,16 +107,23 @@ def _mnist(env: Mapping[str, str]) -> dict:
 
 
 def _fixes() -> list[dict]:
-    active = set(compat.applied())
-    return [
-        {
-            "name": fix.name,
-            "package": fix.package,
-            "applies": fix.applies(),
-            "active": fix.name in active,
-        }
-        for fix in compat.FIXES
-    ]
+    """Each fix: applied, skipped (a target missing or changed, and why), not needed
+    (another backend), excluded, or pending (its package not imported)."""
+    return compat.status()
+
+
+def _fix_lines(fixes: list[dict]) -> list[str]:
+    applied = [f["name"] for f in fixes if f["state"] == "applied"]
+    lines = [f"fixes:         {', '.join(applied) or 'none applied in this process'}"]
+    for f in fixes:
+        if f["state"] == "skipped":
+            lines.append(f"  SKIPPED      {f['name']}: {f['why']}")
+    others = {}
+    for f in fixes:
+        if f["state"] not in ("applied", "skipped"):
+            others.setdefault(f["state"], []).append(f["name"])
+    lines += [f"  {state + ':':<13}{', '.join(names)}" for state, names in others.items()]
+    return lines
 
 
 def report(environ: Mapping[str, str] | None = None) -> dict:
@@ -164,7 +171,6 @@ def render(r: dict) -> str:
     v, sysinfo, c = r["versions"], r["system"], r["cluster"]
     packages = ", ".join(f"{name} {v[name]}" for name in _PACKAGES if v[name] and name != "tfdist")
     build = ", ".join(f"{k}={val}" for k, val in r["build"].items())
-    fixes = [f["name"] for f in r["fixes"] if f["active"]] or ["none active in this process"]
     cluster = "none (single process; chief)"
     if c["source"] != "none":
         cluster = (
@@ -180,7 +186,7 @@ def render(r: dict) -> str:
         *_device_lines(r),
         f"strategy:      {s['kind']}  replicas={s['num_replicas']}  workers={s['num_workers']}",
         f"cluster:       {cluster}",
-        f"fixes:         {', '.join(fixes)}",
+        *_fix_lines(r["fixes"]),
         f"verified on:   {'; '.join(r['verified'])}",
         f"MNIST:         {'present' if r['mnist']['present'] else 'absent'} in {r['mnist']['data_dir']}",
         "environment:   "

@@ -39,6 +39,7 @@ class ProcessState:
         data_start: the position the next iteration of every seeded pipeline starts at.
         resumed: model -> how ``make_or_restore`` restored it (weak keys).
         applied_fixes: names of the compat fixes applied, in order.
+        skipped_fixes: fix name -> why it was not applied (a target missing or changed).
         devices_configured: logical CPU devices configured before the framework
             started, or None.
         multi_worker_timeouts: the ``MultiWorkerTimeouts`` the next (or current)
@@ -58,6 +59,7 @@ class ProcessState:
     data_start: Position = field(default_factory=Position)
     resumed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     applied_fixes: list[str] = field(default_factory=list)
+    skipped_fixes: dict[str, str] = field(default_factory=dict)
     devices_configured: int | None = None
     multi_worker_timeouts: Any = None
     auto_strategy: bool = True

@@ -3,8 +3,9 @@
 tfdist patches private internals of Keras and TensorFlow (``tfdist.compat``), so it
 states exactly which releases it was tested with: ``VERIFIED`` lists, per package, the
 oldest and newest minor release ``noxfile.py`` runs the compat and equivalence tests on.
-Outside that range tfdist still runs (every fix checks that the code it patches exists
-and is skipped with a log line otherwise) and warns once per package, so a user who
+Outside that range tfdist still runs (every fix checks that the code it patches is the
+code verified, ``tfdist.compat.registry.guard``, and steps aside with a warning
+otherwise) and warns once per package, so a user who
 upgrades sees why a distributed run may behave differently.
 
 TensorFlow-free: it reads installed versions from package metadata.
@@ -88,8 +89,8 @@ def check(package: str, version: str | None = None) -> bool:
     oldest, newest = VERIFIED[package]
     warnings.warn(
         f"tfdist: {package} {version} is outside the range tfdist's fixes are verified on "
-        f"({oldest}-{newest}). tfdist still runs; a fix whose target changed is skipped "
-        "with a log line. Install a verified release for results tfdist's tests guarantee: "
+        f"({oldest}-{newest}). tfdist still runs; a fix whose upstream code is not the code "
+        "verified steps aside with a warning naming it (tfdist info lists them). Install a verified release for results tfdist's tests guarantee: "
         f"pip install '{package}>={oldest},<{_next_minor(newest)}'.",
         RuntimeWarning,
         stacklevel=2,

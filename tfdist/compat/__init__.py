@@ -63,96 +63,206 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 
-from tfdist import config, process, validate
-from tfdist.compat import jax_fixes, keras_fixes, tf_fixes
-from tfdist.compat.registry import Fix, keras_jax_backend, keras_tf_backend, tensorflow_versions
+from tfdist import config, process, validate, versions
+from tfdist.compat import (
+    chief_writes,
+    clipping,
+    jax_fixes,
+    jax_inputs,
+    keras_fixes,
+    registry,
+    tf_fixes,
+)
+from tfdist.compat.registry import Fix, on_keras_backend, on_tensorflow_backend, targets
 
-__all__ = ["Fix", "FIXES", "apply_all", "applied", "fix_names"]
+__all__ = [
+    "Fix",
+    "FIXES",
+    "FixSkippedWarning",
+    "apply_all",
+    "applied",
+    "skipped",
+    "status",
+    "fix_names",
+]
 
 logger = logging.getLogger(__name__)
+
+
+class FixSkippedWarning(RuntimeWarning):
+    """A fix was not applied: the upstream code it patches is missing or changed."""
+
+
+# Module prefixes of the targets below.
+_KT = "keras.src.backend.tensorflow.trainer:"
+_KJ = "keras.src.backend.jax.trainer:"
+_KO = "keras.src.backend.tensorflow.optimizer:"
+_KB = "keras.src.optimizers.base_optimizer:"
+_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy:"
+_CTX = "tensorflow.python.eager.context:"
+_DS = "tensorflow.python.data.ops.dataset_ops:"
 
 FIXES: list[Fix] = [
     Fix(
         "keras_symbolic_build_from_spec",
         "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Attempt to convert a "
         "value (PerReplica...)' in TensorFlowTrainer._maybe_symbolic_build",
-        keras_tf_backend((3, 0), (4, 0)),
+        on_keras_backend("tensorflow"),
         keras_fixes.fix_symbolic_build,
+        targets=targets(
+            _KT + "TensorFlowTrainer._maybe_symbolic_build",
+            _KT + "TensorFlowTrainer._symbolic_build",
+            _KT + "TensorFlowTrainer._distribute_strategy (instance)",
+            _KT + "TFEpochIterator._distributed_dataset (instance)",
+            "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
+        ),
     ),
     Fix(
         "keras_multi_worker_mean",
         "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Invalid reduction "
         "dimension 0 for input with 0 dimensions' in reduce_per_replica",
-        keras_tf_backend((3, 0), (4, 0)),
+        on_keras_backend("tensorflow"),
         keras_fixes.fix_multi_worker_mean,
+        targets=targets(
+            _KT + "reduce_per_replica",
+            "keras.src.tree:flatten",
+            "keras.src.tree:pack_sequence_as",
+            "keras.src.backend:Variable",
+            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
+            "tensorflow.python.distribute.distribute_utils:is_distributed_variable",
+        ),
     ),
     Fix(
         "keras_gradient_accumulation",
         "Keras 3 Optimizer(gradient_accumulation_steps=k) under Mirrored/MultiWorker"
         "MirroredStrategy: 'merge_call called while defining a new graph'",
-        keras_tf_backend((3, 4), (4, 0)),
+        on_keras_backend("tensorflow"),
         keras_fixes.fix_gradient_accumulation,
+        targets=targets(
+            _KO + "TFOptimizer._backend_apply_gradients",
+            _KO + "TFOptimizer._distributed_tf_update_step",
+            _KB + "BaseOptimizer._get_variable_index",
+            _KB + "BaseOptimizer._clip_gradients",
+            _KB + "BaseOptimizer._use_weight_decay",
+            _KB + "BaseOptimizer._update_model_variables_moving_average",
+            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
+            _KB + "BaseOptimizer._accumulated_gradients (instance)",
+            _KB + "BaseOptimizer._iterations (instance)",
+            _KB + "BaseOptimizer._trainable_variables (instance)",
+            "keras.src.backend:Variable",
+        ),
     ),
     Fix(
         "keras_progbar_chief_only",
         "Keras 3 prints progress bars on every worker of a multi-worker job",
-        keras_tf_backend((3, 0), (4, 0)),
+        on_keras_backend("tensorflow"),
         keras_fixes.fix_progbar_chief_only,
+        targets=targets(
+            "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
+            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
+        ),
     ),
     Fix(
         "tf_multi_worker_timeouts",
         "MultiWorkerMirroredStrategy waits forever for a worker that never starts",
-        tensorflow_versions((2, 16), (3, 0)),
+        on_tensorflow_backend(),
         tf_fixes.fix_multi_worker_timeouts,
         "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
+            _CARS + "CollectiveAllReduceExtended._communication_options (instance)",
+            _CARS + "CollectiveAllReduceExtended._std_server_started (instance)",
+            _CTX + "Context.configure_coordination_service",
+            _CTX + "Context.coordination_service",
+            _CTX + "Context._collective_ops_server_def (instance)",
+            _CTX + "Context._context_handle (instance)",
+            "tensorflow.python.distribute.collective_util:Options",
+            "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
+            "tensorflow.python.distribute.multi_worker_util:coordination_leader",
+            "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
+        ),
     ),
     Fix(
         "tf_multi_worker_logical_cpus",
         "MultiWorkerMirroredStrategy uses one CPU device per worker, ignoring logical CPUs",
-        tensorflow_versions((2, 16), (3, 0)),
+        on_tensorflow_backend(),
         tf_fixes.fix_multi_worker_logical_cpus,
         "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
+        ),
     ),
     Fix(
         "tf_multi_worker_auto_shard",
         "MultiWorkerMirroredStrategy: a dataset with fewer files than workers (tfds MNIST, "
         "one TFRecord) fails: 'Could not apply FILE based sharding: the dataset only has "
         "1 file(s)'",
-        tensorflow_versions((2, 16), (3, 0)),
+        on_tensorflow_backend(),
         tf_fixes.fix_multi_worker_auto_shard,
         "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._experimental_distribute_dataset",
+            _CARS + "CollectiveAllReduceExtended._num_workers (instance)",
+            _DS + "DatasetV2._as_serialized_graph",
+            _DS + "DatasetV2._inputs",
+        ),
     ),
     Fix(
         "keras_jax_initialize_once",
         "Keras 3 on JAX: keras.distribution.initialize() after jax was initialised (by "
         "tfdist, with timeouts) fails: 'distributed.initialize should only be called once'",
-        keras_jax_backend((3, 0), (4, 0)),
+        on_keras_backend("jax"),
         jax_fixes.fix_initialize_once,
+        targets=targets(
+            "keras.src.backend.jax.distribution_lib:initialize",
+            "keras.src.backend.jax.distribution_lib:initialize_rng",
+        ),
     ),
     Fix(
         "keras_jax_model_keeps_distribution",
         "Keras 3 on JAX: fit after `with distribution.scope():` is no longer data "
         "parallel (the model does not remember its distribution, as it does on TensorFlow)",
-        keras_jax_backend((3, 0), (4, 0)),
+        on_keras_backend("jax"),
         jax_fixes.fix_model_keeps_distribution,
+        targets=targets(
+            "keras.src.trainers.trainer:Trainer.__init__",
+            _KJ + "JAXTrainer.fit",
+            _KJ + "JAXTrainer.evaluate",
+            _KJ + "JAXTrainer.predict",
+            _KJ + "JAXTrainer.train_on_batch",
+            _KJ + "JAXTrainer.test_on_batch",
+            _KJ + "JAXTrainer.predict_on_batch",
+        ),
     ),
     Fix(
         "keras_jax_distributed_lookahead",
         "Keras 3 on JAX: under a keras.distribution each batch is copied to the devices "
         "just before its step (no look-ahead): up to 1.76x slower per step on one H100",
-        keras_jax_backend((3, 0), (4, 0)),
+        on_keras_backend("jax"),
         jax_fixes.fix_distributed_lookahead,
+        targets=targets(
+            _KJ + "JAXEpochIterator._get_distributed_iterator",
+        ),
     ),
     Fix(
         "keras_jax_sharded_epoch_length",
         "Keras 3 on JAX, multi-process: sharding a dataset per process loses its declared "
         "length, so after a mid-epoch resume every later epoch is cut short",
-        keras_jax_backend((3, 0), (4, 0)),
+        on_keras_backend("jax"),
         jax_fixes.fix_sharded_epoch_length,
+        targets=targets(
+            "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
+            _DS + "DatasetV2._variant_tensor",
+        ),
     ),
 ]
+
+
+# Fixes that live with their own module (each exports FIXES).
+FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES
 
 
 def fix_names() -> list[str]:
@@ -220,17 +330,93 @@ def apply_all(
     st = process.state()
     with st.lock:
         for fix in FIXES:
-            if fix.name in st.applied_fixes or fix.name in skip:
+            done = fix.name in st.applied_fixes or fix.name in st.skipped_fixes
+            if done or fix.name in skip or (package is not None and fix.package != package):
                 continue
-            if package is not None and fix.package != package:
+            if not _needed(fix):
                 continue
-            if not fix.applies():
-                logger.debug("tfdist.compat: %s does not apply to these versions", fix.name)
-                continue
-            fix.apply()
-            st.applied_fixes.append(fix.name)
-            logger.debug("tfdist.compat: applied %s", fix.name)
+            reason = _apply_guarded(fix)
+            if reason is None:
+                st.applied_fixes.append(fix.name)
+                logger.debug("tfdist.compat: applied %s", fix.name)
+            else:
+                st.skipped_fixes[fix.name] = reason
+                _warn_skipped(fix, reason)
         return list(st.applied_fixes)
+
+
+def _needed(fix: Fix) -> bool:
+    try:
+        return bool(fix.applies())
+    except Exception as err:  # noqa: BLE001 - a guard must never break the import it runs in
+        logger.debug("tfdist.compat: %s: could not tell whether it applies (%s)", fix.name, err)
+        return False
+
+
+def _apply_guarded(fix: Fix) -> str | None:
+    """Applies ``fix`` unless a target is missing or changed; returns why not, or None.
+
+    A fix that fails half-way is rolled back (``registry.journal``): upstream stays whole.
+    """
+    reason = registry.guard(fix)
+    if reason is not None:
+        return reason
+    try:
+        with registry.journal():
+            fix.apply()
+    except Exception as err:  # noqa: BLE001 - see above
+        return f"applying it failed ({type(err).__name__}: {err})"
+    return None
+
+
+def _warn_skipped(fix: Fix, reason: str) -> None:
+    verified = ", ".join(f"{p} {lo}-{hi}" for p, (lo, hi) in versions.VERIFIED.items())
+    warnings.warn(
+        f"tfdist: fix {fix.name} is skipped: {reason}. Without it: {fix.summary}. The fix "
+        f"was verified on {verified}; install a verified release, or report the new "
+        "upstream code to tfdist.",
+        FixSkippedWarning,
+        stacklevel=3,
+    )
+
+
+def skipped() -> dict[str, str]:
+    """Fixes not applied in this process because a target was missing or changed, and why.
+
+    Example:
+        >>> skipped()  # doctest: +SKIP
+        {}
+    """
+    return dict(process.state().skipped_fixes)
+
+
+def status() -> list[dict]:
+    """Every fix with its state in this process: applied, skipped (and why), not needed
+    (another backend), excluded, or pending (its package not imported yet).
+
+    Example:
+        >>> [row["state"] for row in status()]  # doctest: +SKIP
+        ['applied', 'applied', ...]
+    """
+    st = process.state()
+    try:
+        excluded = _excluded(None, os.environ)
+    except config.ConfigError:
+        excluded = set()
+    rows = []
+    for fix in FIXES:
+        if fix.name in st.applied_fixes:
+            state, why = "applied", ""
+        elif fix.name in st.skipped_fixes:
+            state, why = "skipped", st.skipped_fixes[fix.name]
+        elif fix.name in excluded:
+            state, why = "excluded", config.COMPAT_EXCLUDE_ENV
+        elif not _needed(fix):
+            state, why = "not needed", "another backend"
+        else:
+            state, why = "pending", f"applied when {fix.package} is imported"
+        rows.append({"name": fix.name, "package": fix.package, "state": state, "why": why})
+    return rows
 
 
 def applied() -> list[str]:

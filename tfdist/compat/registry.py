@@ -1,4 +1,14 @@
-"""The Fix record, version guards, and the one way tfdist patches an upstream attribute.
+"""The Fix record, its targets and guards, and the one way tfdist patches an upstream name.
+
+A fix is a guest in upstream's house. Each ``Fix`` names its ``targets``: the upstream
+names it replaces or relies on (``"module:Attr.path"``, the form ``tfdist._private``
+lists), each with what tfdist verified about it: that it exists, its call signature, and
+(``fingerprints.json``) a hash of its code on each verified release. ``guard(fix)``
+checks them before the fix is applied: a missing or changed target skips that fix with
+one warning (``tfdist.compat.apply_all``), and nothing here can make ``import keras``,
+``import tensorflow`` or ``import jax`` fail. Inside the verified version range
+(``tfdist.versions``) existence and signature are checked; outside it the code must also
+be the code verified, since a same-named function may no longer do what the fix assumes.
 
 Example:
     >>> _version_tuple("2.21.0rc1")
@@ -7,16 +17,73 @@ Example:
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import hashlib
+import importlib
+import inspect
+import json
 import re
+import textwrap
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from tfdist import config
+from tfdist import config, versions
 
-__all__ = ["Fix", "patch", "keras_jax_backend", "keras_tf_backend", "tensorflow_versions"]
+__all__ = [
+    "Fix",
+    "Target",
+    "targets",
+    "guard",
+    "record",
+    "fingerprint",
+    "patch",
+    "journal",
+    "on_keras_backend",
+    "on_tensorflow_backend",
+]
 
 # Set on every function a fix installs: re-applying (even from a reloaded module) is a no-op.
 _MARK = "__tfdist_fix__"
+FINGERPRINTS_FILE = Path(__file__).with_name("fingerprints.json")
+
+
+@dataclass(frozen=True)
+class Target:
+    """An upstream name a fix patches or reads.
+
+    What tfdist verified about it (signature and a hash of its code, per verified
+    release) is in ``fingerprints.json``, written by ``tools/fix_fingerprints.py``.
+
+    Attributes:
+        entry: ``"module:Attr.path"``, as in ``tfdist._private.REQUIRED``.
+        instance: an attribute only instances have (set in ``__init__``): checked as
+            ``self.<name> =`` in the owner class's source (or a base's).
+
+    Example:
+        >>> Target("keras.src.tree:flatten").package
+        'keras'
+    """
+
+    entry: str
+    instance: bool = False
+
+    @property
+    def package(self) -> str:
+        return self.entry.split(".", 1)[0].split(":", 1)[0]
+
+
+def targets(*entries: str) -> tuple[Target, ...]:
+    """``Target``s from entries; a trailing ``" (instance)"`` marks an instance attribute.
+
+    Example:
+        >>> targets("keras.src.tree:flatten", "a.b:C._x (instance)")[1].instance
+        True
+    """
+    suffix = " (instance)"
+    return tuple(Target(e.removesuffix(suffix), instance=e.endswith(suffix)) for e in entries)
 
 
 @dataclass(frozen=True)
@@ -25,11 +92,12 @@ class Fix:
 
     Attributes:
         name: short identifier, used in logs, ``applied()`` and ``TFDIST_COMPAT_EXCLUDE``.
-        summary: one line: what breaks upstream.
-        applies: returns True when the installed versions have the defect.
+        summary: one line: what breaks upstream (what a skipped fix leaves broken).
+        applies: returns True when this process has the defect (its backend).
         apply: patches it; safe to call more than once.
         package: the package it patches (``tensorflow`` or ``keras``): a fix is applied
             as soon as its package is imported, before the script can use it.
+        targets: every upstream name the fix replaces or relies on (``guard`` checks them).
     """
 
     name: str
@@ -37,6 +105,10 @@ class Fix:
     applies: Callable[[], bool]
     apply: Callable[[], None]
     package: str = "keras"
+    targets: tuple[Target, ...] = field(default=())
+
+
+# ------------------------------------------------------------------------- versions
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -50,52 +122,194 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def _keras_version() -> tuple[int, ...]:
-    import keras
+def on_keras_backend(backend: str) -> Callable[[], bool]:
+    """A fix for Keras on ``backend``; the verified versions are checked by ``guard``."""
 
-    return _version_tuple(keras.__version__)
+    def applies() -> bool:
+        import keras
+
+        return keras.backend.backend() == backend
+
+    return applies
 
 
-def _tf_version() -> tuple[int, ...]:
-    import tensorflow as tf
+def on_tensorflow_backend() -> Callable[[], bool]:
+    """A TensorFlow runtime fix, under the TensorFlow backend only (a JAX process that uses
+    tf.data for input gets no TensorFlow runtime patches)."""
 
-    return _version_tuple(tf.__version__)
+    def applies() -> bool:
+        return config.keras_backend() == "tensorflow"
+
+    return applies
 
 
-def keras_tf_backend(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
-    """Applies to Keras versions in ``[low, high)`` running on the TensorFlow backend.
+# ------------------------------------------------------------------------- guards
 
-    The upper bound is the next major version: the patched internals are checked by
-    the tests, which fail (on purpose) once upstream fixes a defect.
+
+def _resolve(entry: str):
+    """``(owner, value)`` of ``"module:Attr.path"``; AttributeError/ImportError if gone."""
+    module_name, _, path = entry.partition(":")
+    owner = value = importlib.import_module(module_name)
+    for part in path.split("."):
+        owner, value = value, getattr(value, part)
+    return owner, value
+
+
+def _original(value):
+    """The upstream function behind one of tfdist's patches (fingerprints are upstream's)."""
+    if isinstance(value, property):  # its getter is the code
+        value = value.fget
+    while getattr(value, _MARK, None) is not None and hasattr(value, "__wrapped__"):
+        value = value.__wrapped__
+    return value
+
+
+def _sets_instance_attribute(owner, name: str) -> bool:
+    pattern = re.compile(rf"\bself\.{re.escape(name)}\s*(:[^=]*)?=(?!=)")
+    classes = owner.__mro__ if inspect.isclass(owner) else (owner,)
+    for cls in classes:
+        with contextlib.suppress(OSError, TypeError):
+            if pattern.search(inspect.getsource(cls)):
+                return True
+    return False
+
+
+def fingerprint(value) -> str | None:
+    """A short hash of a function's code, docstrings and formatting aside (None if it has
+    no Python source).
+
+    Example:
+        >>> fingerprint(fingerprint) == fingerprint(fingerprint)
+        True
     """
+    value = _original(value)
+    value = getattr(value, "__func__", value)
+    try:
+        source = textwrap.dedent(inspect.getsource(value))
+    except (OSError, TypeError):
+        return None
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
 
-    def applies() -> bool:
-        import keras
 
-        return keras.backend.backend() == "tensorflow" and low <= _keras_version() < high
-
-    return applies
-
-
-def keras_jax_backend(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
-    """Applies to Keras versions in ``[low, high)`` running on the JAX backend."""
-
-    def applies() -> bool:
-        import keras
-
-        return keras.backend.backend() == "jax" and low <= _keras_version() < high
-
-    return applies
+def _signature(value) -> str | None:
+    try:
+        return str(inspect.signature(_original(value)))
+    except (TypeError, ValueError):
+        return None
 
 
-def tensorflow_versions(low: tuple[int, ...], high: tuple[int, ...]) -> Callable[[], bool]:
-    """Applies to TensorFlow versions in ``[low, high)``, under the TensorFlow backend only
-    (a JAX process that uses tf.data for input gets no TensorFlow runtime patches)."""
+_fingerprints_cache: dict | None = None
 
-    def applies() -> bool:
-        return config.keras_backend() == "tensorflow" and low <= _tf_version() < high
 
-    return applies
+def verified_fingerprints() -> dict[str, dict[str, str]]:
+    """``{entry: {"keras 3.15": hash, ...}}`` as ``tools/fix_fingerprints.py`` wrote it."""
+    global _fingerprints_cache
+    if _fingerprints_cache is None:
+        try:
+            _fingerprints_cache = json.loads(FINGERPRINTS_FILE.read_text())
+        except (OSError, ValueError):
+            _fingerprints_cache = {}
+    return _fingerprints_cache
+
+
+def _check_target(target: Target) -> str | None:
+    """Why ``target`` is not what the fix was verified against, or None."""
+    if target.instance:
+        owner_entry, _, attribute = target.entry.rpartition(".")
+        try:
+            _, owner = _resolve(owner_entry)
+        except (ImportError, AttributeError):
+            return f"{owner_entry} is gone"
+        if not _sets_instance_attribute(owner, attribute):
+            return f"{target.entry} is no longer set by its class"
+        return None
+    try:
+        _, value = _resolve(target.entry)
+    except (ImportError, AttributeError):
+        return f"{target.entry} is gone"
+    verified = verified_fingerprints().get(target.entry, {})
+    signatures = {record["signature"] for record in verified.values()}
+    signature = _signature(value)
+    if signatures and signature not in signatures:
+        return f"{target.entry} changed its signature to {signature} (verified: {sorted(signatures)[0]})"
+    version = versions.installed(target.package)
+    if version is not None and not versions.in_range(target.package, version):
+        codes = {record["code"] for record in verified.values()}
+        if fingerprint(value) not in codes:
+            oldest, newest = versions.VERIFIED[target.package]
+            return (
+                f"{target.entry} in {target.package} {version} is not the code verified "
+                f"on {target.package} {oldest}-{newest}"
+            )
+    return None
+
+
+def record(target: Target) -> dict | None:
+    """What to store in ``fingerprints.json`` for ``target`` on the installed release."""
+    if target.instance:
+        return None
+    _, value = _resolve(target.entry)
+    return {"signature": _signature(value), "code": fingerprint(value)}
+
+
+def guard(fix: Fix) -> str | None:
+    """Why ``fix`` must not be applied in this process (a target missing or changed), or None.
+
+    Never raises: an unexpected error while checking counts as a changed target.
+
+    Example:
+        >>> guard(Fix("noop", "nothing", lambda: True, lambda: None))  # no targets
+    """
+    for target in fix.targets:
+        try:
+            reason = _check_target(target)
+        except Exception as err:  # noqa: BLE001 - whatever upstream became, do not break it
+            reason = f"{target.entry} could not be checked ({type(err).__name__}: {err})"
+        if reason:
+            return reason
+    return None
+
+
+# ------------------------------------------------------------------------- patching
+
+_journal = threading.local()
+
+
+@contextlib.contextmanager
+def journal():
+    """Undoes every ``patch`` made inside the block when the block raises.
+
+    A fix that patches several names and fails half-way leaves upstream as it was.
+
+    Example:
+        >>> with journal():
+        ...     pass
+    """
+    entries: list = []
+    _journal.entries = entries
+    try:
+        yield
+    except BaseException:
+        for owner, attr, original, owned in reversed(entries):
+            if owned:
+                setattr(owner, attr, original)
+            else:
+                with contextlib.suppress(AttributeError):
+                    delattr(owner, attr)
+        raise
+    finally:
+        _journal.entries = None
 
 
 def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -103,7 +317,11 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
     original = getattr(owner, attr)
     if getattr(original, _MARK, None) == name:
         return
+    raw = vars(owner).get(attr)  # the descriptor itself (staticmethod, ...), if owner's own
     patched = make(original)
     setattr(patched, _MARK, name)
     patched.__wrapped__ = original
     setattr(owner, attr, patched)
+    entries = getattr(_journal, "entries", None)
+    if entries is not None:
+        entries.append((owner, attr, raw, raw is not None))

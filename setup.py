@@ -1,0 +1,56 @@
+"""Builds tfdist; its dependencies come from the one version range it declares.
+
+``tfdist/versions.py`` ``VERIFIED`` names the oldest and newest release of TensorFlow,
+Keras and jax that tfdist's fixes were verified on. The same range drives the fixes'
+guards and ``tfdist info``; here it gives the requirements: at least the oldest verified
+release, below the next major one (outside the verified range tfdist still runs, its
+fixes stepping aside where upstream code changed). The rest of the metadata is in
+setup.cfg.
+"""
+
+import ast
+from pathlib import Path
+
+from setuptools import setup
+
+
+def verified() -> dict:
+    """``VERIFIED`` read from tfdist/versions.py without importing tfdist."""
+    tree = ast.parse(Path(__file__).with_name("tfdist").joinpath("versions.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "VERIFIED":
+            return ast.literal_eval(node.value)
+    raise RuntimeError("setup.py: tfdist/versions.py defines no VERIFIED")
+
+
+def requirement(package: str, extra: str = "") -> str:
+    oldest, _ = VERIFIED[package]
+    major = int(oldest.split(".")[0])
+    return f"{package}{extra}>={oldest},<{major + 1}"
+
+
+VERIFIED = verified()
+
+setup(
+    install_requires=[
+        requirement("tensorflow"),
+        requirement("keras"),
+        "tensorflow-datasets>=4.9",
+        # tensorflow-datasets 4.9 imports importlib_resources without declaring it.
+        "importlib_resources",
+        "numpy",
+        # TensorFlow 2.21 no longer pulls TensorBoard in; tfdist.callbacks.standard logs to it.
+        "tensorboard",
+        # tfdist train mnist draws its loss/accuracy curves to a PNG.
+        "matplotlib",
+    ],
+    extras_require={
+        # Keras 3 on JAX (KERAS_BACKEND=jax), on CPU; jax 0.11+ needs Python 3.12+.
+        "jax": [requirement("jax", "[cpu]")],
+        # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
+        "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
+        "test": ["tfdist[jax,notebooks]", "pytest>=7", "pytest-timeout", "ruff"],
+        # The sessions that test other release pairs of the verified range (noxfile.py).
+        "dev": ["tfdist[test]", "nox"],
+    },
+)

@@ -1,0 +1,7 @@
+"""(in progress)"""
+
+from __future__ import annotations
+
+from tfdist.compat.registry import Fix
+
+FIXES: list[Fix] = []

@@ -1,0 +1,66 @@
+"""Records what tfdist's fixes were verified against: every target's signature and code hash.
+
+Run it once per verified release pair (each nox session of ``noxfile.py``, after its tests
+pass): it adds the installed releases' records to ``tfdist/compat/fingerprints.json`` and
+keeps the others. ``tfdist.compat.registry.guard`` reads the file: a target whose
+signature is not a recorded one, or (outside the verified range) whose code is not a
+recorded one, makes its fix step aside with a warning.
+
+    python tools/fix_fingerprints.py           # add this environment's records
+    python tools/fix_fingerprints.py --check   # exit 1 if the file lacks them (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tfdist import compat, versions
+from tfdist.compat import registry
+
+
+def _minor(package: str) -> str:
+    version = versions.installed(package) or "0.0"
+    return f"{package} {'.'.join(version.split('.')[:2])}"
+
+
+def current_records() -> dict[str, dict[str, dict]]:
+    """``{entry: {"keras 3.15": {"signature": ..., "code": ...}}}`` for this environment."""
+    records: dict[str, dict[str, dict]] = {}
+    for fix in compat.FIXES:
+        for target in fix.targets:
+            found = registry.record(target)
+            if found is not None:
+                records[target.entry] = {_minor(target.package): found}
+    return records
+
+
+def merged(existing: dict, new: dict) -> dict:
+    out = {entry: dict(versions_) for entry, versions_ in existing.items()}
+    for entry, by_version in new.items():
+        out.setdefault(entry, {}).update(by_version)
+    return {entry: dict(sorted(out[entry].items())) for entry in sorted(out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if records are missing")
+    args = parser.parse_args(argv)
+    existing = registry.verified_fingerprints()
+    new = current_records()
+    result = merged(existing, new)
+    if args.check:
+        if result != existing:
+            missing = sorted(e for e in result if result[e] != existing.get(e))
+            print(f"fix_fingerprints: no record for this environment of {missing}")
+            return 1
+        print(f"fix_fingerprints: {len(existing)} targets recorded")
+        return 0
+    registry.FINGERPRINTS_FILE.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"fix_fingerprints: wrote {len(result)} targets to {registry.FINGERPRINTS_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
