@@ -1,10 +1,12 @@
-"""Test sessions per TensorFlow/Keras pair in tfdist's verified range (tfdist/versions.py).
+"""Test sessions per release pair in tfdist's verified range (tfdist/versions.py).
 
-CI runs the newest pair (the project's own test command). The others run on demand:
+CI runs the project's own test command on the newest releases its interpreter can install.
+The others run on demand (pyenv provides the interpreters here):
 
     pip install nox
     nox -l                          # the sessions
-    nox -s "compat(tf='2.20')"      # the oldest verified pair
+    nox -s "compat(tf='2.20')"      # the oldest verified TensorFlow/Keras pair
+    nox -s "jax(jax='0.10.2')"      # each verified jax release, on an interpreter it supports
     nox                             # every pair
 
 Each session installs tfdist with the pinned pair and runs the tests that touch what the
@@ -32,7 +34,21 @@ TESTS = [
     "tests/test_versions.py",
 ]
 
+# jax release -> the interpreter it installs on (jax 0.11+ needs Python 3.12+).
+JAX = {"0.10.2": "3.11", "0.11.2": "3.12", "0.12.0.1": "3.12"}
+JAX_TESTS = [
+    "tests/test_fix_guards.py",
+    "tests/test_private.py",
+    "tests/test_jax.py",
+    "tests/test_data_jax.py",
+    "tests/test_jax_checkpoint.py",
+]
+
 nox.options.reuse_existing_virtualenvs = True
+
+
+def _env() -> dict[str, str]:
+    return {k: os.environ[k] for k in ("TFDS_DATA_DIR",) if os.environ.get(k)}
 
 
 @nox.session(python="3.11")
@@ -40,7 +56,13 @@ nox.options.reuse_existing_virtualenvs = True
 def compat(session: nox.Session, tf: str) -> None:
     tensorflow, keras = PAIRS[tf]
     session.install("-e", ".[test]", f"tensorflow=={tensorflow}", f"keras=={keras}")
-    env = {}
-    if os.environ.get("TFDS_DATA_DIR"):
-        env["TFDS_DATA_DIR"] = os.environ["TFDS_DATA_DIR"]
-    session.run("python", "-m", "pytest", *TESTS, *session.posargs, env=env)
+    # What the fixes were verified against on this pair (fingerprints.json).
+    session.run("python", "tools/fix_fingerprints.py", env=_env())
+    session.run("python", "-m", "pytest", *TESTS, *session.posargs, env=_env())
+
+
+@nox.session
+@nox.parametrize(("python", "jax"), [(python, jax) for jax, python in JAX.items()])
+def jax(session: nox.Session, jax: str) -> None:
+    session.install("-e", ".[test]", f"jax[cpu]=={jax}")
+    session.run("python", "-m", "pytest", *JAX_TESTS, *session.posargs, env=_env())

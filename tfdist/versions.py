@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 VERIFIED: dict[str, tuple[str, str]] = {
     "tensorflow": ("2.20", "2.21"),
     "keras": ("3.11", "3.15"),
-    "jax": ("0.10", "0.10"),
+    "jax": ("0.10", "0.12"),
 }
 
 

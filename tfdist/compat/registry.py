@@ -22,10 +22,12 @@ import contextlib
 import hashlib
 import importlib
 import inspect
+import io
 import json
 import re
 import textwrap
 import threading
+import tokenize
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,8 +177,8 @@ def _sets_instance_attribute(owner, name: str) -> bool:
 
 
 def fingerprint(value) -> str | None:
-    """A short hash of a function's code, docstrings and formatting aside (None if it has
-    no Python source).
+    """A short hash of a function's code: its tokens, without docstrings, comments and
+    layout, so the same code hashes alike on every Python version (None if no source).
 
     Example:
         >>> fingerprint(fingerprint) == fingerprint(fingerprint)
@@ -188,18 +190,21 @@ def fingerprint(value) -> str | None:
         source = textwrap.dedent(inspect.getsource(value))
     except (OSError, TypeError):
         return None
-    tree = ast.parse(source)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if (
-            isinstance(body, list)
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+    docstrings = [
+        ((node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset))
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    ]
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    kept = [
+        token.string
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type not in skip
+        and not any(start <= token.start and token.end <= end for start, end in docstrings)
+    ]
+    return hashlib.sha256("".join(kept).encode()).hexdigest()[:16]
 
 
 def _signature(value) -> str | None:
