@@ -193,6 +193,7 @@ def test_bootstrap_applies_the_fixes_then_runs_the_script_or_module_as_main(tmp_
 
 @pytest.mark.devices
 @pytest.mark.slow
+@pytest.mark.upstream_failure("keras_symbolic_build_from_spec", "keras_gradient_accumulation")
 def test_mirrored_upstream_failures_and_fixes():
     proc = run_python(
         f"import runpy; runpy.run_path({str(SCRIPTS / 'mw_mirrored_probe.py')!r}, "
@@ -216,6 +217,12 @@ def test_mirrored_upstream_failures_and_fixes():
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.upstream_failure(
+    "keras_symbolic_build_from_spec",
+    "keras_multi_worker_mean",
+    "tf_multi_worker_logical_cpus",
+    "keras_progbar_chief_only",
+)
 def test_multi_worker_upstream_failures_and_fixes():
     proc = subprocess.run(
         [
@@ -267,6 +274,7 @@ def test_multi_worker_upstream_failures_and_fixes():
 
 @pytest.mark.multiworker
 @pytest.mark.slow
+@pytest.mark.upstream_failure("tf_multi_worker_timeouts")
 def test_a_peer_that_never_starts_hangs_upstream_and_fails_clearly_with_the_fix():
     def lone_worker(*bootstrap: str, **env) -> subprocess.Popen:
         ports = launch.free_ports(2)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import warnings
@@ -280,3 +282,61 @@ def test_missing_targets_skip_every_fix_and_import_still_works(backend):
         " is gone. Without it: " in s or " changed its signature to " in s
         for s in result["skipped"]
     )
+
+
+# ------------------------------------------------------------------ retirement
+
+
+def _marked_fixes() -> set[str]:
+    """Fix names in ``@pytest.mark.upstream_failure(...)`` markers across the tests."""
+    import ast
+
+    names = set()
+    for path in (REPO / "tests").glob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "upstream_failure"
+            ):
+                names.update(arg.value for arg in node.args if isinstance(arg, ast.Constant))
+    return names
+
+
+def test_every_fix_has_a_test_that_shows_its_upstream_failure():
+    assert sorted(set(compat.fix_names()) - _marked_fixes()) == []
+    assert sorted(_marked_fixes() - set(compat.fix_names())) == []  # no stale names
+
+
+def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path):
+    (tmp_path / "test_retired.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.upstream_failure("keras_some_fix")
+            def test_upstream_still_fails():
+                upstream_fails = False  # as if upstream had fixed the defect
+                assert upstream_fails
+
+            @pytest.mark.upstream_failure("keras_other_fix")
+            def test_upstream_fails():
+                pass
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "retire_plugin", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO / "tests")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "fixes to check for retirement" in proc.stdout
+    assert (
+        "keras_some_fix: test_retired.py::test_upstream_still_fails failed. If upstream no "
+        "longer shows the failure it reproduces, upstream fixed it: retire the fix"
+    ) in proc.stdout
+    assert "keras_other_fix" not in proc.stdout

@@ -147,6 +147,7 @@ print(json.dumps(sorted(set(seen))))
 
 @pytest.mark.devices
 @pytest.mark.parametrize(("exclude", "seen"), [("all", ["NoneType"]), ("", ["DataParallel"])])
+@pytest.mark.upstream_failure("keras_jax_model_keeps_distribution")
 def test_fit_after_the_scope_runs_under_the_models_distribution(exclude, seen):
     """Upstream (every fix excluded) runs fit after the block with no distribution."""
     proc = run_python(
@@ -174,6 +175,7 @@ except Exception as err:
 
 @pytest.mark.devices
 @pytest.mark.parametrize(("exclude", "expect"), [("all", "ERR"), ("", "OK 1")])
+@pytest.mark.upstream_failure("keras_jax_initialize_once")
 def test_keras_initialize_after_jax_was_initialised(exclude, expect):
     """Upstream refuses a second jax initialisation; fixed, the script's call joins."""
     proc = run_python(_INIT_TWICE, KERAS_BACKEND="jax", TFDIST_COMPAT_EXCLUDE=exclude)
@@ -212,6 +214,7 @@ print(json.dumps({"ahead": ahead, "weights": [w.tolist() for w in model.get_weig
 
 
 @pytest.mark.devices
+@pytest.mark.upstream_failure("keras_jax_distributed_lookahead")
 def test_batches_reach_the_devices_one_step_ahead_under_a_distribution():
     results = {}
     for exclude in ("keras_jax_distributed_lookahead", ""):
@@ -250,6 +253,7 @@ print(json.dumps({
 
 @pytest.mark.devices
 @pytest.mark.parametrize(("exclude", "sharded"), [("keras_jax_sharded_epoch_length", -2), ("", 4)])
+@pytest.mark.upstream_failure("keras_jax_sharded_epoch_length")
 def test_per_process_sharding_keeps_the_declared_epoch_length(exclude, sharded):
     """Upstream's sharded dataset has an unknown length (Keras then takes the first,
     possibly resumed and short, epoch's length for all); fixed, it keeps the pipeline's."""

@@ -107,6 +107,7 @@ def test_tutorial_pipeline_on_tfds_mnist_is_sharded_by_data_across_workers(tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.upstream_failure("tf_multi_worker_auto_shard")
 def test_single_tfrecord_fails_upstream_and_is_sharded_with_the_fix(tmp_path):
     write_single_tfrecord(tmp_path)
     script = str(SCRIPTS / "mw_user_sharding.py")
