@@ -1,22 +1,33 @@
-"""The backend seam: one interface, one module per Keras backend.
+"""The backend seam: one interface (``Backend``), one module per Keras backend.
 
-``tfdist.distribute`` (the public functions) asks ``get()`` for the backend of this
-process and delegates to it; nothing else in tfdist branches on the backend. A backend is
-a module that provides every function named in ``INTERFACE``:
+Features (``tfdist.distribute``, ``tfdist.data``, ``tfdist.checkpoint``) ask ``get()`` for
+the backend of this process and call it; none of them branches on the backend's name
+(``tests/test_backends.py`` checks both). A backend is a module that provides every name
+of the ``Backend`` protocol (listed in ``INTERFACE``):
 
-==================  =========================================================
-``scope(**opts)``   a context manager that distributes what is built inside
-``current(x)``      the distribution in effect (``x`` if given)
-``num_replicas``    replicas in sync (the data-parallel size)
-``num_workers``     training processes
-``worker_index``    this process's index among them (0 is the chief)
-``is_chief()``      whether this process does the one-off work (files, logs)
-``barrier(n, t)``   wait until every process reaches barrier ``n`` (``t`` seconds)
-``describe()``      devices and the distribution ``auto`` would pick (``tfdist info``)
-==================  =========================================================
+==============================  ===========================================================
+``NAME``                        the ``KERAS_BACKEND`` value it implements
+``scope(**opts)``               a context manager that distributes what is built inside
+``current(x)``                  the distribution in effect (``x`` if given)
+``num_replicas(x)``             replicas in sync (the data-parallel size)
+``num_workers(x)``              training processes
+``worker_index(x)``             this process's index among them (0 is the chief)
+``is_chief()``                  whether this process does the one-off work (files, logs)
+``barrier(n, t)``               wait until every process reaches barrier ``n`` (``t`` s)
+``describe()``                  devices and the distribution ``auto`` would pick
+``chief_value(n, v, t, x)``     the chief's integer ``v`` on every process (a broadcast)
+``gather_rows(row, x)``         every process's small integer row, on every process
+``key_value_set(k, v)``         publish ``k=v`` in the job's store (False: set already)
+``key_value_get(k, t)``         wait up to ``t`` s for ``k`` in the store (None: not set)
+``phantom_prone_variables(m)``  state a train step may change past the data's end
+``splits_uneven_batches()``     whether a batch that does not divide evenly can be fed
+==============================  ===========================================================
 
 Today: ``tensorflow`` (``tf.distribute`` strategies) and ``jax`` (``keras.distribution``).
-Adding a backend is one new module here plus one line in ``_MODULES``.
+Adding a backend is one new module here that implements ``Backend``, plus one line in
+``_MODULES``; no feature changes. Only process set-up (``tfdist.startup``'s hooks on the
+framework's import) and the per-backend Fix records of ``tfdist.compat`` are chosen by
+name, and get an entry of their own if the new framework needs one.
 
 Example:
     >>> from tfdist import backends
@@ -27,23 +38,90 @@ Example:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from types import ModuleType
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from tfdist import config
 
-__all__ = ["INTERFACE", "SUPPORTED", "name", "get"]
+if TYPE_CHECKING:
+    import numpy as np
 
-INTERFACE = (
-    "scope",
-    "current",
-    "num_replicas",
-    "num_workers",
-    "worker_index",
-    "is_chief",
-    "barrier",
-    "describe",
-)
+__all__ = ["Backend", "StoreGone", "INTERFACE", "SUPPORTED", "name", "get"]
+
+
+class StoreGone(RuntimeError):
+    """The coordination service's store cannot be reached (the job is ending)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend module provides; features call ``backends.get().<member>``.
+
+    ``explicit`` (``x`` above) is a distribution the caller holds (a ``tf.distribute``
+    strategy, a ``keras.distribution``); None means the current one.
+    """
+
+    NAME: str
+
+    def scope(self, **options) -> AbstractContextManager:
+        """A context manager that distributes what is built inside."""
+
+    def current(self, explicit=None):
+        """``explicit`` if given, else the distribution in effect, else tfdist's own."""
+
+    def num_replicas(self, explicit=None) -> int:
+        """Replicas in sync (the data-parallel size)."""
+
+    def num_workers(self, explicit=None) -> int:
+        """Training processes in the job (1 on one machine)."""
+
+    def worker_index(self, explicit=None) -> int:
+        """This process's index among the training processes, chief first."""
+
+    def is_chief(self) -> bool:
+        """Whether this process does the one-off work (files, logs)."""
+
+    def barrier(self, name: str, timeout: float) -> None:
+        """Waits until every process reaches barrier ``name``; RuntimeError after ``timeout`` s."""
+
+    def describe(self, environ: Mapping[str, str] | None = None) -> dict:
+        """Devices and the distribution ``auto`` would pick (for ``tfdist info``)."""
+
+    def chief_value(self, name: str, value: int, timeout: float, explicit=None) -> int:
+        """The chief's ``value`` on every process; every process must call it, in the same
+        order. Raises TimeoutError (chained to the runtime's error, if any) after ``timeout``
+        s, saying what ``name`` was not agreed."""
+
+    def gather_rows(self, row: Sequence[int], explicit=None) -> np.ndarray | None:
+        """Every process's ``row`` of small integers, stacked, on every process (a process's
+        row may appear once per local replica); None with one process."""
+
+    def key_value_set(self, key: str, value: str) -> bool:
+        """Publishes ``key=value`` in the job's coordination store; False when ``key`` is
+        set already. Raises StoreGone when the store cannot be reached."""
+
+    def key_value_get(self, key: str, timeout: float) -> str | None:
+        """The value of ``key``, or None when it is not set within ``timeout`` s. Raises
+        StoreGone when the store cannot be reached."""
+
+    def phantom_prone_variables(self, model) -> list:
+        """The variables a train step can change after the data ran out (the step counter,
+        RNG states), which exact resume puts back; empty where no such step runs."""
+
+    def splits_uneven_batches(self) -> bool:
+        """Whether a batch that does not divide evenly between the replicas (a partial
+        last batch) can be fed; False: every batch must, and with several processes no
+        batch may be partial."""
+
+
+def _members(protocol: type) -> tuple[str, ...]:
+    """The names a protocol declares, in order: its attributes, then its methods."""
+    methods = [k for k, v in vars(protocol).items() if callable(v) and not k.startswith("_")]
+    return (*protocol.__annotations__, *methods)
+
+
+INTERFACE = _members(Backend)
 # Keras backend name -> the module implementing it (imported on first use: importing
 # tfdist.backends costs nothing, and a JAX process never imports the TensorFlow one).
 _MODULES = {"tensorflow": "tfdist.backends.tensorflow", "jax": "tfdist.backends.jax"}
@@ -65,11 +143,11 @@ def name(environ: Mapping[str, str] | None = None) -> str:
     return backend
 
 
-def get() -> ModuleType:
+def get() -> Backend:
     """The backend module of this process.
 
     Example:
         >>> get().NAME  # doctest: +SKIP
         'tensorflow'
     """
-    return importlib.import_module(_MODULES[name()])
+    return cast(Backend, importlib.import_module(_MODULES[name()]))

@@ -29,9 +29,11 @@ from collections.abc import Mapping
 
 import jax
 import keras
+import numpy as np
 from keras import distribution as kd
 
 from tfdist import _private, config, process, validate
+from tfdist.backends import StoreGone
 from tfdist.config import ConfigError
 
 __all__ = [
@@ -45,6 +47,12 @@ __all__ = [
     "is_chief",
     "barrier",
     "describe",
+    "chief_value",
+    "gather_rows",
+    "key_value_set",
+    "key_value_get",
+    "phantom_prone_variables",
+    "splits_uneven_batches",
     "data_axis",
 ]
 
@@ -207,15 +215,15 @@ def barrier(name: str, timeout: float) -> None:
         ) from None
 
 
-def chief_value(name: str, value: str, timeout: float) -> str:
+def chief_value(name: str, value: int, timeout: float, explicit=None) -> int:
     """Process 0's ``value``, on every process (through jax's coordination store).
 
     Every process must make the same calls in the same order: the n-th call of each
     process reads the n-th value process 0 published.
 
     Example:
-        >>> chief_value("seed", "1804289383", timeout=60)  # doctest: +SKIP
-        '1804289383'
+        >>> chief_value("shuffle seed", 1804289383, timeout=60)  # doctest: +SKIP
+        1804289383
     """
     if jax.process_count() == 1:
         return value
@@ -224,16 +232,67 @@ def chief_value(name: str, value: str, timeout: float) -> str:
         state.chief_values += 1
         key = f"tfdist/{name}/{state.chief_values}"
     if jax.process_index() == 0:
-        _private.jax_key_value_set(key, value)
+        _private.jax_key_value_set(key, str(value))
         return value
     try:
-        return _private.jax_key_value_get(key, int(timeout * 1000))
+        return int(_private.jax_key_value_get(key, int(timeout * 1000)))
     except Exception as err:  # jax raises its runtime's own error types
         first = str(err).strip().splitlines()
         raise TimeoutError(
             f"tfdist: process {jax.process_index()} did not receive process 0's {name} "
             f"within {timeout:.0f} s ({first[0] if first else type(err).__name__})."
         ) from None
+
+
+def gather_rows(row, explicit=None) -> np.ndarray | None:
+    """Every process's ``row`` (small ints), one each, on every process; None in one.
+
+    Example:
+        >>> gather_rows((2, 50, 0))  # two processes  # doctest: +SKIP
+        array([[2, 50, 0], [2, 50, 0]], dtype=int32)
+    """
+    if jax.process_count() == 1:
+        return None
+    from jax.experimental import multihost_utils
+
+    # int32: jax without x64 would narrow int64 with a warning; the rows are small.
+    rows = multihost_utils.process_allgather(np.array([row], np.int32), tiled=True)
+    return np.asarray(rows)
+
+
+def key_value_set(key: str, value: str) -> bool:
+    """Publishes ``key=value`` in jax's distributed runtime store; False when another
+    process set ``key`` first. Raises StoreGone when the runtime is gone."""
+    try:
+        _private.jax_key_value_set(key, value)
+    except Exception as err:  # jax raises its runtime's one error type: tell by status
+        if "ALREADY_EXISTS" in str(err):
+            return False
+        raise StoreGone(str(err)) from err
+    return True
+
+
+def key_value_get(key: str, timeout: float) -> str | None:
+    """The value of ``key`` in jax's distributed runtime store, or None when it is not set
+    within ``timeout`` seconds. Raises StoreGone when the runtime is gone."""
+    try:
+        return _private.jax_key_value_get(key, round(timeout * 1000))
+    except Exception as err:  # jax raises its runtime's one error type: tell by status
+        if "DEADLINE_EXCEEDED" in str(err):
+            return None
+        raise StoreGone(str(err)) from err
+
+
+def phantom_prone_variables(model) -> list:
+    """Empty: a JAX train step runs only once Python holds its batch, so no step runs
+    after the data ends (and reading variables mid-epoch would force a host sync)."""
+    return []
+
+
+def splits_uneven_batches() -> bool:
+    """False: Keras on JAX splits every batch evenly between the devices, and between
+    processes only batches of the static size."""
+    return False
 
 
 def is_chief() -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from tfdist import _private, cluster, compat, config, process, validate
+from tfdist.backends import StoreGone
 from tfdist.config import Communication, ConfigError, MultiWorkerTimeouts
 
 __all__ = [
@@ -39,6 +40,12 @@ __all__ = [
     "is_chief",
     "barrier",
     "describe",
+    "chief_value",
+    "gather_rows",
+    "key_value_set",
+    "key_value_get",
+    "phantom_prone_variables",
+    "splits_uneven_batches",
     "current_plan",
     "slurm_cluster_resolver",
 ]
@@ -538,3 +545,84 @@ def describe(environ: Mapping[str, str] | None = None) -> dict:
             "num_workers": p.num_workers,
         },
     }
+
+
+def chief_value(name: str, value: int, timeout: float, explicit=None) -> int:
+    """The chief's ``value`` on every worker: an all-reduce to which only replica 0 adds.
+
+    Every worker must join it, in the same order; the wait is bounded by ``timeout``.
+
+    Example:
+        >>> chief_value("shuffle seed", 1804289383, timeout=60)  # doctest: +SKIP
+        1804289383
+    """
+    s = current(explicit)
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
+
+    def from_chief():
+        ctx = tf.distribute.get_replica_context()
+        mine = tf.where(
+            tf.equal(ctx.replica_id_in_sync_group, 0),
+            tf.constant(value, tf.int64),
+            tf.constant(0, tf.int64),
+        )
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine, options=options)
+
+    try:
+        shared = s.run(from_chief)
+        return int(s.experimental_local_results(shared)[0])
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as err:
+        raise TimeoutError(
+            f"the workers did not agree on a {name} within {timeout:.0f} s."
+        ) from err
+
+
+def gather_rows(row, explicit=None):
+    """Every worker's ``row`` (small ints), one per replica, on every worker; None on one.
+
+    Example:
+        >>> gather_rows((2, 50, 0))  # two workers, one replica each  # doctest: +SKIP
+        array([[2, 50, 0], [2, 50, 0]])
+    """
+    s = current(explicit)
+    if not _private.tf_in_multi_worker_mode(s):
+        return None
+    value = tf.constant([list(row)], tf.int64)
+    # Every replica contributes its worker's row; gather them all on every worker.
+    return s.gather(s.run(lambda: tf.identity(value)), axis=0).numpy()
+
+
+def key_value_set(key: str, value: str) -> bool:
+    """Publishes ``key=value`` in the coordination service's store; False when another
+    worker set ``key`` first. Raises StoreGone when the service is gone."""
+    try:
+        _private.tf_key_value_set(key, value)
+    except tf.errors.AlreadyExistsError:
+        return False
+    except tf.errors.OpError as err:
+        raise StoreGone(str(err)) from err
+    return True
+
+
+def key_value_get(key: str, timeout: float) -> str | None:
+    """The value of ``key`` in the coordination service's store, or None when it is not set
+    within ``timeout`` seconds. Raises StoreGone when the service is gone."""
+    try:
+        return _private.tf_key_value_get(key, round(timeout * 1000))
+    except tf.errors.DeadlineExceededError:
+        return None
+    except tf.errors.OpError as err:
+        raise StoreGone(str(err)) from err
+
+
+def phantom_prone_variables(model) -> list:
+    """The step counter and the seed generators' states: when a dataset ends before Keras
+    expected, its train step runs once more and may still advance them (a race; see
+    ``tfdist.checkpoint.rng``)."""
+    generators = {id(g): g for g in _private.keras_seed_generators(model)}  # shared: once
+    return [model.optimizer.iterations] + [g.state for g in generators.values()]
+
+
+def splits_uneven_batches() -> bool:
+    """True: ``tf.distribute`` feeds a partial last batch, however it splits."""
+    return True

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import os
 
-import keras
-import numpy as np
-
-from tfdist import _private
+from tfdist import backends
 from tfdist.checkpoint.names import parse_checkpoint_name
 
 __all__ = ["archive_position", "check_workers_agree"]
@@ -38,26 +35,6 @@ def archive_position(path: str, info: dict) -> tuple[int, int, int]:
     return position.epoch, position.batch, 0
 
 
-def _gather_positions(strategy, mine: tuple[int, int, int]) -> np.ndarray | None:
-    """Every worker's position, one row each (on every worker); None on one worker."""
-    if keras.backend.backend() == "jax":
-        import jax
-        from jax.experimental import multihost_utils
-
-        if jax.process_count() == 1:
-            return None
-        # int32: jax without x64 would narrow int64 with a warning; positions are small.
-        rows = multihost_utils.process_allgather(np.array([mine], np.int32), tiled=True)
-        return np.asarray(rows)
-    if not _private.tf_in_multi_worker_mode(strategy):
-        return None
-    import tensorflow as tf
-
-    value = tf.constant([list(mine)], tf.int64)
-    # Every replica contributes its worker's position; gather them all on every worker.
-    return strategy.gather(strategy.run(lambda: tf.identity(value)), axis=0).numpy()
-
-
 def check_workers_agree(strategy, chosen: tuple[str, dict] | None, directory: str) -> None:
     """Under multi-worker training, fails unless every worker chose the same checkpoint.
 
@@ -69,7 +46,8 @@ def check_workers_agree(strategy, chosen: tuple[str, dict] | None, directory: st
         RuntimeError: the workers' choices differ (on every worker at once).
     """
     mine = NO_CHECKPOINT if chosen is None else archive_position(*chosen)
-    positions = _gather_positions(strategy, mine)
+    # Every worker's position (one row each, or one per replica); None on one worker.
+    positions = backends.get().gather_rows(mine, strategy)
     if positions is None:
         return
     seen = sorted({tuple(row) for row in positions.tolist()})

@@ -2,9 +2,10 @@
 
 One process: the step is the next step boundary. Several workers: the first worker that
 gets SIGTERM publishes "save after step s+1" through the coordination service's
-key-value store (TensorFlow's, or jax's distributed runtime under JAX) and waits (with a timeout) until every worker's watcher thread has
-acknowledged it; since synchronous workers are at most one step apart, every worker then
-saves after the same step. This is the protocol of
+key-value store (the backend's ``key_value_set``/``key_value_get``: TensorFlow's, or
+jax's distributed runtime under JAX) and waits (with a timeout) until every worker's
+watcher thread has acknowledged it; since synchronous workers are at most one step
+apart, every worker then saves after the same step. This is the protocol of
 ``tf.distribute.experimental.PreemptionCheckpointHandler``, which tfdist does not use
 directly: it saves only ``tf.train.Checkpoint``s, and its constructor probes the GCE
 metadata server over the network.
@@ -25,75 +26,39 @@ import signal
 import threading
 import time
 
-from tfdist import _private
+from tfdist import backends
+from tfdist.backends import StoreGone
 
 __all__ = ["PreemptionWatch", "StoreGone", "key_value_store"]
 
 logger = logging.getLogger(__name__)
 
 
-class StoreGone(RuntimeError):
-    """The coordination service's store cannot be reached (the job is ending)."""
+class _BackendStore:
+    """The backend's coordination store, behind the two calls the protocol needs."""
 
-
-class _TensorFlowStore:
-    """TensorFlow's coordination service store, behind the two calls the protocol needs."""
+    def __init__(self, backend: backends.Backend):
+        self._backend = backend
 
     def set(self, key: str, value: str) -> bool:
         """Sets ``key``; False when another worker set it first."""
-        import tensorflow as tf
-
-        try:
-            _private.tf_key_value_set(key, value)
-        except tf.errors.AlreadyExistsError:
-            return False
-        except tf.errors.OpError as err:
-            raise StoreGone(str(err)) from err
-        return True
+        return self._backend.key_value_set(key, value)
 
     def get(self, key: str, timeout_ms: int) -> str | None:
         """The value of ``key``, or None when it is not set within ``timeout_ms``."""
-        import tensorflow as tf
-
-        try:
-            return _private.tf_key_value_get(key, timeout_ms)
-        except tf.errors.DeadlineExceededError:
-            return None
-        except tf.errors.OpError as err:
-            raise StoreGone(str(err)) from err
+        return self._backend.key_value_get(key, timeout_ms / 1000)
 
 
-class _JaxStore:
-    """jax's distributed runtime store; its errors are told apart by their status code."""
-
-    def set(self, key: str, value: str) -> bool:
-        try:
-            _private.jax_key_value_set(key, value)
-        except Exception as err:  # jax raises its runtime's one error type
-            if "ALREADY_EXISTS" in str(err):
-                return False
-            raise StoreGone(str(err)) from err
-        return True
-
-    def get(self, key: str, timeout_ms: int) -> str | None:
-        try:
-            return _private.jax_key_value_get(key, timeout_ms)
-        except Exception as err:
-            if "DEADLINE_EXCEEDED" in str(err):
-                return None
-            raise StoreGone(str(err)) from err
-
-
-def key_value_store():
+def key_value_store() -> _BackendStore:
     """The coordination store of this process's backend (``set``/``get``, see above).
+
+    Both raise ``StoreGone`` when the store cannot be reached.
 
     Example:
         >>> key_value_store().set("tfdist/preempt/1", "42")  # doctest: +SKIP
         True
     """
-    import keras
-
-    return _JaxStore() if keras.backend.backend() == "jax" else _TensorFlowStore()
+    return _BackendStore(backends.get())
 
 
 class PreemptionWatch:

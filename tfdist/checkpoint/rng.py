@@ -14,7 +14,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from tfdist import _private
+from tfdist import _private, backends
 
 __all__ = [
     "seed_generators",
@@ -90,13 +90,11 @@ def set_rng_state(model, states: list, path: str) -> None:
 def phantom_prone_variables(model) -> list:
     """State a train step changes without reading its batch: the step counter, RNG states.
 
-    Empty on JAX: its train step runs only once Python holds the batch, so no phantom
-    step exists (and reading variables mid-epoch would force a device-to-host sync).
+    The backend says which (``Backend.phantom_prone_variables``). Empty on JAX: its train
+    step runs only once Python holds the batch, so no phantom step exists (and reading variables mid-epoch would force a device-to-host sync).
 
     Example:
         >>> len(phantom_prone_variables(model))  # doctest: +SKIP
         2
     """
-    if keras.backend.backend() != "tensorflow":
-        return []
-    return [model.optimizer.iterations] + [g.state for g in seed_generators(model)]
+    return backends.get().phantom_prone_variables(model)

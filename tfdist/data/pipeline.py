@@ -110,13 +110,14 @@ def _drop_remainder(plan: _Plan, count: int | None) -> bool:
     if plan.drop_remainder or count is None:
         return plan.drop_remainder
     partial = count % plan.batch
-    if partial and backends.name() == "jax":
-        _check_jax_partial_batch(plan, count, partial)
+    if partial and not backends.get().splits_uneven_batches():
+        _check_even_partial_batch(plan, count, partial)
     return partial == 0
 
 
-def _check_jax_partial_batch(plan: _Plan, count: int, partial: int) -> None:
-    """Keras on JAX splits every batch evenly between the devices (and processes)."""
+def _check_even_partial_batch(plan: _Plan, count: int, partial: int) -> None:
+    """A backend that splits every batch evenly (Keras on JAX, the one today): a partial
+    batch must divide between the replicas, and cannot be split between processes."""
     if plan.num_workers == 1 and partial % plan.replicas == 0:
         return  # each replica gets partial / replicas examples
     where = (

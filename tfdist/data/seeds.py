@@ -47,9 +47,10 @@ def agreed_seed(strategy, num_workers: int) -> int:
     """A shuffle seed for an unseeded pipeline, the same on every worker.
 
     Drawn from TensorFlow's global generator, so ``keras.utils.set_random_seed`` makes
-    it reproducible. Under multi-worker the chief's draw is shared through an
-    all-reduce (TensorFlow) or jax's coordination store (JAX), which every worker must
-    reach: the wait is bounded (a worker may still be loading its data) by
+    it reproducible. Under multi-worker the chief's draw is shared (the backend's
+    ``chief_value``: an all-reduce on TensorFlow, jax's coordination store on JAX, where
+    Keras gives each process its share of the same global batches), which every worker
+    must reach: the wait is bounded (a worker may still be loading its data) by
     ``config.SEED_AGREEMENT_TIMEOUT_S``.
 
     Example:
@@ -60,39 +61,10 @@ def agreed_seed(strategy, num_workers: int) -> int:
     if num_workers == 1:
         return local
     timeout = config.SEED_AGREEMENT_TIMEOUT_S
-    if backends.name() == "jax":
-        return _chief_seed_jax(local, timeout)
-    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout)
-
-    def chief_seed():
-        ctx = tf.distribute.get_replica_context()
-        mine = tf.where(
-            tf.equal(ctx.replica_id_in_sync_group, 0),
-            tf.constant(local, tf.int64),
-            tf.constant(0, tf.int64),
-        )
-        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, mine, options=options)
-
     try:
-        shared = strategy.run(chief_seed)
-        return int(strategy.experimental_local_results(shared)[0])
-    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as err:
-        raise RuntimeError(
-            "pipeline: the workers did not agree on a shuffle seed within "
-            f"{timeout:.0f} s. Every worker must build the same pipelines in "
-            "the same order; or pass seed=... so that no agreement is needed."
-        ) from err
-
-
-def _chief_seed_jax(local: int, timeout: float) -> int:
-    """Process 0's draw on every process: Keras on JAX gives each process its share of
-    the same global batches, so every process must shuffle alike."""
-    from tfdist.backends import jax as jax_backend
-
-    try:
-        return int(jax_backend.chief_value("seed", str(local), timeout))
+        return int(backends.get().chief_value("shuffle seed", local, timeout, strategy))
     except TimeoutError as err:
         raise RuntimeError(
-            f"pipeline: {err} Every process must build the same pipelines in the same "
+            f"pipeline: {err} Every worker must build the same pipelines in the same "
             "order; or pass seed=... so that no agreement is needed."
-        ) from None
+        ) from err.__cause__
