@@ -40,6 +40,8 @@ class ProcessState:
         resumed: model -> how ``make_or_restore`` restored it (weak keys).
         applied_fixes: names of the compat fixes applied, in order.
         skipped_fixes: fix name -> why it was not applied (a target missing or changed).
+        batch_plans: pipeline -> ``(global_batch, replicas, per_replica_given)`` as
+            built (weak keys), checked when a distribution with another data axis starts.
         devices_configured: logical CPU devices configured before the framework
             started, or None.
         multi_worker_timeouts: the ``MultiWorkerTimeouts`` the next (or current)
@@ -60,6 +62,7 @@ class ProcessState:
     resumed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     applied_fixes: list[str] = field(default_factory=list)
     skipped_fixes: dict[str, str] = field(default_factory=dict)
+    batch_plans: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     devices_configured: int | None = None
     multi_worker_timeouts: Any = None
     auto_strategy: bool = True

@@ -151,6 +151,7 @@ def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ig
         )
     chosen = distribution(mesh=mesh, layout_map=layout_map, batch_dim_name=batch_dim_name)
     _warn_communication()
+    _check_pipeline_batches(data_axis(chosen))
     st = process.state()
     previous = kd.distribution()
     with st.lock:
@@ -160,6 +161,37 @@ def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ig
         yield chosen
     finally:
         kd.set_distribution(previous)
+
+
+def _check_pipeline_batches(replicas: int) -> None:
+    """Pipelines built before this scope, against its data axis (``replicas``).
+
+    A ``global_batch`` must divide between the replicas; a pipeline sized with
+    ``per_replica_batch`` for another number of replicas (built before a ModelParallel
+    scope, it counted every device as a replica) has another global batch than meant.
+    """
+    for batch, built_for, per_replica_given in list(process.state().batch_plans.values()):
+        if built_for == replicas:
+            continue
+        if not per_replica_given and batch % replicas:
+            raise ValueError(
+                f"tfdist.scope: a pipeline's global_batch={batch} does not divide between "
+                f"this distribution's {replicas} data-parallel replicas. Received: "
+                f"global_batch={batch}. Build it with a multiple of {replicas}."
+            )
+        if per_replica_given:
+            logger.warning(
+                "tfdist.scope: a pipeline built for %d replicas has global batch %d "
+                "(%d per replica); this distribution has %d data-parallel replicas, so "
+                "each gets %d examples, not %d. Build the pipeline inside the scope, or "
+                "size it with pipeline(..., global_batch=N).",
+                built_for,
+                batch,
+                batch // built_for,
+                replicas,
+                batch // replicas,
+                batch // built_for,
+            )
 
 
 def current(explicit=None):

@@ -56,7 +56,26 @@ def short(value) -> _Short:
     return _Short(value)
 
 
+def global_batch(value, replicas: int) -> int:
+    """``global_batch=`` checked: a positive int that divides between ``replicas``."""
+    value = validate.positive_int(
+        value,
+        "global_batch",
+        _WHERE,
+        "Pass the examples of one training step across the whole job, e.g. 128.",
+    )
+    if value % replicas:
+        raise ValueError(
+            f"{_WHERE}: global_batch must divide evenly between the {replicas} replicas. "
+            f"Received: global_batch={value}. Pass a multiple of {replicas}, e.g. "
+            f"{value - value % replicas or replicas}."
+        )
+    return value
+
+
 def _check_batch_and_map(per_replica_batch, map_fn, map_on) -> None:
+    if per_replica_batch is None:  # sized by global_batch=, checked by global_batch()
+        return
     validate.positive_int(
         per_replica_batch,
         "per_replica_batch",

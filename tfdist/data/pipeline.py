@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import backends, distribute
+from tfdist import backends, distribute, process
 from tfdist.data import checks, seeds
 from tfdist.data.epochs import FullEpochs, in_memory_epochs, streamed_epochs
 from tfdist.data.memory import read_into_memory
@@ -39,6 +39,7 @@ class _Plan:
     per_replica_batch: int
     replicas: int
     batch: int  # the global batch: per_replica_batch x replicas
+    per_replica_given: bool  # sized by per_replica_batch (else by global_batch)
     map_fn: Callable | None
     map_on: str
     cache: bool | str | os.PathLike
@@ -59,8 +60,35 @@ class _Plan:
         return self.cache is True
 
 
+def _batch_sizes(per_replica_batch, global_batch, strategy) -> tuple[int, int, int]:
+    """``(per_replica_batch, replicas, global batch)`` from exactly one of the two sizes."""
+    if (per_replica_batch is None) == (global_batch is None):
+        raise ValueError(
+            "pipeline: pass exactly one of per_replica_batch= and global_batch=. Received: "
+            f"per_replica_batch={per_replica_batch!r}, global_batch={global_batch!r}. Use "
+            "global_batch= for the batch of one training step across the whole job "
+            "(model parallelism, or a pipeline built before its scope), per_replica_batch= "
+            "for the batch of one replica."
+        )
+    replicas = distribute.num_replicas(strategy=strategy)
+    if per_replica_batch is not None:
+        per_replica_batch = int(per_replica_batch)
+        return per_replica_batch, replicas, per_replica_batch * replicas
+    global_batch = checks.global_batch(global_batch, replicas)
+    return global_batch // replicas, replicas, global_batch
+
+
 def _plan(
-    dataset, per_replica_batch, map_fn, map_on, cache, shuffle, seed, drop_remainder, strategy
+    dataset,
+    per_replica_batch,
+    global_batch,
+    map_fn,
+    map_on,
+    cache,
+    shuffle,
+    seed,
+    drop_remainder,
+    strategy,
 ):
     """Checks the arguments and decides everything before any data is read."""
     checks.check_options(per_replica_batch, map_fn, map_on, cache, shuffle, seed, drop_remainder)
@@ -68,7 +96,7 @@ def _plan(
     checks.check_finite(source, dataset)
     checks.check_not_batched(source, dataset)
     strategy = distribute.current(strategy)
-    per_replica_batch = int(per_replica_batch)
+    per_replica_batch, replicas, batch = _batch_sizes(per_replica_batch, global_batch, strategy)
     num_workers = distribute.num_workers(strategy)
     policy, why = shard_policy(
         source, num_workers, in_memory=cache is True, positioned=seed is not None
@@ -77,8 +105,9 @@ def _plan(
         source=source,
         strategy=strategy,
         per_replica_batch=per_replica_batch,
-        replicas=distribute.num_replicas(strategy=strategy),
-        batch=distribute.global_batch_size(per_replica_batch, strategy=strategy),
+        replicas=replicas,
+        batch=batch,
+        per_replica_given=global_batch is None,
         map_fn=map_fn,
         map_on=map_on,
         cache=cache,
@@ -222,6 +251,8 @@ def _finish(plan: _Plan, state: PipelineState, ds, count, how) -> tf.data.Datase
     # The graph reads the position and the cached examples by handle: the dataset
     # keeps them alive (the process's set of positions holds weak references only).
     state.attach(ds)
+    with process.state().lock:
+        process.state().batch_plans[ds] = (plan.batch, plan.replicas, plan.per_replica_given)
     logger.info(
         "tfdist.data: global batch %d (%d x %d replicas), drop_remainder=%s, shard by %s "
         "(%s), cache=%s, shuffle=%s, seed=%s, map_fn applied %s",
@@ -241,8 +272,9 @@ def _finish(plan: _Plan, state: PipelineState, ds, count, how) -> tf.data.Datase
 
 def pipeline(
     dataset,
-    per_replica_batch: int,
+    per_replica_batch: int | None = None,
     *,
+    global_batch: int | None = None,
     map_fn: Callable | None = None,
     map_on: str = "auto",
     cache: bool | str | os.PathLike = True,
@@ -287,7 +319,13 @@ def pipeline(
             batches (``.batch()``/``padded_batch()`` with only prefetch, cache, shuffle
             or shape-keeping maps after it, or ``tfds.load(batch_size=...)``) is
             refused rather than batched twice.
-        per_replica_batch: examples per replica per step.
+        per_replica_batch: examples per replica per step (the global batch is this times
+            the replicas of the distribution in effect when the pipeline is built).
+        global_batch: instead of ``per_replica_batch``: examples per training step across
+            the whole job, divisible by the replicas (the data axis of a mesh). Use it
+            with model parallelism or when the pipeline is built before its scope: a
+            ``ModelParallel`` scope entered later checks it against its data axis (and
+            warns when a ``per_replica_batch`` pipeline was sized for other replicas).
         map_fn: applied to every example (decode, scale, ...), e.g. ``tfdist.data.scale``.
         map_on: ``'auto'`` (default): per example, and when the data is cached in
             memory vectorised over all examples at once with ``tf.vectorized_map``
@@ -321,7 +359,16 @@ def pipeline(
         >>> # 128 = 64 x 2 replicas: the GLOBAL batch
     """
     plan = _plan(
-        dataset, per_replica_batch, map_fn, map_on, cache, shuffle, seed, drop_remainder, strategy
+        dataset,
+        per_replica_batch,
+        global_batch,
+        map_fn,
+        map_on,
+        cache,
+        shuffle,
+        seed,
+        drop_remainder,
+        strategy,
     )
     state = new_state(seeded=plan.seeded, positioned=plan.positioned)
     ds, count, how = _build(plan, state)
