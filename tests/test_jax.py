@@ -115,17 +115,22 @@ def test_jax_process_gets_no_tensorflow_runtime_patches_and_its_own_fixes():
         import json
         import tfdist, keras
         from tfdist import compat
-        print(json.dumps({"applied": compat.applied()}))
+        packages = {f.name: f.package for f in compat.FIXES}
+        print(json.dumps({"applied": compat.applied(), "packages": packages}))
         """,
         KERAS_BACKEND="jax",
     )
     result = last_json_line(proc.stdout)
-    assert result["applied"] == [
+    applied = result["applied"]
+    assert {
         "keras_jax_initialize_once",
         "keras_jax_model_keeps_distribution",
         "keras_jax_distributed_lookahead",
         "keras_jax_sharded_epoch_length",
-    ]
+    } <= set(applied)
+    # No TensorFlow runtime patch, and no fix written for Keras on TensorFlow.
+    assert not [name for name in applied if result["packages"][name] == "tensorflow"]
+    assert not [name for name in applied if name.startswith(("tf_", "keras_multi_worker"))]
 
 
 _FIT_SEES = """

@@ -60,6 +60,10 @@ __all__ = [
     "keras_optimizer_uses_weight_decay",
     "keras_optimizer_distributed_update",
     "keras_optimizer_ema_step",
+    "keras_optimizer_ema_overwrite",
+    "keras_base_optimizer_class",
+    "keras_optimizer_apply_weight_decay",
+    "keras_optimizer_update_step",
     "keras_jax_distribution_lib",
     "keras_jax_epoch_iterator_class",
     "tf_wait_at_barrier",
@@ -110,6 +114,7 @@ REQUIRED = {
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
         "keras.src.backend.tensorflow.trainer:reduce_per_replica",
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.predict_on_batch",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
         "keras.src.tree:map_structure",
@@ -120,6 +125,8 @@ REQUIRED = {
         "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
         "keras.src.layers.layer:Layer._flatten_layers",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._apply_weight_decay",
+        "keras.src.optimizers.base_optimizer:BaseOptimizer._backend_update_step",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._use_weight_decay",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._update_model_variables_moving_average",
@@ -408,6 +415,21 @@ def keras_optimizer_accumulators(optimizer, variables) -> list:
     return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
 
 
+def keras_optimizer_apply_weight_decay(optimizer, variables) -> None:
+    """Upstream's weight decay of ``variables`` before an update (``weight_decay``)."""
+    optimizer._apply_weight_decay(variables)
+
+
+def keras_optimizer_update_step(optimizer, grads, variables) -> None:
+    """Upstream's update of every variable (the backend's, strategy-aware on TensorFlow)."""
+    optimizer._backend_update_step(grads, variables, optimizer.learning_rate)
+
+
+def keras_base_optimizer_class():
+    """``BaseOptimizer``: its ``_backend_apply_gradients`` holds the EMA overwrite's cond."""
+    return importlib.import_module("keras.src.optimizers.base_optimizer").BaseOptimizer
+
+
 def keras_optimizer_micro_steps(optimizer):
     """``optimizer._iterations``: every ``apply`` call, accumulating or not (the public
     ``iterations`` counts real updates when ``gradient_accumulation_steps`` is set)."""
@@ -430,20 +452,41 @@ def keras_optimizer_distributed_update(optimizer, distribution, grads_and_vars, 
 
 
 def keras_optimizer_ema_step(optimizer) -> None:
-    """Upstream's moving average of the weights after an update, if ``use_ema``."""
+    """Upstream's moving average of the weights after an update, if ``use_ema``; under a
+    strategy, in replica context, the periodic overwrite runs in cross-replica context
+    (``keras_optimizer_ema_overwrite``): upstream's ``ops.cond`` around it fails there."""
     if not optimizer.use_ema:
         return
-    ops = keras_ops()
     optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
     if optimizer.ema_overwrite_frequency:
-        should_overwrite = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
-        ops.cond(
-            should_overwrite,
+        keras_optimizer_ema_overwrite(optimizer)
+
+
+def keras_optimizer_ema_overwrite(optimizer) -> None:
+    """Every ``ema_overwrite_frequency`` updates, the weights take their moving average.
+
+    Upstream computes the same condition and calls the same overwrite inside ``ops.cond``.
+    In replica context under a tf.distribute strategy, assigning mirrored variables needs
+    a ``merge_call``, which is not allowed inside a cond branch; so there the cond runs
+    in one ``merge_call``, in cross-replica context, where the assignments update every
+    replica's copy with the same (mirrored) average.
+    """
+    import tensorflow as tf
+
+    def overwrite():
+        should = (optimizer.iterations + 1) % optimizer.ema_overwrite_frequency == 0
+        keras_ops().cond(
+            should,
             lambda: optimizer._overwrite_model_variables_with_average_value(
                 optimizer._trainable_variables
             ),
             lambda: None,
         )
+
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context() is False:
+        tf.distribute.get_replica_context().merge_call(lambda _strategy: overwrite())
+    else:
+        overwrite()
 
 
 def tf_communication_options(extended):
@@ -537,3 +580,201 @@ REQUIRED["jax"] += [
     "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
     "jax._src.lib:_jax.DistributedRuntimeClient.blocking_key_value_get",
 ]
+
+
+# ======================================== section: chief-only writes of Keras callbacks
+# (tfdist.compat.chief_writes) ModelCheckpoint and BackupAndRestore keep their file names,
+# decisions and positions in private methods and attributes; no public hook says "where
+# and whether this save goes" or "what this backup records".
+
+_CALLBACKS = "keras.src.callbacks."
+
+
+def keras_checkpoint_file_path(callback, epoch: int, batch, logs) -> str:
+    """The file a ``ModelCheckpoint`` save goes to: its ``filepath`` formatted with the
+    epoch, batch and logs, by upstream's own code (the name every worker must agree on)."""
+    return callback._get_file_path(epoch, batch, logs)
+
+
+def keras_checkpoint_should_save(callback, epoch: int, batch, logs, filepath: str) -> bool:
+    """``ModelCheckpoint``'s decision to save now (``save_best_only``: it also updates
+    ``best`` and prints what it decided), by upstream's own code."""
+    return bool(callback._should_save_model(epoch, batch, logs, filepath))
+
+
+def keras_backup_paths(callback) -> tuple[str, str, str, str]:
+    """``BackupAndRestore``'s files: weights, training metadata and their ``.bkp`` copies
+    (``double_checkpoint``), as upstream derived them from ``backup_dir``."""
+    return (
+        callback._weights_path,
+        callback._training_metadata_path,
+        callback._prev_weights_path,
+        callback._prev_training_metadata_path,
+    )
+
+
+def keras_backup_position(callback) -> dict:
+    """What ``BackupAndRestore`` records with a backup: the epoch to resume at and the
+    last batch seen (upstream's ``training_metadata.json``)."""
+    return {"epoch": callback._current_epoch, "batch": callback._last_batch_seen}
+
+
+def keras_backup_load(callback) -> None:
+    """``BackupAndRestore``'s restore (weights, optimizer state, the epoch ``fit`` starts
+    at), by upstream's own code; raises ``OSError`` for an unreadable weights file."""
+    callback._load_model()
+
+
+def keras_set_initial_epoch(model, epoch: int) -> None:
+    """The epoch ``fit`` starts at, set as ``BackupAndRestore`` sets it after a restore
+    (``fit`` reads it after ``on_train_begin``; there is no public setter)."""
+    model._initial_epoch = int(epoch)
+
+
+__all__ += [
+    "keras_checkpoint_file_path",
+    "keras_checkpoint_should_save",
+    "keras_backup_paths",
+    "keras_backup_position",
+    "keras_backup_load",
+    "keras_set_initial_epoch",
+]
+REQUIRED["keras"] += [
+    _CALLBACKS + "model_checkpoint:ModelCheckpoint._should_save_model",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._save_model",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._load_model",
+]
+SOURCE_ATTRIBUTES += [
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._weights_path",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._training_metadata_path",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._prev_weights_path",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._prev_training_metadata_path",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._current_epoch",
+    _CALLBACKS + "backup_and_restore:BackupAndRestore._last_batch_seen",
+    "keras.src.trainers.trainer:Trainer._initial_epoch",
+]
+# ======================================== end of section: chief-only writes
+
+
+# ======================================== section: clipping the global gradient
+# (tfdist.compat.clipping) Keras clips in its optimizer's private apply path, before the
+# private cross-replica update; the fix reorders those steps under a strategy, so it names
+# the upstream steps it replaces and the TensorFlow helper Keras uses for its merge_call.
+
+_KERAS_OPTIMIZERS = "keras.src.optimizers."
+
+
+def tf_maybe_merge_call(fn, strategy, *args) -> None:
+    """``fn(strategy, *args)`` through ``merge_call``, or directly where the strategy runs
+    without one (XLA on GPUs): how Keras' own TensorFlow optimizer reaches cross-replica
+    context for its update, so the fix behaves alike under either mode."""
+    from tensorflow.python.distribute import merge_call_interim
+
+    merge_call_interim.maybe_merge_call(fn, strategy, *args)
+
+
+__all__ += ["tf_maybe_merge_call"]
+REQUIRED["tensorflow"] += [
+    "tensorflow.python.distribute.merge_call_interim:maybe_merge_call",
+]
+REQUIRED["keras"] += [
+    _KERAS_OPTIMIZERS + "optimizer:Optimizer._backend_apply_gradients",
+    _KERAS_OPTIMIZERS + "base_optimizer:BaseOptimizer._backend_apply_gradients",
+    "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_update_step",
+    "keras.src.backend.tensorflow.optimizer:TFOptimizer._apply_weight_decay",
+    _KERAS_OPTIMIZERS + "loss_scale_optimizer:LossScaleOptimizer._stateful_handle_finite_grads",
+]
+# ======================================== end of section: clipping the global gradient
+
+
+# ======================================== section: numpy, PyDataset and generator inputs on JAX
+# (tfdist.compat.jax_inputs) Keras picks an input's adapter in a private module function
+# (the one place that refuses non-tf.data inputs in a multi-process job); the adapters
+# themselves are private classes with no public import path.
+
+_DATA_ADAPTERS = "keras.src.trainers.data_adapters"
+
+
+def keras_data_adapters_module():
+    """``keras.src.trainers.data_adapters``: ``get_data_adapter`` (which adapter an input
+    gets, and the multi-process refusal) and ``is_tf_dataset`` live there; every epoch
+    iterator calls ``get_data_adapter`` through the module."""
+    return importlib.import_module(_DATA_ADAPTERS)
+
+
+def keras_data_adapter_class():
+    """``DataAdapter``: the base of Keras's input adapters (an ``x`` that is one already
+    is used as given)."""
+    return importlib.import_module(_DATA_ADAPTERS + ".data_adapter").DataAdapter
+
+
+def keras_shareable_adapter_classes() -> tuple:
+    """The adapters of numpy-like arrays, ``PyDataset`` and Python generators: each yields
+    whole global batches from ``get_jax_iterator``, which a process can cut its share from."""
+    module = keras_data_adapters_module()
+    return (module.ArrayDataAdapter, module.PyDatasetAdapter, module.GeneratorDataAdapter)
+
+
+__all__ += [
+    "keras_data_adapters_module",
+    "keras_data_adapter_class",
+    "keras_shareable_adapter_classes",
+]
+REQUIRED["keras"] += [
+    _DATA_ADAPTERS + ":get_data_adapter",
+    _DATA_ADAPTERS + ":is_tf_dataset",
+    _DATA_ADAPTERS + ":ArrayDataAdapter.get_jax_iterator",
+    _DATA_ADAPTERS + ":PyDatasetAdapter.get_jax_iterator",
+    _DATA_ADAPTERS + ":GeneratorDataAdapter.get_jax_iterator",
+    _DATA_ADAPTERS + ".data_adapter:DataAdapter",
+]
+# What the fix relies on (tfdist.compat.jax_inputs's targets): where a shuffled epoch
+# draws its order, that on_epoch_begin precedes each epoch's iterator, and that Keras
+# assembles the global batch from each process's part.
+REQUIRED["keras"] += [
+    _DATA_ADAPTERS + ".array_data_adapter:ArrayDataAdapter._get_iterator",
+    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter._finite_generator",
+    "keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator",
+]
+REQUIRED["jax"] += [
+    "keras.src.backend.jax.trainer:JAXTrainer.make_predict_function",
+]
+SOURCE_ATTRIBUTES += [
+    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter.enqueuer",
+]
+# ======================================== end of section: numpy, PyDataset and generator inputs
+
+
+# ======================================== section: the JAX watchdog
+# (tfdist.watchdog) Each process of a multi-process JAX job publishes how far it got in
+# jax's coordination store, overwriting its previous entry, and reads its peers' entries
+# without waiting; jax's public API exposes neither (only a blocking get of a new key).
+
+
+def jax_key_value_put(key: str, value: str) -> None:
+    """Sets ``key=value`` in jax's coordination store, replacing an earlier value."""
+    from jax._src import distributed
+
+    distributed.global_state.client.key_value_set(key, value, allow_overwrite=True)
+
+
+def jax_key_value_try_get(key: str) -> str | None:
+    """``key``'s value in jax's coordination store now, or None when it is not set.
+
+    Raises jax's runtime error when the coordination service does not answer.
+    """
+    from jax._src import distributed
+
+    try:
+        return distributed.global_state.client.key_value_try_get(key)
+    except Exception as err:  # noqa: BLE001 - jax's one error type; "NOT_FOUND" is no error
+        if "NOT_FOUND" in str(err):
+            return None
+        raise
+
+
+__all__ += ["jax_key_value_put", "jax_key_value_try_get"]
+REQUIRED["jax"] += [
+    "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
+]
+# ======================================== end of section: the JAX watchdog

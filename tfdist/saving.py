@@ -642,3 +642,49 @@ def _load_weights(path: str, model):
             model.optimizer.build(model.trainable_variables)
     model.load_weights(path)
     return model
+
+
+# ------------------------------------------------------------------ save's protocol, reused
+# (tfdist.compat.chief_writes: Keras's own ModelCheckpoint and BackupAndRestore)
+
+
+def has_other_workers(model=None) -> bool:
+    """Whether saving ``model`` involves other workers (a multi-worker job trains it).
+
+    Example:
+        >>> has_other_workers()  # no cluster in the environment
+        False
+    """
+    return _has_other_workers(model)
+
+
+def write_on_every_worker(model, path: str | os.PathLike, write, *, what: str) -> str:
+    """``save``'s protocol for any writer: every worker calls ``write(staging)`` (reading
+    the variables may be collective), only the chief's output lands at ``path``
+    (atomically), and every worker returns once it is there.
+
+    For writes ``save`` does not make itself: Keras's legacy ``.h5``, a file completed
+    before it lands (a backup that carries its metadata).
+
+    Example:
+        >>> writer = model.save_weights                                   # doctest: +SKIP
+        >>> write_on_every_worker(model, "w.weights.h5", writer, what="w")  # doctest: +SKIP
+        '/abs/w.weights.h5'
+    """
+    final = os.path.abspath(validate.path_text(path, "path", "write_on_every_worker"))
+    if not callable(write):
+        raise TypeError(
+            f"write_on_every_worker: write must be a function of the staging path. "
+            f"Received: write={write!r}. Pass e.g. model.save_weights."
+        )
+    role = write_role()
+    if role.is_chief:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+    sync_workers(what, model=model)  # a call on some workers only fails here, clearly
+    with atomic_output(final, role=role) as staging:
+        write(staging)
+    sync_workers(what, model=model)  # the chief's file is in place for every worker
+    return final
+
+
+__all__ += ["has_other_workers", "write_on_every_worker"]

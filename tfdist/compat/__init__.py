@@ -73,6 +73,7 @@ from tfdist.compat import (
     jax_fixes,
     jax_inputs,
     keras_fixes,
+    on_batch,
     registry,
     tf_fixes,
 )
@@ -133,6 +134,23 @@ FIXES: list[Fix] = [
             "keras.src.backend:Variable",
             _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
             "tensorflow.python.distribute.distribute_utils:is_distributed_variable",
+        ),
+    ),
+    Fix(
+        "keras_ema_overwrite_under_strategy",
+        "Keras 3 Optimizer(use_ema=True, ema_overwrite_frequency=k) under Mirrored/Multi"
+        "WorkerMirroredStrategy: 'merge_call called while defining a new graph'",
+        on_keras_backend("tensorflow"),
+        keras_fixes.fix_ema_overwrite,
+        targets=targets(
+            _KB + "BaseOptimizer._backend_apply_gradients",
+            _KB + "BaseOptimizer._clip_gradients",
+            _KB + "BaseOptimizer._apply_weight_decay",
+            _KB + "BaseOptimizer._backend_update_step",
+            _KB + "BaseOptimizer._update_model_variables_moving_average",
+            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
+            _KB + "BaseOptimizer._trainable_variables (instance)",
+            "keras.src.ops:cond",
         ),
     ),
     Fix(
@@ -262,7 +280,7 @@ FIXES: list[Fix] = [
 
 
 # Fixes that live with their own module (each exports FIXES).
-FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES
+FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES
 
 
 def fix_names() -> list[str]:

@@ -11,10 +11,12 @@ from tfdist import _private
 from tfdist.compat.registry import patch
 
 __all__ = [
+    "fix_ema_overwrite",
     "fix_symbolic_build",
     "fix_multi_worker_mean",
     "fix_gradient_accumulation",
     "fix_progbar_chief_only",
+    "cross_replica_apply",
 ]
 
 
@@ -236,6 +238,26 @@ def _cross_replica_update(optimizer, distribution, clipped, variables, accumulat
     """The update step: weight decay, the optimizer's update, accumulators zeroed."""
     import tensorflow as tf
 
+    cross_replica_apply(optimizer, distribution, clipped, variables)
+    for acc in accumulators:
+        distribution.extended.update(
+            _tf_var(acc), lambda a: a.assign(tf.zeros_like(a)), group=False
+        )
+
+
+def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
+    """Weight decay, then the optimizer's update of every variable with ``grads``.
+
+    What upstream's ``_apply_weight_decay`` and ``_backend_update_step`` do after their
+    all-reduce, for gradients already all-reduced (and clipped): no second reduction.
+    Shared by the gradient-accumulation and clipping fixes (``tfdist.compat.clipping``);
+    called with the strategy ``merge_call`` hands over.
+
+    Example:
+        >>> cross_replica_apply(opt, strategy, clipped, variables)  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
     if optimizer.weight_decay is not None:
 
         def weight_decay_fn(variable):
@@ -249,13 +271,9 @@ def _cross_replica_update(optimizer, distribution, clipped, variables, accumulat
     _private.keras_optimizer_distributed_update(
         optimizer,
         distribution,
-        list(zip(clipped, [_tf_var(v) for v in variables], strict=True)),
+        list(zip(grads, [_tf_var(v) for v in variables], strict=True)),
         optimizer.learning_rate,
     )
-    for acc in accumulators:
-        distribution.extended.update(
-            _tf_var(acc), lambda a: a.assign(tf.zeros_like(a)), group=False
-        )
 
 
 def _cross_replica_accumulate(distribution, summed, accumulators) -> None:
@@ -353,3 +371,59 @@ def fix_progbar_chief_only() -> None:
         return set_params
 
     patch(_private.keras_progbar_logger_class(), "set_params", "keras_progbar_chief_only", make)
+
+
+# ------------------------------------------------- fix: EMA overwrite under a strategy
+
+
+def _in_replica_context_of_a_strategy() -> bool:
+    import tensorflow as tf
+
+    return (
+        tf.distribute.has_strategy()
+        and not tf.distribute.in_cross_replica_context()
+        and not tf.executing_eagerly()
+    )
+
+
+def fix_ema_overwrite() -> None:
+    """Makes ``use_ema`` with ``ema_overwrite_frequency`` work under a tf.distribute strategy.
+
+    Upstream ``BaseOptimizer._backend_apply_gradients`` ends with the moving average of
+    the weights and, every ``ema_overwrite_frequency`` updates, an ``ops.cond`` that
+    overwrites the weights with that average. Under MirroredStrategy or
+    MultiWorkerMirroredStrategy the step runs in replica context, where assigning a
+    mirrored variable is a ``merge_call``, which is not allowed inside a cond branch:
+    ``fit`` fails ("merge_call called while defining a new graph"). In that case only
+    (replica context of a strategy, an overwrite frequency, no gradient accumulation,
+    which ``keras_gradient_accumulation`` handles), the fix runs upstream's own steps of
+    the non-accumulating branch (clip, weight decay, ``_backend_update_step``, the moving
+    average) and then the same condition and overwrite in one ``merge_call``, in
+    cross-replica context, where each assignment updates every replica's copy with the
+    same mirrored average: the weights one device gets. (Upstream's attribute cannot be
+    switched off for the call: MirroredStrategy runs the replicas in threads that share
+    the optimizer.) Otherwise upstream's code runs unchanged.
+    """
+
+    def make(upstream):
+        def _backend_apply_gradients(self, grads, trainable_variables):
+            if (
+                not (self.use_ema and self.ema_overwrite_frequency)
+                or self.gradient_accumulation_steps
+                or not _in_replica_context_of_a_strategy()
+            ):
+                return upstream(self, grads, trainable_variables)
+            # Upstream's non-accumulating branch, step for step.
+            grads = _private.keras_optimizer_clip(self, grads)
+            _private.keras_optimizer_apply_weight_decay(self, trainable_variables)
+            _private.keras_optimizer_update_step(self, grads, trainable_variables)
+            _private.keras_optimizer_ema_step(self)  # the overwrite in cross-replica context
+
+        return _backend_apply_gradients
+
+    patch(
+        _private.keras_base_optimizer_class(),
+        "_backend_apply_gradients",
+        "keras_ema_overwrite_under_strategy",
+        make,
+    )

@@ -1,0 +1,150 @@
+"""The idiom matrix: each ordinary Keras idiom x topology x backend against one device.
+
+``tests/scripts/idioms_job.py`` writes every idiom as a user's script does (numpy into
+``fit``, Keras's own callbacks, optimizer options, layers, custom ``train_step``) and
+trains them all in one process. It runs on one device (the reference), on 2 logical
+devices and as 2 workers / 2 processes under ``tfdist launch``, on TensorFlow and on JAX.
+Every cell must give what one device gives, within ``TOLERANCE``; the few that cannot
+are listed in ``EXPECTED`` with why, and are checked to still behave that way (so the
+list cannot go stale). The README's idiom table is generated from these lists
+(``tools/idiom_table.py``) and checked by ``test_readme_table_is_generated``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, SCRIPTS, last_json_line, launch_cli, run_python
+
+sys.path.insert(0, str(REPO / "tools"))
+import idiom_table  # noqa: E402
+
+JOB = SCRIPTS / "idioms_job.py"
+BACKENDS = ("tensorflow", "jax")
+TOPOLOGIES = ("2 devices", "2 workers")  # each against "1 device"
+IDIOMS = idiom_table.idioms()
+TOLERANCE = idiom_table.TOLERANCE
+EXPECTED = idiom_table.EXPECTED
+
+
+def _values(stdout: str) -> dict:
+    for line in reversed(stdout.splitlines()):
+        if "IDIOMS " in line:
+            return json.loads(line[line.index("IDIOMS ") + len("IDIOMS ") :])
+    pytest.fail(f"the idiom job printed no result:\n{stdout[-3000:]}")
+
+
+@functools.cache
+def _run(backend: str, topology: str) -> dict:
+    env = {"KERAS_BACKEND": backend}
+    if topology == "2 workers":
+        proc = launch_cli("-n", "2", str(JOB), timeout=900, **env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return _values(proc.stdout)
+    if topology == "2 devices":
+        env["TFDIST_CPU_DEVICES"] = "2"
+    code = f"import runpy; runpy.run_path({str(JOB)!r}, run_name='__main__')"
+    return _values(run_python(code, timeout=600, **env).stdout)
+
+
+def _difference(reference: dict, cell: dict) -> float:
+    """The largest difference between the two results' numbers (inf if shapes differ)."""
+    worst = 0.0
+    for key, expected in reference["values"].items():
+        got = cell["values"].get(key)
+        if got is None or len(got) != len(expected):
+            return float("inf")
+        worst = max([worst, *(abs(a - b) for a, b in zip(expected, got, strict=True))])
+    return worst
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+@pytest.mark.multiworker
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_idiom_matches_one_device(idiom, backend, topology):
+    expected = idiom_table.expected(idiom, backend, topology)
+    cell = _run(backend, topology)[idiom]
+    if expected is not None and expected[0] == "error":  # a clear error that says what to do
+        assert "error" in cell and expected[2] in cell["error"], cell
+        return
+    reference = _run(backend, "1 device")[idiom]
+    assert "error" not in reference, reference.get("trace")
+    assert not reference["nonfinite"] or idiom == "terminate_on_nan", reference
+    if expected is None:
+        assert "error" not in cell, cell.get("trace")
+        tolerance = TOLERANCE.get(idiom, TOLERANCE["default"])
+        assert _difference(reference, cell) <= tolerance
+    else:  # "differs": not equal by design (reason in EXPECTED); if it becomes equal,
+        # update the list
+        assert "error" not in cell, cell.get("trace")
+        assert _difference(reference, cell) > TOLERANCE["default"], expected[1]
+
+
+def test_every_idiom_is_in_the_job_and_expectations_name_real_cells():
+    assert IDIOMS and len(IDIOMS) == len(set(IDIOMS))
+    for (idiom, backend, topology), _ in EXPECTED.items():
+        assert idiom in IDIOMS, idiom
+        assert backend in (*BACKENDS, "*") and topology in (*TOPOLOGIES, "*")
+
+
+def test_readme_table_is_generated():
+    table = idiom_table.markdown()
+    readme = (REPO / "README.md").read_text()
+    assert table in readme, "run: python tools/idiom_table.py --write"
+
+
+# ------------------------------------------------------------------ upstream failures
+
+
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_predict_on_batch_copies")
+def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
+    code = """
+    import json
+    import numpy as np
+    import keras, tfdist
+    with tfdist.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    x = np.ones((8, 2), "float32")
+    print(json.dumps({"rows": int(model.predict_on_batch(x).shape[0])}))
+    """
+    fixed = last_json_line(run_python(code, TFDIST_CPU_DEVICES="2").stdout)
+    upstream = last_json_line(
+        run_python(
+            code, TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE="keras_predict_on_batch_copies"
+        ).stdout
+    )
+    assert (upstream["rows"], fixed["rows"]) == (16, 8)
+
+
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_ema_overwrite_under_strategy")
+def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fix():
+    code = f"""
+    import json, sys
+    sys.path.insert(0, {str(SCRIPTS)!r})
+    import idioms_job
+    try:
+        print(json.dumps({{"weights": idioms_job.use_ema_overwrite()["weights"]}}))
+    except Exception as err:
+        print(json.dumps({{"error": str(err)}}))
+    """
+    fixed = last_json_line(run_python(code, TFDIST_CPU_DEVICES="2").stdout)
+    one = last_json_line(run_python(code).stdout)
+    upstream = last_json_line(
+        run_python(
+            code,
+            TFDIST_CPU_DEVICES="2",
+            TFDIST_COMPAT_EXCLUDE="keras_ema_overwrite_under_strategy",
+        ).stdout
+    )
+    assert "merge_call` called while defining a new graph" in upstream["error"]
+    diff = max(abs(a - b) for a, b in zip(one["weights"], fixed["weights"], strict=True))
+    assert diff < 1e-5
