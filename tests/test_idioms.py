@@ -16,6 +16,7 @@ import functools
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import REPO, SCRIPTS, last_json_line, launch_cli, run_python
@@ -148,3 +149,45 @@ def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fi
     assert "merge_call` called while defining a new graph" in upstream["error"]
     diff = max(abs(a - b) for a, b in zip(one["weights"], fixed["weights"], strict=True))
     assert diff < 1e-5
+
+
+_OVERFLOW_ON_ONE_REPLICA = """
+import json
+import numpy as np
+import keras, tensorflow as tf, tfdist
+with tfdist.scope():
+    weight = keras.Variable(np.ones(1, "float32"))
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    optimizer.build([weight])
+strategy = tfdist.strategy()
+
+@tf.function
+def step():
+    def on_replica():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        # Replica 1's part of the batch overflowed float16; replica 0's did not.
+        grad = tf.where(replica == 1, tf.constant([np.inf]), tf.constant([1.0]))
+        optimizer.apply([grad], [weight])
+    strategy.run(on_replica)
+
+step()
+print(json.dumps({"weight": float(weight.numpy()[0]),
+                  "scale": float(optimizer.dynamic_scale.numpy())}))
+"""
+
+
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_loss_scale_finite_everywhere")
+def test_a_step_that_overflows_on_one_replica_is_skipped_on_every_replica():
+    fixed = last_json_line(run_python(_OVERFLOW_ON_ONE_REPLICA, TFDIST_CPU_DEVICES="2").stdout)
+    upstream = last_json_line(
+        run_python(
+            _OVERFLOW_ON_ONE_REPLICA,
+            TFDIST_CPU_DEVICES="2",
+            TFDIST_COMPAT_EXCLUDE="keras_loss_scale_finite_everywhere",
+        ).stdout
+    )
+    # Upstream: the first replica's "finite" applies the all-reduced inf to the weight.
+    assert not np.isfinite(upstream["weight"])
+    # Fixed: skipped as one device skips a non-finite gradient, the loss scale halved.
+    assert fixed == {"weight": 1.0, "scale": 32768.0 / 2}

@@ -62,6 +62,7 @@ __all__ = [
     "keras_optimizer_ema_step",
     "keras_optimizer_ema_overwrite",
     "keras_base_optimizer_class",
+    "keras_loss_scale_optimizer_class",
     "keras_optimizer_apply_weight_decay",
     "keras_optimizer_update_step",
     "keras_jax_distribution_lib",
@@ -126,6 +127,7 @@ REQUIRED = {
         "keras.src.layers.layer:Layer._flatten_layers",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._apply_weight_decay",
+        "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._backend_update_step",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients",
         "keras.src.optimizers.base_optimizer:BaseOptimizer._use_weight_decay",
@@ -423,6 +425,11 @@ def keras_optimizer_apply_weight_decay(optimizer, variables) -> None:
 def keras_optimizer_update_step(optimizer, grads, variables) -> None:
     """Upstream's update of every variable (the backend's, strategy-aware on TensorFlow)."""
     optimizer._backend_update_step(grads, variables, optimizer.learning_rate)
+
+
+def keras_loss_scale_optimizer_class():
+    """``LossScaleOptimizer``: its ``check_finite`` decides whether a step is skipped."""
+    return importlib.import_module("keras.src.optimizers.loss_scale_optimizer").LossScaleOptimizer
 
 
 def keras_base_optimizer_class():

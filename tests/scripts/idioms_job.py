@@ -20,11 +20,10 @@ import math
 import sys
 import traceback
 
+import keras
 import numpy as np
 
 import tfdist
-
-import keras  # noqa: E402  (after tfdist: its start-up hook configures the process)
 
 BATCH = 16  # the global batch everywhere
 N = 64

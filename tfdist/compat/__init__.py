@@ -66,13 +66,14 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
-from tfdist import config, process, validate, versions
+from tfdist import batchnorm, config, process, validate, versions
 from tfdist.compat import (
     chief_writes,
     clipping,
     jax_fixes,
     jax_inputs,
     keras_fixes,
+    loss_scale,
     on_batch,
     registry,
     tf_fixes,
@@ -280,7 +281,16 @@ FIXES: list[Fix] = [
 
 
 # Fixes that live with their own module (each exports FIXES).
-FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES
+FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES + loss_scale.FIXES
+FIXES.append(
+    Fix(
+        batchnorm.FIX_NAME,
+        batchnorm.SUMMARY,
+        on_keras_backend("tensorflow"),
+        batchnorm.install,
+        targets=targets(*batchnorm.TARGETS),
+    )
+)
 
 
 def fix_names() -> list[str]:
