@@ -340,3 +340,16 @@ def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path):
         "longer shows the failure it reproduces, upstream fixed it: retire the fix"
     ) in proc.stdout
     assert "keras_other_fix" not in proc.stdout
+
+
+def test_the_docs_fix_table_is_generated_from_the_records():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        fix_table = importlib.import_module("fix_table")
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    table = fix_table.markdown()
+    assert table in (REPO / "docs" / "multi_worker.md").read_text(), (
+        "run: python tools/fix_table.py --write"
+    )
+    assert all(f"`{name}`" in table for name in compat.fix_names())

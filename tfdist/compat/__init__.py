@@ -1,57 +1,27 @@
 """Fixes for Keras/TensorFlow defects that break distributed training, applied once.
 
-Each fix is a small ``Fix`` record: the package versions it applies to, a function that
-applies it (idempotently), and a docstring on that function saying what it changes and
-why the result is correct. ``apply_all()`` runs every fix whose versions match;
+Each fix is a small ``Fix`` record: the backend it applies to, its upstream targets, a
+function that applies it (idempotently), and a docstring on that function saying what it
+changes and why the result is correct. ``apply_all()`` runs every fix that applies;
 each fix is applied as soon as the package it patches is imported (``tfdist.startup``),
 so scripts that build ``tf.distribute.MultiWorkerMirroredStrategy()`` by hand get them
 too, including those started by ``tfdist launch`` that never import tfdist.
 
-The fixes (verified on TensorFlow 2.21 / Keras 3.15.1; tests/test_compat.py reproduces
-each upstream failure without its fix, so we notice when upstream fixes it):
-
-========================================  =============================================
-``keras_symbolic_build_from_spec``         ``fit``/``evaluate`` under multi-worker: build
-                                           the model from the dataset's ``element_spec``
-                                           instead of pulling a batch and reducing it
-                                           across workers (keras-team/keras#20585).
-``keras_multi_worker_mean``                ``fit``/``evaluate`` under multi-worker: reduce
-                                           per-replica metrics with ``axis=None``
-                                           ("Invalid reduction dimension 0").
-``keras_gradient_accumulation``            ``Optimizer(gradient_accumulation_steps=k)``
-                                           under Mirrored and MultiWorkerMirrored
-                                           ("merge_call called while defining a new
-                                           graph").
-``keras_progbar_chief_only``               progress bars and epoch logs only on the chief
-                                           of a multi-worker job.
-``tf_multi_worker_timeouts``               a worker that never starts, dies or stops
-                                           answering ends the others with an error
-                                           instead of a hang.
-``tf_multi_worker_logical_cpus``           ``TFDIST_CPU_DEVICES=K`` gives each worker of
-                                           a multi-worker job K replicas on CPU.
-``tf_multi_worker_auto_shard``             a tf.data pipeline with fewer files than
-                                           workers is sharded by DATA, not failed.
-========================================  =============================================
+The fixes are the ``FIXES`` records below (and the ``FIXES`` of the modules listed after
+them); docs/multi_worker.md's table is generated from them (``tools/fix_table.py``) and
+``tfdist info`` shows each one's state. Each names its upstream targets: a missing or
+changed target makes that fix step aside with one ``FixSkippedWarning``
+(``registry.guard``). A test marked ``upstream_failure`` reproduces each upstream failure
+without its fix, so we notice when upstream fixes it.
 
 Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``
 (``all`` for every fix: what ``tfdist launch --no-fixes`` sets).
-Under the JAX backend none of these applies (each is guarded by backend and version);
-these do instead:
+Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime patch.
 
-========================================  =============================================
-``keras_jax_initialize_once``              ``keras.distribution.initialize()`` joins the
-                                           job tfdist already initialised (timeouts).
-``keras_jax_model_keeps_distribution``     ``fit`` after ``with distribution.scope():``
-                                           stays data parallel.
-``keras_jax_distributed_lookahead``        the next batch is copied to the devices while
-                                           a distributed step runs.
-``keras_jax_sharded_epoch_length``         per-process sharding keeps a pipeline's epoch
-                                           length (full epochs after a resume).
-========================================  =============================================
-
-Layout: ``registry`` (the Fix record, version guards, ``patch``), ``keras_fixes``,
-``tf_fixes``, ``jax_fixes``, ``datasets`` (a dataset with a declared length); this
-module lists them and applies them.
+Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
+``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
+``loss_scale``, ``datasets`` (a dataset with a declared length); this module lists them
+and applies them.
 
 Example:
     >>> from tfdist import compat
