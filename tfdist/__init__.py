@@ -34,6 +34,7 @@ _EXPORTS = {
     "cluster_from_env": "tfdist.cluster",
     "ConfigError": "tfdist.config",
     "make_or_restore": "tfdist.checkpoint",
+    "loops": "tfdist.loops",
     "save": "tfdist.saving",
     "load": "tfdist.saving",
     # submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...

@@ -366,3 +366,28 @@ def _load_weights(model, path: str) -> None:
                 "wrote the checkpoint, or a new checkpoint_dir."
             )
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+# --------------------------------------------------------------------------- reusable by loops
+
+
+def newest_readable(directory: str, role: saving.WriteRole, inspect: Callable = inspect_archive):
+    """``(path, info)`` of the newest checkpoint ``inspect`` reads back, or None.
+
+    ``make_or_restore``'s rule for any reader (``tfdist.loops.Checkpointer``): newest first,
+    a file ``inspect`` rejects (``CorruptCheckpoint``) is skipped with a warning and, on the
+    chief, renamed ``*.corrupt``.
+
+    Example:
+        >>> newest_readable("ckpt/", saving.write_role())  # doctest: +SKIP
+        ('/abs/ckpt/ckpt-1-4.keras', {'config': {...}, 'resume': {...}})
+    """
+    for _position, path in reversed(checkpoint_entries(directory)):
+        try:
+            return path, inspect(path)
+        except CorruptCheckpoint as err:
+            _skip_corrupt(path, str(err), role)
+    return None
+
+
+__all__ += ["newest_readable"]

@@ -1,0 +1,121 @@
+"""A custom training loop in the style of Keras's "Writing a training loop from scratch in
+JAX" and "Distributed training with JAX" guides, with tfdist's helpers (run with
+KERAS_BACKEND=jax; docs/custom_loops.md shows it).
+
+``python loop_jax.py --dir D``: trains on a mesh over every device of every process
+(``tfdist.loops.mesh()``); ``--one-device-too`` first trains the same loop on a mesh of
+one device in the same process (the reference). Checkpoints every ``--every`` steps;
+``--kill-at-step K`` SIGKILLs the first attempt after step K;
+``--sigterm-at-step S`` sends SIGTERM to worker 1 of the second attempt after step S; ``--dropout`` adds a
+Dropout layer (its RNG state is part of the checkpoint). Prints one JSON line per process.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import jax
+import keras
+import numpy as np
+
+import tfdist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dir", required=True)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--every", type=int, default=4)
+parser.add_argument("--kill-at-step", type=int, default=None)
+parser.add_argument("--sigterm-at-step", type=int, default=None)
+parser.add_argument("--one-device-too", action="store_true")
+parser.add_argument("--dropout", action="store_true")
+args = parser.parse_args()
+
+GLOBAL_BATCH_SIZE = 16
+rng = np.random.RandomState(0)
+features = rng.rand(160, 8).astype("float32")
+labels = (features.sum(axis=1) * 4 / 8).astype("int64") % 4
+attempt = int(os.environ.get("TFDIST_RESTART", "0"))
+
+
+def inject_fault(step):
+    """kill -9 in the first attempt; SIGTERM to worker 1 only in the second."""
+    if attempt == 0 and step == args.kill_at_step:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-run, between two saves
+    if attempt == 1 and step == args.sigterm_at_step and tfdist.worker_index() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice
+
+
+def get_model():
+    keras.utils.set_random_seed(1)
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+    if args.dropout:
+        layers.append(keras.layers.Dropout(0.2))
+    return keras.Sequential([*layers, keras.layers.Dense(4)])
+
+
+def train(mesh, directory):
+    # The same GLOBAL batches in every process; shard_batch keeps each process's rows.
+    train_data = tfdist.data.pipeline((features, labels), global_batch=GLOBAL_BATCH_SIZE, seed=0)
+    model = get_model()
+    optimizer = keras.optimizers.Adam(learning_rate=0.01)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    optimizer.build(model.trainable_variables)
+
+    ckpt = tfdist.loops.Checkpointer(
+        directory, model=model, optimizer=optimizer, pipeline=train_data
+    )
+    step = ckpt.restore()  # before the state is read from the model
+    restored_from = ckpt.restored_from
+    where = restored_from and os.path.basename(restored_from)
+    print(json.dumps({"attempt": attempt, "restored": where, "at_step": step}), flush=True)
+
+    def compute_loss_and_updates(trainable_variables, non_trainable_variables, x, y):
+        y_pred, non_trainable_variables = model.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=True
+        )
+        return loss_fn(y, y_pred), non_trainable_variables
+
+    grad_fn = jax.value_and_grad(compute_loss_and_updates, has_aux=True)
+
+    @jax.jit
+    def train_step(state, data):
+        trainable_variables, non_trainable_variables, optimizer_variables = state
+        x, y = data
+        (loss, non_trainable_variables), grads = grad_fn(
+            trainable_variables, non_trainable_variables, x, y
+        )
+        trainable_variables, optimizer_variables = optimizer.stateless_apply(
+            optimizer_variables, grads, trainable_variables
+        )
+        return loss, (trainable_variables, non_trainable_variables, optimizer_variables)
+
+    # Replicated train state on the global mesh (every device of every process).
+    state = tfdist.loops.replicate(
+        (model.trainable_variables, model.non_trainable_variables, optimizer.variables), on=mesh
+    )
+    losses = []
+    for _epoch in range(step // ckpt.steps_per_epoch, args.epochs):
+        for batch in train_data.as_numpy_iterator():
+            loss, state = train_step(state, tfdist.loops.shard_batch(batch, on=mesh))
+            losses.append(float(tfdist.loops.to_host(loss)))
+            step += 1
+            inject_fault(step)
+            ckpt.maybe_save(step, every=args.every, state=state)
+    ckpt.write_state(state)  # the trained values back into the model
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "step": step,
+        "losses": losses,
+        "devices": int(mesh.devices.size),
+        "restored_from": where,
+        "checkpoints": sorted(n for n in os.listdir(directory) if n.startswith("ckpt")),
+    }
+
+
+result = {"processes": jax.process_count(), "devices": jax.device_count()}
+if args.one_device_too:
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+    result["one_device"] = train(one, os.path.join(args.dir, "one"))
+result["distributed"] = train(tfdist.loops.mesh(), os.path.join(args.dir, "dist"))
+print(json.dumps(result), flush=True)

@@ -1,0 +1,110 @@
+"""A custom training loop in the style of TensorFlow's "Custom training with
+tf.distribute.Strategy" guide, with tfdist's helpers (docs/custom_loops.md shows it).
+
+``python loop_tf.py --dir D``: trains with ``tfdist.strategy()`` (1 device, N logical
+devices, or N workers under ``tfdist launch``); ``--one-device-too`` first trains the
+same loop on ``OneDeviceStrategy`` in the same process (the reference). Checkpoints every
+``--every`` steps; ``--kill-at-step K`` SIGKILLs the first attempt after step K;
+``--sigterm-at-step S`` sends SIGTERM to worker 1 of the second attempt after step S.
+Prints one JSON line per process.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dir", required=True)
+parser.add_argument("--epochs", type=int, default=3)
+parser.add_argument("--every", type=int, default=4)
+parser.add_argument("--kill-at-step", type=int, default=None)
+parser.add_argument("--sigterm-at-step", type=int, default=None)
+parser.add_argument("--one-device-too", action="store_true")
+args = parser.parse_args()
+
+GLOBAL_BATCH_SIZE = 16
+rng = np.random.RandomState(0)
+features = rng.rand(160, 8).astype("float32")
+labels = (features.sum(axis=1) * 4 / 8).astype("int64") % 4
+attempt = int(os.environ.get("TFDIST_RESTART", "0"))
+
+
+def inject_fault(step):
+    """kill -9 in the first attempt; SIGTERM to worker 1 only in the second."""
+    if attempt == 0 and step == args.kill_at_step:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-run, between two saves
+    if attempt == 1 and step == args.sigterm_at_step and tfdist.worker_index() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice
+
+
+def train(strategy, directory):
+    # Every epoch reshuffled from (seed, epoch); GLOBAL batches, split between replicas.
+    train_data = tfdist.data.pipeline(
+        (features, labels), global_batch=GLOBAL_BATCH_SIZE, seed=0, strategy=strategy
+    )
+    dist_dataset = tfdist.loops.distribute(train_data, strategy=strategy)
+
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.Dense(4),
+            ]
+        )
+        optimizer = keras.optimizers.Adam(learning_rate=0.01)
+        loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def train_step(inputs):
+        x, y = inputs
+        with tf.GradientTape() as tape:
+            predictions = model(x, training=True)
+            loss = tfdist.loops.average_loss(loss_object(y, predictions))
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+        return loss
+
+    @tf.function
+    def distributed_train_step(dataset_inputs):
+        per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_losses, axis=None)
+
+    ckpt = tfdist.loops.Checkpointer(
+        directory, model=model, optimizer=optimizer, pipeline=train_data, strategy=strategy
+    )
+    step = ckpt.restore()
+    restored_from = ckpt.restored_from
+    where = restored_from and os.path.basename(restored_from)
+    print(json.dumps({"attempt": attempt, "restored": where, "at_step": step}), flush=True)
+    losses = []
+    for _epoch in range(step // ckpt.steps_per_epoch, args.epochs):
+        for batch in dist_dataset:
+            losses.append(float(distributed_train_step(batch)))
+            step += 1
+            inject_fault(step)
+            ckpt.maybe_save(step, every=args.every)
+    return {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "optimizer": [np.asarray(v).tolist() for v in optimizer.variables[:1]],
+        "step": step,
+        "losses": losses,
+        "replicas": strategy.num_replicas_in_sync,
+        "restored_from": where,
+        "checkpoints": sorted(n for n in os.listdir(directory) if n.startswith("ckpt")),
+    }
+
+
+result = {"workers": tfdist.num_workers()}
+if args.one_device_too:
+    one = tf.distribute.OneDeviceStrategy("/cpu:0")
+    result["one_device"] = train(one, os.path.join(args.dir, "one"))
+result["distributed"] = train(tfdist.strategy(), os.path.join(args.dir, "dist"))
+print(json.dumps(result), flush=True)

@@ -1,0 +1,483 @@
+"""Custom training loops in the TensorFlow and Keras-JAX guides' style, on 1 device, N
+devices and N workers with the same result, and their exact resume.
+
+TensorFlow (``strategy.run``): ``distribute(pipeline)`` hands a ``tfdist.data.pipeline``
+of GLOBAL batches to tfdist's strategy; ``average_loss(per_example_loss)`` divides by
+the step's global batch (summed over replicas, so a short last batch counts right).
+
+JAX (``model.stateless_call``/``optimizer.stateless_apply`` under ``jax.jit``): ``mesh()``
+spans ``jax.devices()`` of every process; ``replicate(tree)`` places the train state
+replicated on it; ``shard_batch(batch)`` places a global batch split along its first
+axis. Every process passes the SAME global batch (what ``tfdist.data.pipeline`` yields
+on JAX) and keeps only the rows its own devices hold.
+
+``Checkpointer`` gives a loop ``make_or_restore``'s guarantees: atomic ``.keras``
+archives written by the chief only (with the optimizer state, the step and the RNG
+state in extra members), a damaged newest archive skipped for the previous one, every
+worker agreeing on what it restores, the data pipeline moved to the step's batch, and
+SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE`` (75).
+docs/custom_loops.md has both recipes; tests/test_custom_loops.py runs them.
+
+Example:
+    >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
+    >>> step = ckpt.restore()                                                    # doctest: +SKIP
+    >>> ckpt.maybe_save(step, every=100)                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import logging
+import os
+import sys
+
+import keras
+import numpy as np
+
+from tfdist import backends, cluster, config, saving, validate
+from tfdist import distribute as _distribute
+from tfdist.checkpoint.agreement import check_workers_agree
+from tfdist.checkpoint.archive import (
+    CorruptCheckpoint,
+    inspect_archive,
+    resume_metadata,
+    write_resume_metadata,
+)
+from tfdist.checkpoint.names import check_save_target, checkpoint_name, list_checkpoints
+from tfdist.checkpoint.preemption import PreemptionWatch
+from tfdist.checkpoint.restore import newest_readable, set_data_position
+from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
+from tfdist.position import Position
+
+__all__ = [
+    "distribute",
+    "average_loss",
+    "mesh",
+    "replicate",
+    "shard_batch",
+    "to_host",
+    "Checkpointer",
+    "OPTIMIZER_MEMBER",
+]
+
+logger = logging.getLogger(__name__)
+
+# The archive member holding the optimizer's variables (a loop's model is not compiled,
+# so ``model.save`` leaves the optimizer out); Keras ignores members it does not know.
+OPTIMIZER_MEMBER = "tfdist/optimizer.npz"
+BATCH_AXIS = "batch"
+
+# --------------------------------------------------------------------------- TensorFlow
+
+
+def distribute(dataset, *, strategy=None):
+    """``strategy.experimental_distribute_dataset`` with tfdist's strategy, for a pipeline
+    of GLOBAL batches (``tfdist.data.pipeline``): each replica gets its slice of each.
+
+    Example:
+        >>> dist_train = distribute(tfdist.data.pipeline(ds, global_batch=64, seed=0))  # doctest: +SKIP
+        >>> for batch in dist_train: strategy.run(step, args=(batch,))  # doctest: +SKIP
+    """
+    import tensorflow as tf
+
+    what = "a tf.data.Dataset of global batches, e.g. tfdist.data.pipeline(...)"
+    validate.instance(dataset, tf.data.Dataset, "dataset", "tfdist.loops.distribute", what)
+    return _distribute.current(strategy).experimental_distribute_dataset(dataset)
+
+
+def average_loss(per_example_loss, *, global_batch_size=None, sample_weight=None):
+    """``tf.nn.compute_average_loss`` over the step's GLOBAL batch, inside ``strategy.run``.
+
+    Without ``global_batch_size``, the global batch is the sum of every replica's batch
+    (one small all-reduce), so a short last batch is averaged over its true size.
+
+    Example:
+        >>> def step_fn(x, y):                                        # doctest: +SKIP
+        ...     loss = average_loss(loss_fn(y, model(x, training=True)))
+    """
+    import tensorflow as tf
+
+    if global_batch_size is None:
+        context = tf.distribute.get_replica_context()  # the default one without a strategy
+        if context is None:  # in a strategy's scope, outside strategy.run
+            raise RuntimeError(
+                "tfdist.loops.average_loss: call it inside strategy.run (replica context). "
+                f"Received: per_example_loss={per_example_loss!r:.80}. Or pass "
+                "global_batch_size=... explicitly."
+            )
+        local = tf.shape(per_example_loss, out_type=tf.int64)[0]
+        global_batch_size = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+    return tf.nn.compute_average_loss(
+        per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size
+    )
+
+
+# --------------------------------------------------------------------------- JAX
+
+
+def mesh(axis_name: str = BATCH_AXIS):
+    """A 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` of EVERY process (not local ones).
+
+    Example:
+        >>> mesh().devices.size  # 2 processes x 2 devices  # doctest: +SKIP
+        4
+    """
+    import jax
+
+    validate.instance(axis_name, str, "axis_name", "tfdist.loops.mesh", "a mesh axis name")
+    return jax.sharding.Mesh(np.array(jax.devices()), (axis_name,))
+
+
+def to_host(value) -> np.ndarray:
+    """A host copy of a variable, a tensor or a jax array spanning processes.
+
+    Example:
+        >>> float(to_host(loss))  # a replicated scalar of a jitted step  # doctest: +SKIP
+        0.93
+    """
+    value = getattr(value, "value", value)
+    if not getattr(value, "is_fully_addressable", True):  # a jax array over processes
+        if value.sharding.is_fully_replicated:
+            return np.asarray(value.addressable_shards[0].data)  # each shard is the whole
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
+    return np.asarray(keras.ops.convert_to_numpy(value))
+
+
+def replicate(tree, *, on=None):
+    """Places every leaf of ``tree`` (arrays, tensors, ``keras.Variable``s) whole on every
+    device of ``mesh()`` (``NamedSharding`` with ``P()``): the train state.
+
+    Every process must pass the same values (they are built from the same seed, or
+    restored from the same checkpoint).
+
+    Example:
+        >>> state = replicate(([v.value for v in model.trainable_variables], ...))  # doctest: +SKIP
+    """
+    import jax
+
+    sharding = jax.sharding.NamedSharding(on or mesh(), jax.sharding.PartitionSpec())
+
+    def place(leaf):
+        value = to_host(leaf)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return jax.tree_util.tree_map(place, tree, is_leaf=_is_variable)
+
+
+def _is_variable(leaf) -> bool:
+    return isinstance(leaf, keras.Variable)
+
+
+def _process_rows(sharding, shape) -> slice:
+    """The rows of a global batch of ``shape`` this process's devices hold."""
+    starts, stops = [], []
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows = index[0]
+        starts.append(rows.start or 0)
+        stops.append(shape[0] if rows.stop is None else rows.stop)
+    first, last = min(starts), max(stops)
+    if sum(b - a for a, b in sorted(set(zip(starts, stops, strict=True)))) != last - first:
+        raise ValueError(
+            f"tfdist.loops.shard_batch: this process's devices hold non-contiguous rows "
+            f"{sorted(zip(starts, stops, strict=True))} of the batch. Received: shape={shape}. "
+            "Use tfdist.loops.mesh(), which orders devices by process."
+        )
+    return slice(first, last)
+
+
+def shard_batch(batch, *, on=None):
+    """Places a GLOBAL batch split along its first axis over ``mesh()``'s devices.
+
+    Every process passes the same global batch (numpy arrays or tensors: what
+    ``tfdist.data.pipeline`` yields on JAX, in every process) and contributes only the
+    rows its own devices hold (``jax.make_array_from_process_local_data``).
+
+    Raises:
+        ValueError: the batch's first axis is not divisible by the mesh's devices.
+
+    Example:
+        >>> x, y = shard_batch((images, labels))  # global arrays, 1/N per device  # doctest: +SKIP
+    """
+    import jax
+
+    grid = on or mesh()
+    sharding = jax.sharding.NamedSharding(grid, jax.sharding.PartitionSpec(grid.axis_names[0]))
+    devices = grid.devices.size
+
+    def place(leaf):
+        value = np.asarray(keras.ops.convert_to_numpy(leaf))
+        if value.ndim == 0 or value.shape[0] % devices:
+            raise ValueError(
+                f"tfdist.loops.shard_batch: every array's first axis must be divisible by "
+                f"the {devices} devices of the mesh. Received: shape={value.shape}. Use a "
+                "global batch that is a multiple of the devices (drop_remainder=True)."
+            )
+        rows = _process_rows(sharding, value.shape)
+        return jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
+
+    return jax.tree_util.tree_map(place, batch)
+
+
+# --------------------------------------------------------------------------- Checkpointer
+
+_WHERE = "tfdist.loops.Checkpointer"
+
+
+def _steps_per_epoch(pipeline, steps_per_epoch) -> int | None:
+    if steps_per_epoch is not None:
+        return validate.positive_int(steps_per_epoch, "steps_per_epoch", _WHERE)
+    if pipeline is None:
+        return None
+    from tfdist import data
+
+    data.position(pipeline)  # a seeded pipeline, or a clear error
+    count = int(pipeline.cardinality())
+    if count <= 0:
+        raise ValueError(
+            f"{_WHERE}: the pipeline's number of batches per epoch is unknown. Received: "
+            f"cardinality={count}. Pass steps_per_epoch=... as well."
+        )
+    return count
+
+
+def _optimizer_bytes(optimizer) -> bytes:
+    buffer = io.BytesIO()
+    values = {f"v{i:05d}": numpy_value(v) for i, v in enumerate(optimizer.variables)}
+    np.savez(buffer, **values)
+    return buffer.getvalue()
+
+
+def _read_optimizer(path: str) -> list[np.ndarray]:
+    data = saving.read_archive_member(path, OPTIMIZER_MEMBER)
+    if data is None:
+        raise CorruptCheckpoint(f"missing {OPTIMIZER_MEMBER!r}")
+    with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
+        return [arrays[name] for name in sorted(arrays.files)]
+
+
+def _inspect(path: str) -> dict:
+    """``inspect_archive`` plus the optimizer member and the loop's resume metadata."""
+    info = inspect_archive(path)
+    try:
+        info["optimizer"] = _read_optimizer(path)
+    except CorruptCheckpoint:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure to read is the file's
+        raise CorruptCheckpoint(f"{OPTIMIZER_MEMBER}: {type(err).__name__}: {err}") from None
+    if info["resume"] is None or info["resume"].get("step") is None:
+        raise CorruptCheckpoint("no tfdist resume metadata with a step")
+    return info
+
+
+class Checkpointer:
+    """Exact resume for a custom training loop: ``restore() -> step``, ``maybe_save(step)``.
+
+    Args:
+        directory: the checkpoint directory (shared by every worker).
+        model, optimizer: what the loop trains (the optimizer built, or built here).
+        pipeline: the seeded ``tfdist.data.pipeline`` the loop iterates; its length
+            gives ``steps_per_epoch`` and restoring moves it to the step's batch.
+        steps_per_epoch: batches per epoch when ``pipeline`` does not know it.
+        max_to_keep: archives kept (None: all).
+        preemption: turn SIGTERM into a save at an agreed step and exit 75.
+        strategy: TensorFlow: the loop's strategy (``tfdist.strategy()`` when None).
+
+    Example:
+        >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
+        >>> step = ckpt.restore()
+        >>> for epoch in range(step // ckpt.steps_per_epoch, EPOCHS):
+        ...     for batch in dist_train:
+        ...         train_step(batch); step += 1
+        ...         ckpt.maybe_save(step, every=100)
+    """
+
+    def __init__(
+        self,
+        directory,
+        *,
+        model,
+        optimizer,
+        pipeline=None,
+        steps_per_epoch: int | None = None,
+        max_to_keep: int | None = 5,
+        preemption: bool = True,
+        preemption_timeout: float = config.PREEMPTION_TIMEOUT_S,
+        strategy=None,
+    ):
+        validate.instance(model, keras.Model, "model", _WHERE, "a keras.Model")
+        what = "a keras.optimizers.Optimizer"
+        validate.instance(optimizer, keras.optimizers.Optimizer, "optimizer", _WHERE, what)
+        self.steps_per_epoch = _steps_per_epoch(pipeline, steps_per_epoch)
+        if self.steps_per_epoch is None:
+            raise ValueError(
+                f"{_WHERE}: pass the pipeline the loop iterates (or steps_per_epoch), so a "
+                "step can be turned into (epoch, batch). Received: pipeline=None, "
+                "steps_per_epoch=None."
+            )
+        if max_to_keep is not None:
+            validate.positive_int(max_to_keep, "max_to_keep", _WHERE)
+        validate.instance(preemption, bool, "preemption", _WHERE, "a bool")
+        self.timeout = validate.positive_number(preemption_timeout, "preemption_timeout", _WHERE)
+        self.role = saving.write_role()
+        self.directory = check_save_target(directory, _WHERE, writable=self.role.is_chief)
+        self.model, self.optimizer = model, optimizer
+        self.max_to_keep, self.preemption = max_to_keep, preemption
+        self.restored_from: str | None = None
+        self.strategy = strategy
+        self._watch: PreemptionWatch | None = None
+
+    # -- restore
+
+    def restore(self) -> int:
+        """Restores the newest archive that reads back (every worker the same one) and
+        moves the data pipelines to its step; returns that step (0: fresh start).
+
+        Call it once, after building the model and optimizer and before the loop.
+        """
+        if self.role.is_chief:
+            saving.remove_stale_staging(self.directory)
+        with self._scope():
+            self._build_optimizer()
+            chosen = newest_readable(self.directory, self.role, _inspect)
+            check_workers_agree(self._strategy(), chosen, self.directory)
+            step = 0 if chosen is None else self._load(*chosen)
+        epoch, batch = divmod(step, self.steps_per_epoch)
+        set_data_position(epoch, batch)
+        self._start_watch()
+        logger.info("tfdist: custom loop resumes at step %d (%s)", step, self.restored_from)
+        return step
+
+    def _strategy(self):
+        if backends.name() != "tensorflow":
+            return None
+        return _distribute.current(self.strategy)
+
+    def _scope(self):
+        strategy = self._strategy()
+        return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+    def _build_optimizer(self) -> None:
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+
+    def _load(self, path: str, info: dict) -> int:
+        self.model.load_weights(path)
+        variables, values = self.optimizer.variables, info["optimizer"]
+        if len(variables) != len(values) or any(
+            tuple(v.shape) != a.shape for v, a in zip(variables, values, strict=False)
+        ):
+            raise ValueError(
+                f"{_WHERE}: the optimizer state in {path!r} does not fit this optimizer "
+                f"({len(values)} arrays for {len(variables)} variables). Restore with the "
+                "optimizer that wrote it, or use a new directory; nothing was deleted."
+            )
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(value)
+        meta = info["resume"]
+        set_rng_state(self.model, meta.get("rng", []), path)
+        self.restored_from = path
+        return int(meta["step"])
+
+    # -- save
+
+    def maybe_save(self, step: int, *, every: int, state=None) -> bool:
+        """Saves when ``every`` divides ``step``; on SIGTERM saves at the agreed step and
+        exits with ``RESTART_EXIT_CODE``. Returns whether it saved.
+
+        ``state``: on JAX, the loop's ``(trainable, non_trainable, optimizer)`` values,
+        written into the model and optimizer before a save (not read otherwise).
+        """
+        step = validate.non_negative_int(step, "step", f"{_WHERE}.maybe_save")
+        every = validate.positive_int(every, "every", f"{_WHERE}.maybe_save")
+        if self._watch is not None and self._watch.should_save(step):
+            self.save(step, state=state)
+            self._exit_for_restart(step)
+        if step % every:
+            return False
+        self.save(step, state=state)
+        return True
+
+    def save(self, step: int, *, state=None) -> str:
+        """Writes the archive of ``step`` (every worker calls it; the chief's file lands)."""
+        step = validate.non_negative_int(step, "step", f"{_WHERE}.save")
+        if state is not None:
+            self.write_state(state)
+        epoch, batch = divmod(step, self.steps_per_epoch)
+        path = os.path.join(self.directory, checkpoint_name(epoch, batch))
+        replicas = _distribute.num_replicas(strategy=self._strategy())
+        meta = resume_metadata(
+            Position(epoch, batch), step=step, rng=rng_state(self.model), replicas=replicas
+        )
+        with saving.atomic_output(path, role=self.role) as staging:
+            self.model.save(staging)
+            saving.add_archive_member(staging, OPTIMIZER_MEMBER, _optimizer_bytes(self.optimizer))
+            write_resume_metadata(staging, meta)
+        saving.sync_workers(f"checkpoint {os.path.basename(path)}", model=self.model)
+        if self.role.is_chief:
+            self._prune(keep=path)
+        return path
+
+    def write_state(self, state) -> None:
+        """Writes a JAX loop's ``(trainable, non_trainable, optimizer)`` values into the
+        model and optimizer (``save(state=...)`` does it before each save)."""
+        trainable, non_trainable, optimizer = state
+        pairs = [
+            (self.model.trainable_variables, trainable),
+            (self.model.non_trainable_variables, non_trainable),
+            (self.optimizer.variables, optimizer),
+        ]
+        for variables, values in pairs:
+            for variable, value in zip(variables, values, strict=True):
+                variable.assign(to_host(value))
+
+    def _prune(self, keep: str) -> None:
+        if self.max_to_keep is None:
+            return
+        found = list_checkpoints(self.directory)
+        for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
+            if os.path.abspath(path) != os.path.abspath(keep):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+
+    # -- preemption
+
+    def _start_watch(self) -> None:
+        if not self.preemption or self._watch is not None:
+            return
+        info = cluster.cluster_from_env()
+        self._watch = PreemptionWatch(
+            multi_worker=info.is_multi_worker and _distribute.num_workers() > 1,
+            rank=info.rank,
+            num_workers=info.num_workers,
+            key="tfdist/preempt/loop",
+            timeout=self.timeout,
+        )
+        self._watch.start()
+        # Before the runtime shuts down at exit (atexit runs last-registered first): a
+        # watcher thread still waiting in the coordination store would abort the process.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stops the SIGTERM watch (its handler and watcher thread); also run at exit.
+
+        Example:
+            >>> ckpt.close()  # doctest: +SKIP
+        """
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+
+    def _exit_for_restart(self, step: int) -> None:
+        self._watch.cancel()
+        logger.warning(
+            "tfdist: preemption checkpoint saved at step %d; exiting with code %d (restart me)",
+            step,
+            config.RESTART_EXIT_CODE,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(config.RESTART_EXIT_CODE)
