@@ -37,6 +37,8 @@ _EXPORTS = {
     "loops": "tfdist.loops",
     "save": "tfdist.saving",
     "load": "tfdist.saving",
+    "describe": "tfdist.layouts",
+    "estimate_memory": "tfdist.layouts",
     # submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...
     **{
         name: f"tfdist.{name}"

@@ -32,7 +32,7 @@ import keras
 import numpy as np
 from keras import distribution as kd
 
-from tfdist import _private, config, process, validate
+from tfdist import _private, config, layouts, process, validate
 from tfdist.backends import StoreGone
 from tfdist.config import ConfigError
 
@@ -93,19 +93,28 @@ def _check_layout_map(layout_map, mesh):
         )
 
 
-def distribution(*, mesh=None, layout_map=None, batch_dim_name: str | None = None):
+def distribution(
+    *,
+    mesh=None,
+    layout_map=None,
+    batch_dim_name: str | None = None,
+    allow_unmatched_keys: bool = False,
+):
     """The ``keras.distribution`` tfdist would set: DataParallel, or ModelParallel.
 
     Args:
         mesh: the ``DeviceMesh`` of a ``layout_map`` (optional, checked when given).
         layout_map: a ``keras.distribution.LayoutMap``: model parallel with its regex keys.
         batch_dim_name: the mesh axis that splits the batch (default: the first axis).
+        allow_unmatched_keys: accept ``layout_map`` keys that match no variable (keys
+            meant for other models); by default such a key is an error (``tfdist.layouts``).
 
     Example:
         >>> distribution().device_mesh.shape  # doctest: +SKIP
         (4,)
     """
     _check_cpu_devices()
+    validate.instance(allow_unmatched_keys, bool, "allow_unmatched_keys", "scope", "a bool")
     if layout_map is None:
         if mesh is not None or batch_dim_name is not None:
             raise ValueError(
@@ -116,7 +125,9 @@ def distribution(*, mesh=None, layout_map=None, batch_dim_name: str | None = Non
     _check_layout_map(layout_map, mesh)
     axis = batch_dim_name or layout_map.device_mesh.axis_names[0]
     validate.one_of(axis, tuple(layout_map.device_mesh.axis_names), "batch_dim_name", "scope")
-    return kd.ModelParallel(layout_map=layout_map, batch_dim_name=axis)
+    return layouts.ModelParallel(
+        layout_map=layout_map, batch_dim_name=axis, allow_unmatched_keys=allow_unmatched_keys
+    )
 
 
 def _warn_communication() -> None:
@@ -137,7 +148,14 @@ def _warn_communication() -> None:
 
 
 @contextlib.contextmanager
-def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ignored):
+def scope(
+    *,
+    mesh=None,
+    layout_map=None,
+    batch_dim_name: str | None = None,
+    allow_unmatched_keys: bool = False,
+    **ignored,
+):
     """Sets tfdist's distribution inside the block and restores the previous one after.
 
     Example:
@@ -149,7 +167,12 @@ def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ig
             f"scope: {sorted(ignored)} are TensorFlow-backend options. Received: {ignored}. "
             "Under KERAS_BACKEND=jax pass mesh=, layout_map= or batch_dim_name=."
         )
-    chosen = distribution(mesh=mesh, layout_map=layout_map, batch_dim_name=batch_dim_name)
+    chosen = distribution(
+        mesh=mesh,
+        layout_map=layout_map,
+        batch_dim_name=batch_dim_name,
+        allow_unmatched_keys=allow_unmatched_keys,
+    )
     _warn_communication()
     _check_pipeline_batches(data_axis(chosen))
     st = process.state()
@@ -161,6 +184,9 @@ def scope(*, mesh=None, layout_map=None, batch_dim_name: str | None = None, **ig
         yield chosen
     finally:
         kd.set_distribution(previous)
+    # Reached only when the block ended normally: an error inside it is the user's news.
+    if isinstance(chosen, layouts.ModelParallel):
+        chosen.check_at_scope_exit()
 
 
 def _check_pipeline_batches(replicas: int) -> None:
