@@ -11,7 +11,10 @@ variable                       default     meaning
 ``TFDIST_REGISTER_TIMEOUT``    300         s for every worker to start and register
 ``TFDIST_HEARTBEAT_TIMEOUT``   10          s without a heartbeat before a worker is dead
 ``TFDIST_SHUTDOWN_TIMEOUT``    60          s a worker waits for the others at exit
-``TFDIST_COLLECTIVE_TIMEOUT``  none        s limit per collective op (off by default)
+``TFDIST_COLLECTIVE_TIMEOUT``  none / 45   TensorFlow: s limit per collective op (off by
+                                           default). JAX, several processes: s without
+                                           a finished batch before ``tfdist.watchdog``
+                                           ends the process (default 45; 0 disables)
 ``TFDIST_ALLREDUCE``           auto        all-reduce: ``auto``, ``ring``, ``nccl`` (and, for
                                            MirroredStrategy, ``hierarchical_copy`` or
                                            ``reduce_to_one``)
@@ -46,6 +49,9 @@ __all__ = [
     "DEBUG_ENV",
     "debug",
     "RESTART_EXIT_CODE",
+    "WATCHDOG_EXIT_CODE",
+    "JAX_COLLECTIVE_TIMEOUT_DEFAULT",
+    "jax_collective_timeout",
     "CPU_DEVICES_ENV",
     "COMPAT_EXCLUDE_ENV",
     "SLURM_PORT_BASE_ENV",
@@ -76,6 +82,17 @@ class ConfigError(ValueError):
 # Exit code of a worker that saved its state and asks to be started again (preemption,
 # SIGTERM). 75 is EX_TEMPFAIL in sysexits.h: "temporary failure, try again".
 RESTART_EXIT_CODE = 75
+
+# Exit code of a process of a multi-process JAX job that ``tfdist.watchdog`` ended: a peer
+# (or this process) made no progress for ``TFDIST_COLLECTIVE_TIMEOUT`` s, or a collective
+# failed because a peer is gone. 69 is EX_UNAVAILABLE in sysexits.h: "a service is
+# unavailable". ``tfdist launch`` stops the other workers, as for any non-zero exit.
+WATCHDOG_EXIT_CODE = 69
+
+# JAX's default for TFDIST_COLLECTIVE_TIMEOUT (s without a finished batch): a normal step
+# is far shorter, and with the watchdog's own verdict (at most 11 s: reading the peers'
+# progress, then letting a stuck peer report first) a stuck job ends within 60 s.
+JAX_COLLECTIVE_TIMEOUT_DEFAULT = 45.0
 
 CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
 COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
@@ -229,6 +246,38 @@ def keras_backend(environ: Mapping[str, str] | None = None) -> str:
         return "tensorflow"
 
 
+def jax_collective_timeout(
+    arg: float | None = None, *, environ: Mapping[str, str] | None = None
+) -> float | None:
+    """Seconds a multi-process JAX job may go without a finished batch, or None (off).
+
+    ``arg``, else ``TFDIST_COLLECTIVE_TIMEOUT`` (``0``/``off``/``none`` disable it), else
+    ``JAX_COLLECTIVE_TIMEOUT_DEFAULT`` (45). ``tfdist.watchdog`` ends a process that
+    waits longer (jax's collectives have no timeout of their own on CPU); the first batch
+    of each ``fit``/``evaluate``/``predict`` and an epoch's end get a longer allowance
+    (compilation, saves). Raise it for steps or batch-end callbacks that take longer.
+
+    Example:
+        >>> jax_collective_timeout(environ={}), jax_collective_timeout(environ={
+        ...     "TFDIST_COLLECTIVE_TIMEOUT": "off"})
+        (45.0, None)
+    """
+    if arg is not None:
+        seconds = validate.number(
+            arg,
+            "timeout",
+            "jax_collective_timeout",
+            "Pass seconds, or 0 to disable it.",
+            low=0.0,
+            what="a non-negative number of seconds",
+        )
+        return seconds or None
+    var = TIMEOUT_ENV["collective"]
+    if not _env_text(_env(environ), var):
+        return JAX_COLLECTIVE_TIMEOUT_DEFAULT
+    return MultiWorkerTimeouts.from_env({var: _env(environ)[var]}).collective
+
+
 @dataclass(frozen=True)
 class MultiWorkerTimeouts:
     """How long a multi-worker job waits before it gives up, in seconds.
@@ -243,7 +292,8 @@ class MultiWorkerTimeouts:
             (``TFDIST_SHUTDOWN_TIMEOUT``, default 60).
         collective: limit for each collective op, or None for none
             (``TFDIST_COLLECTIVE_TIMEOUT``, default None). TensorFlow spends one thread
-            per in-flight collective on it, so keep it off unless debugging.
+            per in-flight collective on it, so keep it off unless debugging. The JAX
+            backend reads the variable with its own default: ``jax_collective_timeout``.
 
     Example:
         >>> MultiWorkerTimeouts(heartbeat=20).register

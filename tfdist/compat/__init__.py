@@ -20,6 +20,7 @@ Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime pat
 
 Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
+``jax_watchdog``,
 ``loss_scale``, ``datasets`` (a dataset with a declared length); this module lists them
 and applies them.
 
@@ -42,6 +43,7 @@ from tfdist.compat import (
     clipping,
     jax_fixes,
     jax_inputs,
+    jax_watchdog,
     keras_fixes,
     loss_scale,
     on_batch,
@@ -252,6 +254,7 @@ FIXES: list[Fix] = [
 
 # Fixes that live with their own module (each exports FIXES).
 FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES + loss_scale.FIXES
+FIXES += jax_watchdog.FIXES
 FIXES.append(
     Fix(
         batchnorm.FIX_NAME,

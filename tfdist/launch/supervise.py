@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from tfdist.config import RESTART_EXIT_CODE, ConfigError
+from tfdist.config import RESTART_EXIT_CODE, WATCHDOG_EXIT_CODE, ConfigError
 from tfdist.launch.environment import group_addresses, worker_command, worker_envs
 from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options
@@ -79,6 +79,8 @@ def describe(code: int | None) -> str:
         return f"was killed by signal {-code} ({name}), exit status {128 - code}"
     if code == RESTART_EXIT_CODE:
         return f"exited with code {code} (saved, restart requested)"
+    if code == WATCHDOG_EXIT_CODE:  # its own last line names the peer (or itself)
+        return f"exited with code {code} (tfdist.watchdog: a peer or itself stuck, or a peer lost)"
     return f"exited with code {code}"
 
 

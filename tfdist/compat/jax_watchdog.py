@@ -1,0 +1,152 @@
+"""The JAX watchdog's hook into Keras: ``fit``/``evaluate``/``predict`` report their batches.
+
+``tfdist.watchdog`` owns the mechanism (the thread, the verdict, the exit); this fix only
+runs each call inside ``watchdog.watched`` and adds two callbacks that report to it:
+one first in the list (an epoch's end starts a longer allowance, before any other
+callback saves) and one last (a batch is finished when all its callbacks are).
+
+Example:
+    >>> [fix.name for fix in FIXES]
+    ['keras_jax_watchdog']
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from tfdist import _private, watchdog
+from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+
+__all__ = ["FIXES", "fix_watchdog"]
+
+_ENTRY_POINTS = ("fit", "evaluate", "predict")
+_KJ = "keras.src.backend.jax.trainer:"
+
+
+def _callback_classes():
+    import keras
+
+    class _EpochEnd(keras.callbacks.Callback):
+        """First in the list: an epoch's end (saves, the next epoch's input) may take long."""
+
+        async_safe = True  # keeps Keras's asynchronous batch-end dispatch as it was
+
+        def on_epoch_end(self, epoch, logs=None):
+            watchdog.allowance()
+
+    class _BatchEnd(keras.callbacks.Callback):
+        """Last in the list: a batch counts as finished once all its callbacks ran."""
+
+        async_safe = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            watchdog.progress()
+
+        def on_test_batch_end(self, batch, logs=None):
+            watchdog.progress()
+
+        def on_predict_batch_end(self, batch, logs=None):
+            watchdog.progress()
+
+    return _EpochEnd, _BatchEnd
+
+
+def _with_reporters(callbacks, first, last):
+    """``callbacks`` with the reporters around them, and how to take them out again.
+
+    A ``CallbackList`` (what ``fit`` hands its validation ``evaluate``) is changed in place
+    and restored afterwards; a list is copied.
+    """
+    import keras
+
+    if not isinstance(callbacks, keras.callbacks.CallbackList):
+        items = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+        return [first, *(c for c in items if c is not None), last], lambda: None
+    inner = callbacks.callbacks
+    if any(isinstance(c, type(last)) for c in inner):
+        return callbacks, lambda: None  # fit's own list, already reporting
+    inner.insert(0, first)
+    inner.append(last)
+
+    def restore():
+        for callback in (first, last):
+            if callback in inner:
+                inner.remove(callback)
+
+    return callbacks, restore
+
+
+def _with_callbacks(position: int, args: tuple, kwargs: dict, first, last):
+    """``args``/``kwargs`` with the reporters added to ``callbacks``, passed by keyword or
+    at ``position``."""
+    if len(args) > position:
+        callbacks, restore = _with_reporters(args[position], first, last)
+        args = (*args[:position], callbacks, *args[position + 1 :])
+    else:
+        kwargs["callbacks"], restore = _with_reporters(kwargs.get("callbacks"), first, last)
+    return args, kwargs, restore
+
+
+def fix_watchdog() -> None:
+    """Ends every process of a multi-process JAX job when one is stuck or lost in a step.
+
+    Upstream, a process that stays alive but never joins the next collective (stuck in
+    a callback, a data read, a lock) leaves every other process waiting in that
+    collective forever: jax's CPU collectives have no timeout (jax#38503) and its
+    heartbeats still arrive from the stuck process. And a peer that dies mid-step ends
+    the others with a gloo traceback, then jax's abort at exit. The fix runs
+    ``fit``/``evaluate``/``predict`` of a multi-process job inside
+    ``tfdist.watchdog.watched`` with two callbacks reporting each finished batch and
+    each epoch's end; the watchdog's thread ends the process with one line naming the
+    peers it waits for after ``TFDIST_COLLECTIVE_TIMEOUT`` s without progress (default
+    45; 0 turns the fix off), and a lost peer's failed collective with one line naming
+    that peer. The callbacks read nothing and change nothing (``async_safe``: Keras keeps
+    dispatching batch ends as it did), so training gives the same model; in one process,
+    or with the watchdog off, upstream runs unchanged.
+    """
+    trainer_class = _private.keras_jax_trainer_class()
+    first_class, last_class = _callback_classes()
+
+    def make(name):
+        def make_entry(original):
+            # Where `callbacks` is among the positional arguments (after self).
+            position = list(inspect.signature(original).parameters).index("callbacks") - 1
+
+            def entry(self, *args, **kwargs):
+                if not watchdog.enabled():
+                    return original(self, *args, **kwargs)
+                args, kwargs, restore = _with_callbacks(
+                    position, args, kwargs, first_class(), last_class()
+                )
+                try:
+                    with watchdog.watched(name):
+                        return original(self, *args, **kwargs)
+                finally:
+                    restore()
+
+            return entry
+
+        return make_entry
+
+    for name in _ENTRY_POINTS:
+        patch(trainer_class, name, "keras_jax_watchdog", make(name))
+
+
+FIXES = [
+    Fix(
+        "keras_jax_watchdog",
+        "Keras 3 on JAX, several processes: a process that is alive but stops joining "
+        "collectives (stuck in a callback) leaves every other one waiting forever "
+        "(jax's CPU collectives have no timeout, jax#38503)",
+        on_keras_backend("jax"),
+        fix_watchdog,
+        targets=targets(
+            _KJ + "JAXTrainer.fit",
+            _KJ + "JAXTrainer.evaluate",
+            _KJ + "JAXTrainer.predict",
+            "jax._src.distributed:State.client",
+            "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
+            "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
+        ),
+    ),
+]
