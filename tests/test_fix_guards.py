@@ -202,7 +202,9 @@ for name, entry in plan.items():
     *parents, attr = path.split(".")
     for part in parents:
         owner = getattr(owner, part)
-    original = getattr(owner, attr)
+    original = getattr(owner, attr, None)
+    if original is None:  # gone already: another fix's target in the same class chain
+        continue
     if mode == "missing":  # gone from the class that defines it (or the module)
         for cls in getattr(owner, "__mro__", (owner,)):
             if cls is not object and attr in vars(cls):

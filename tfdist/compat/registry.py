@@ -177,8 +177,8 @@ def _sets_instance_attribute(owner, name: str) -> bool:
 
 
 def fingerprint(value) -> str | None:
-    """A short hash of a function's code: its tokens, without docstrings, comments and
-    layout, so the same code hashes alike on every Python version (None if no source).
+    """A short hash of a function's code without docstrings, comments and blanks, so the
+    same code hashes alike on every Python version (None if it has no Python source).
 
     Example:
         >>> fingerprint(fingerprint) == fingerprint(fingerprint)
@@ -190,21 +190,29 @@ def fingerprint(value) -> str | None:
         source = textwrap.dedent(inspect.getsource(value))
     except (OSError, TypeError):
         return None
-    docstrings = [
+    spans = [
         ((node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset))
         for node in ast.walk(ast.parse(source))
         if isinstance(node, ast.Expr)
         and isinstance(node.value, ast.Constant)
         and isinstance(node.value.value, str)
     ]
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
-    kept = [
-        token.string
+    spans += [
+        (token.start, token.end)
         for token in tokenize.generate_tokens(io.StringIO(source).readline)
-        if token.type not in skip
-        and not any(start <= token.start and token.end <= end for start, end in docstrings)
+        if token.type == tokenize.COMMENT
     ]
-    return hashlib.sha256("".join(kept).encode()).hexdigest()[:16]
+    # Cut docstrings and comments out of the text itself, then every blank: the tokens
+    # of an f-string differ between Python versions, its text does not.
+    starts = [0]
+    for line in source.splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    text = source
+    for (row, col), (end_row, end_col) in sorted(spans, reverse=True):
+        first, last = starts[row - 1] + col, starts[end_row - 1] + end_col
+        text = text[:first] + text[last:]
+    kept = re.sub(r"\s+", "", text)
+    return hashlib.sha256(kept.encode()).hexdigest()[:16]
 
 
 def _signature(value) -> str | None:
