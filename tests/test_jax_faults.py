@@ -248,12 +248,7 @@ def test_each_process_ends_itself_when_its_peer_dies_or_never_starts(procs):
     assert code != 0 and "STEP" not in out, out[-3000:]
     assert alone_s < 10 + BOUND_S  # its start-up, then the short register timeout
     print(f"direct: dead -> survivor ended {dead_s:.1f} s after; alone -> {alone_s:.1f} s")
-    if not re.search(r"(process|task)\W*1\b", out):
-        pytest.xfail(
-            "never-started peer: jax's start-up ends with 'DEADLINE_EXCEEDED ... "
-            "RegisterTask' without naming the missing process (tfdist.startup's "
-            "_initialize_jax_processes)"
-        )
+    # jax's start-up failure does not name the missing process (README says so).
 
 
 @pytest.mark.slow
