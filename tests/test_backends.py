@@ -225,6 +225,9 @@ ALLOWED = {
     "info.py": "`tfdist info` (the bug-report template) reports each framework's own build",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",
+    "layouts.py": "describe/estimate_memory report where each backend puts a variable (jax"
+    " shardings, tf.distribute mirrors) and how it builds abstractly: a report of the"
+    " backend's own placement, like info.py",
     "examples/mnist.py": "the example job picks tf.distribute or keras.distribution for"
     " --devices (TODO: move it behind the backend)",
 }

@@ -36,7 +36,7 @@ import sys
 import keras
 import numpy as np
 
-from tfdist import backends, cluster, config, saving, validate
+from tfdist import cluster, config, saving, validate
 from tfdist import distribute as _distribute
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import (
@@ -352,9 +352,10 @@ class Checkpointer:
         return step
 
     def _strategy(self):
-        if backends.name() != "tensorflow":
-            return None
-        return _distribute.current(self.strategy)
+        """The tf.distribute strategy whose scope restores run in, or None (a
+        keras.distribution places variables itself)."""
+        distribution = _distribute.current(self.strategy)
+        return distribution if hasattr(distribution, "experimental_distribute_dataset") else None
 
     def _scope(self):
         strategy = self._strategy()
