@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tfdist.config import ConfigError
+from tfdist.config import ConfigError, slurm_port_base
 
 __all__ = [
     "ClusterInfo",
@@ -25,6 +25,8 @@ __all__ = [
     "parse_tf_config",
     "worker_tf_config",
     "is_chief",
+    "expand_hostlist",
+    "slurm_coordinator",
 ]
 
 # Jobs whose tasks train (take part in the all-reduce); "evaluator" and "ps" do not.
@@ -231,6 +233,91 @@ def _keras_distribution(env: Mapping[str, str], num_processes: int) -> ClusterIn
         )
     return ClusterInfo(
         "KERAS_DISTRIBUTION", {"worker": tuple(addresses)}, "worker", process_id, num_processes
+    )
+
+
+# --------------------------------------------------------------------------- SLURM
+
+# Where srun and sbatch name the nodes: the step's own list first (a step may use part
+# of the allocation), then the job's (SLURM_NODELIST is its older name).
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """``a[1,2],b`` -> ``["a[1,2]", "b"]``: commas inside brackets do not split."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_range(item: str, text: str) -> list[str]:
+    """``07-09`` -> ``["07", "08", "09"]`` (the start's padding is kept); ``3`` -> ``["3"]``."""
+    low, _, high = item.partition("-")
+    if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+        raise ConfigError(
+            f"SLURM host list: {item!r} is not a number or a range like 01-04. Received: {text!r}"
+        )
+    width = len(low)
+    return [str(n).zfill(width) for n in range(int(low), int(high or low) + 1)]
+
+
+def _expand_host(pattern: str, text: str) -> list[str]:
+    """One host pattern, possibly with several bracket groups (``r[1-2]n[1-2]``)."""
+    open_at = pattern.find("[")
+    if open_at < 0:
+        if "]" in pattern:
+            raise ConfigError(f"SLURM host list: unbalanced ']' in {pattern!r}. Received: {text!r}")
+        return [pattern]
+    close_at = pattern.find("]", open_at)
+    if close_at < 0:
+        raise ConfigError(f"SLURM host list: unbalanced '[' in {pattern!r}. Received: {text!r}")
+    inner = pattern[open_at + 1 : close_at]
+    numbers = [n for item in inner.split(",") for n in _expand_range(item.strip(), text)]
+    tails = _expand_host(pattern[close_at + 1 :], text)
+    return [f"{pattern[:open_at]}{n}{tail}" for n in numbers for tail in tails]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compressed host list (``SLURM_STEP_NODELIST``) as host names, in order.
+
+    Example:
+        >>> expand_hostlist("node[07-08,10],gpu1")
+        ['node07', 'node08', 'node10', 'gpu1']
+    """
+    return [host for part in _split_top_level(text) for host in _expand_host(part, text)]
+
+
+def slurm_coordinator(environ: Mapping[str, str] | None = None) -> str:
+    """``host:port`` of task 0 of a SLURM step: jax's coordinator (and TensorFlow's worker 0).
+
+    The host is the first node of ``SLURM_STEP_NODELIST`` (else of the job's node list):
+    srun places task 0 there. The port is ``tfdist.config.slurm_port_base``, the port
+    TensorFlow's ``SlurmClusterResolver`` gives task 0 in tfdist, so the two backends
+    agree on where a step's first task listens.
+
+    Raises:
+        ValueError: when no node list is set (this process was not started by srun).
+
+    Example:
+        >>> slurm_coordinator({"SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_ID": "40123"})
+        'node07:20123'
+    """
+    env = os.environ if environ is None else environ
+    for name in _SLURM_NODELISTS:
+        hosts = expand_hostlist(env.get(name, ""))
+        if hosts:
+            return f"{hosts[0]}:{slurm_port_base(env)}"
+    received = ", ".join(f"{name}={env.get(name)!r}" for name in _SLURM_NODELISTS)
+    raise ConfigError(
+        "A SLURM step with several tasks needs its node list to find task 0 (the "
+        f"coordinator), and none is set. Received: {received}, SLURM_STEP_NUM_TASKS="
+        f"{env.get('SLURM_STEP_NUM_TASKS')!r}. Start the tasks with `srun`, or unset "
+        "SLURM_STEP_NUM_TASKS and describe the job with TF_CONFIG or KERAS_DISTRIBUTION_*."
     )
 
 

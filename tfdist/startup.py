@@ -205,7 +205,16 @@ def _on_jax_import(jax) -> None:
 def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
     """``jax.distributed.initialize`` once, with tfdist's timeouts, naming what it waits for."""
     timeouts = config.MultiWorkerTimeouts.from_env()
-    coordinator = info.addresses[0]
+    if info.source == "SLURM":  # srun names the nodes, not the addresses: task 0's
+        coordinator = cluster.slurm_coordinator()
+    elif info.addresses:
+        coordinator = info.addresses[0]
+    else:
+        raise config.ConfigError(
+            f"tfdist: process {info.rank} of {info.num_workers} ({info.source}) has no "
+            f"coordinator address for jax.distributed. Received: cluster={dict(info.cluster)}. "
+            "Give the job's addresses in TF_CONFIG or KERAS_DISTRIBUTION_JOB_ADDRESSES."
+        )
     logger.info(
         "tfdist: process %d of %d joining the job (coordinator %s, waiting up to %.0f s)",
         info.rank,
