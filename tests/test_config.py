@@ -32,7 +32,11 @@ def test_config_error_is_a_value_error():
 def test_restart_count_and_slurm_port_base():
     assert config.restart_count({}) == 0
     assert config.restart_count({"TFDIST_RESTART": "3"}) == 3
-    assert config.slurm_port_base({"SLURM_JOB_ID": "40123"}) == 20000 + 40123 % 20000
+    assert config.slurm_port_base({"SLURM_JOB_ID": "40123"}) == 20000 + 40123 % 625 * 64
+    # Jobs sharing a node: neighbouring ids get disjoint windows of 64 ports.
+    bases = [config.slurm_port_base({"SLURM_JOB_ID": str(job)}) for job in range(1000, 1625)]
+    assert len(set(bases)) == 625 and min(bases) >= 20000 and max(bases) + 64 <= 60000
+    assert min(b - a for a, b in zip(sorted(bases), sorted(bases)[1:], strict=False)) == 64
     assert config.slurm_port_base({"TFDIST_SLURM_PORT_BASE": "31000"}) == 31000
     with pytest.raises(config.ConfigError, match="TFDIST_SLURM_PORT_BASE"):
         config.slurm_port_base({"TFDIST_SLURM_PORT_BASE": "80"})

@@ -113,7 +113,7 @@ def test_slurm_cluster_resolver_uses_the_step_and_a_port_per_task(monkeypatch):
     }.items():
         monkeypatch.setenv(key, value)
     resolver = strategy_mod.slurm_cluster_resolver()
-    base = 20000 + 40123 % 20000  # derived from the job id: two jobs on a node differ
+    base = 20000 + 40123 % 625 * 64  # from the job id: a window of 64 ports per job
     assert resolver.cluster_spec().as_dict() == {
         "worker": [f"node07:{base}", f"node07:{base + 1}", f"node08:{base}", f"node08:{base + 1}"]
     }

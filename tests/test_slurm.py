@@ -51,8 +51,8 @@ def test_hostlists_expand_as_slurm_writes_them():
 
 def test_slurm_coordinator_is_task_0_on_the_first_node_at_the_tf_port():
     env = {"SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_ID": "40123"}
-    assert cluster.slurm_coordinator(env) == "node07:20123"
-    assert config.slurm_port_base(env) == 20123  # the port TensorFlow gives task 0
+    assert cluster.slurm_coordinator(env) == "node07:27872"  # 20000 + 40123 % 625 * 64
+    assert config.slurm_port_base(env) == 27872  # the port TensorFlow gives task 0
     assert cluster.slurm_coordinator({"SLURM_JOB_NODELIST": "a,b"}) == "a:20000"
     env = {"SLURM_NODELIST": "c1", "TFDIST_SLURM_PORT_BASE": "31000"}
     assert cluster.slurm_coordinator(env) == "c1:31000"
@@ -87,7 +87,7 @@ def test_jax_in_a_slurm_step_joins_task_0_not_index_error(monkeypatch, fresh_pro
     assert (info.source, info.addresses) == ("SLURM", ())  # srun gives no addresses
     jax = _FakeJax()
     startup._initialize_jax_processes(jax, info)
-    assert jax.calls[0]["coordinator_address"] == "node3:20077"
+    assert jax.calls[0]["coordinator_address"] == "node3:24928"  # 20000 + 77 % 625 * 64
     assert (jax.calls[0]["num_processes"], jax.calls[0]["process_id"]) == (2, 1)
     assert process.state().jax_initialized
 

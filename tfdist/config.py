@@ -200,17 +200,22 @@ def compat_exclude(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def slurm_port_base(environ: Mapping[str, str] | None = None) -> int:
-    """``TFDIST_SLURM_PORT_BASE``, else ``20000 + SLURM_JOB_ID % 20000``.
+    """``TFDIST_SLURM_PORT_BASE``, else ``20000 + SLURM_JOB_ID % 625 * 64``.
+
+    Each job gets a window of 64 ports (task ``i`` of a node listens on ``base + i``), so
+    jobs sharing a node collide only when their ids are equal modulo 625, or when one
+    runs more than 64 tasks on a node. (Consecutive ids with ``20000 + id % 20000``
+    overlapped as soon as a node ran two tasks.)
 
     Example:
         >>> slurm_port_base({"SLURM_JOB_ID": "12345"})
-        32345
+        50080
     """
     env = _env(environ)
     text = _env_text(env, SLURM_PORT_BASE_ENV)
     if not text:
         job = env.get("SLURM_JOB_ID", "0").strip()
-        return 20000 + (int(job) if job.isdigit() else 0) % 20000
+        return 20000 + (int(job) if job.isdigit() else 0) % 625 * 64
     port = int(text) if text.isdigit() else -1
     if not 1024 <= port <= 65000:
         raise ConfigError(
