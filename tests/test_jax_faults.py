@@ -135,8 +135,10 @@ def _one_line(text: str, pattern: str) -> str:
 # ------------------------------------------------------------------ defaults and messages
 
 
-def test_default_timeouts_end_a_job_with_a_dead_or_stuck_peer_within_60_s():
+def test_default_timeouts_end_a_job_with_a_dead_never_started_or_stuck_peer_within_60_s():
     timeouts = config.MultiWorkerTimeouts()
+    # Never started: the others give up (naming it) a moment before the register timeout.
+    assert config.jax_register_timeout({}) <= BOUND_S
     # Dead: jax's heartbeat verdict, or the failed collective read within the verdict.
     assert timeouts.heartbeat + watchdog.VERDICT_MAX_S <= BOUND_S
     # Stuck: the watchdog's default, its verdict included.
@@ -245,10 +247,14 @@ def test_each_process_ends_itself_when_its_peer_dies_or_never_starts(procs):
 
     code, alone_s = procs.wait_end("alone0", started, START_S)
     out = procs.output("alone0")
-    assert code != 0 and "STEP" not in out, out[-3000:]
+    assert code == config.WATCHDOG_EXIT_CODE and "STEP" not in out, out[-3000:]
     assert alone_s < 10 + BOUND_S  # its start-up, then the short register timeout
+    _one_line(
+        out,
+        r"^tfdist: process 0 of 2 gave up after 10 s waiting for process 1 to join the job "
+        r"at 127\.0\.0\.1:\d+: start it, or raise TFDIST_REGISTER_TIMEOUT\.$",
+    )
     print(f"direct: dead -> survivor ended {dead_s:.1f} s after; alone -> {alone_s:.1f} s")
-    # jax's start-up failure does not name the missing process (README says so).
 
 
 @pytest.mark.slow

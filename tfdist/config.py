@@ -51,6 +51,8 @@ __all__ = [
     "RESTART_EXIT_CODE",
     "WATCHDOG_EXIT_CODE",
     "JAX_COLLECTIVE_TIMEOUT_DEFAULT",
+    "JAX_REGISTER_TIMEOUT_DEFAULT",
+    "jax_register_timeout",
     "jax_collective_timeout",
     "CPU_DEVICES_ENV",
     "COMPAT_EXCLUDE_ENV",
@@ -93,6 +95,10 @@ WATCHDOG_EXIT_CODE = 69
 # is far shorter, and with the watchdog's own verdict (at most 11 s: reading the peers'
 # progress, then letting a stuck peer report first) a stuck job ends within 60 s.
 JAX_COLLECTIVE_TIMEOUT_DEFAULT = 45.0
+# How long the processes of a JAX job wait for each other at start-up, unless
+# TFDIST_REGISTER_TIMEOUT says otherwise: `tfdist launch` and srun start them together,
+# so a process missing after a minute never started (jax's own default is 300 s).
+JAX_REGISTER_TIMEOUT_DEFAULT = 60.0
 
 CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
 COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
@@ -249,6 +255,21 @@ def keras_backend(environ: Mapping[str, str] | None = None) -> str:
             return json.load(f).get("backend", "tensorflow")
     except (OSError, ValueError):
         return "tensorflow"
+
+
+def jax_register_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds the processes of a JAX job wait for each other to start.
+
+    ``TFDIST_REGISTER_TIMEOUT`` if set, else ``JAX_REGISTER_TIMEOUT_DEFAULT`` (60).
+
+    Example:
+        >>> jax_register_timeout({}), jax_register_timeout({"TFDIST_REGISTER_TIMEOUT": "90"})
+        (60.0, 90.0)
+    """
+    env = _env(environ)
+    if _env_text(env, "TFDIST_REGISTER_TIMEOUT"):
+        return MultiWorkerTimeouts.from_env(env).register
+    return JAX_REGISTER_TIMEOUT_DEFAULT
 
 
 def jax_collective_timeout(

@@ -215,22 +215,59 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
             f"coordinator address for jax.distributed. Received: cluster={dict(info.cluster)}. "
             "Give the job's addresses in TF_CONFIG or KERAS_DISTRIBUTION_JOB_ADDRESSES."
         )
+    register = config.jax_register_timeout()
     logger.info(
         "tfdist: process %d of %d joining the job (coordinator %s, waiting up to %.0f s)",
         info.rank,
         info.num_workers,
         coordinator,
-        timeouts.register,
+        register,
     )
+    joined = _name_the_missing_after(register, info, coordinator)
     jax.distributed.initialize(
         coordinator_address=coordinator,
         num_processes=info.num_workers,
         process_id=info.rank,
-        initialization_timeout=int(timeouts.register),
+        initialization_timeout=int(register),
         heartbeat_timeout_seconds=max(int(timeouts.heartbeat), 1),
         shutdown_timeout_seconds=int(timeouts.shutdown),
     )
+    joined.set()
     process.state().jax_initialized = True
+
+
+def _name_the_missing_after(seconds: float, info: cluster.ClusterInfo, coordinator: str):
+    """An event to set once the job gathered; if it is not set within ``seconds``, one
+    line names who did not join, and the process ends (exit ``WATCHDOG_EXIT_CODE``).
+
+    jax aborts the process from C++ at its own timeout with a stack trace that names no
+    process; this speaks first, a moment before it.
+    """
+    import os
+
+    joined = threading.Event()
+    others = [i for i in range(info.num_workers) if i != info.rank]
+    if info.rank == 0:
+        plural = "es" if len(others) > 1 else ""
+        who = f"process{plural} {', '.join(map(str, others))} to join the job at {coordinator}"
+    else:
+        who = f"the coordinator (process 0 at {coordinator}) to start the job"
+        if len(others) > 1:
+            who += " (it waits for every process)"
+
+    def give_up() -> None:
+        if joined.wait(max(seconds - 1.0, 0.5)):
+            return
+        print(
+            f"tfdist: process {info.rank} of {info.num_workers} gave up after {seconds:.0f} s "
+            f"waiting for {who}: start it, or raise TFDIST_REGISTER_TIMEOUT.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(config.WATCHDOG_EXIT_CODE)
+
+    threading.Thread(target=give_up, name="tfdist-jax-join", daemon=True).start()
+    return joined
 
 
 def _on_keras_import_jax(_keras) -> None:
