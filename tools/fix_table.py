@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import generated_block
+
 from tfdist import compat
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "multi_worker.md"
@@ -48,14 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.write:
         print(table)
         return 0
-    text = PAGE.read_text()
-    if BEGIN not in text:
-        print(f"fix_table: {PAGE} has no {BEGIN!r} marker", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    PAGE.write_text(head + table + tail)
-    return 0
+    return generated_block.replace(PAGE, BEGIN, END, table, "fix_table")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import ast
 import sys
 from pathlib import Path
 
+import generated_block
+
 REPO = Path(__file__).resolve().parents[1]
 JOB = REPO / "tests" / "scripts" / "idioms_job.py"
 BEGIN, END = "<!-- idiom table: begin -->", "<!-- idiom table: end -->"
@@ -112,15 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.write:
         print(table)
         return 0
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    if BEGIN not in text:
-        print(f"idiom_table: README.md has no {BEGIN!r} marker", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(head + table + tail)
-    return 0
+    return generated_block.replace(REPO / "README.md", BEGIN, END, table, "idiom_table")
 
 
 if __name__ == "__main__":
