@@ -26,6 +26,15 @@ from conftest import REPO, last_json_line, run_python
 # ------------------------------------------------------------------ unit: the guard
 
 
+def _tool(name: str):
+    """A module of tools/ (they import their siblings, so tools/ is on the path meanwhile)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+
+
 def test_every_target_is_recorded_and_every_private_name_goes_through_private():
     recorded = registry.verified_fingerprints()
     required = {entry for entries in _private.REQUIRED.values() for entry in entries}
@@ -49,11 +58,7 @@ def test_the_installed_releases_pass_every_guard():
 
 
 def test_fingerprints_file_has_this_environment(capsys):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        fix_fingerprints = importlib.import_module("fix_fingerprints")
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    fix_fingerprints = _tool("fix_fingerprints")
     assert fix_fingerprints.main(["--check"]) == 0, capsys.readouterr().out
 
 
@@ -345,11 +350,7 @@ def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path):
 
 
 def test_the_docs_fix_table_is_generated_from_the_records():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        fix_table = importlib.import_module("fix_table")
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+    fix_table = _tool("fix_table")
     table = fix_table.markdown()
     assert table in (REPO / "docs" / "multi_worker.md").read_text(), (
         "run: python tools/fix_table.py --write"
