@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 _FAILED: list[tuple[str, tuple[str, ...]]] = []
+_PROPERTY = "upstream_failure_fixes"
 
 
 def pytest_configure(config):
@@ -23,11 +24,21 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    # The fixes travel on the report: under pytest-xdist the report is made in a worker
+    # process and logged in the controller, which prints the summary.
     outcome = yield
     report = outcome.get_result()
     marker = item.get_closest_marker("upstream_failure")
-    if marker is not None and report.when == "call" and report.failed:
-        _FAILED.append((item.nodeid, tuple(marker.args)))
+    if marker is not None:
+        report.user_properties.append((_PROPERTY, tuple(marker.args)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when != "call" or not report.failed:
+        return
+    for key, fixes in report.user_properties:
+        if key == _PROPERTY:
+            _FAILED.append((report.nodeid, tuple(fixes)))
 
 
 def pytest_terminal_summary(terminalreporter):

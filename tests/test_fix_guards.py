@@ -315,7 +315,8 @@ def test_every_fix_has_a_test_that_shows_its_upstream_failure():
     assert sorted(_marked_fixes() - set(compat.fix_names())) == []  # no stale names
 
 
-def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one process", "pytest-xdist"])
+def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path, workers):
     (tmp_path / "test_retired.py").write_text(
         textwrap.dedent(
             """
@@ -333,7 +334,8 @@ def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path):
         )
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "retire_plugin", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "retire_plugin", "-p", "no:cacheprovider"]
+        + workers,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO / "tests")},
         capture_output=True,
