@@ -49,7 +49,14 @@ setup(
         "jax": [requirement("jax", "[cpu]")],
         # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
-        "test": ["tfdist[jax,notebooks]", "pytest>=7", "pytest-timeout", "ruff", "keras-hub"],
+        "test": [
+            "tfdist[jax,notebooks]",
+            "pytest>=7",
+            "pytest-timeout",
+            "pytest-xdist",
+            "ruff",
+            "keras-hub",
+        ],
         # The sessions that test other release pairs of the verified range (noxfile.py).
         "dev": ["tfdist[test]", "nox"],
     },
