@@ -49,8 +49,10 @@ setup(
         "jax": [requirement("jax", "[cpu]")],
         # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
+        # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).
+        "docs": ["mkdocs>=1.6,<2"],
         "test": [
-            "tfdist[jax,notebooks]",
+            "tfdist[jax,notebooks,docs]",
             "pytest>=7",
             "pytest-timeout",
             "pytest-xdist",

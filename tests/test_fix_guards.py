@@ -354,7 +354,7 @@ def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path, worke
 def test_the_docs_fix_table_is_generated_from_the_records():
     fix_table = _tool("fix_table")
     table = fix_table.markdown()
-    assert table in (REPO / "docs" / "multi_worker.md").read_text(), (
+    assert table in (REPO / "docs" / "fixes.md").read_text(), (
         "run: python tools/fix_table.py --write"
     )
     assert all(f"`{name}`" in table for name in compat.fix_names())

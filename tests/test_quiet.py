@@ -22,6 +22,16 @@ NOISE = [
     "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1",
     "W0000 00:00:1.0 1 dataset.cc:997] Input of GeneratorDatasetOp::Dataset will not be "
     "optimized because the dataset does not implement the AsGraphDefInternal() method",
+    # On CPUs with AVX-512 (TF 2.20-2.21), as the absl line and as the older stamped form.
+    "I0000 00:00:1795482133.9 1 port.cc:153] oneDNN custom operations are on. You may see "
+    "slightly different numerical results due to floating-point round-off errors from "
+    "different computation orders. To turn them off, set the environment variable "
+    "`TF_ENABLE_ONEDNN_OPTS=0`.",
+    "2026-11-24 01:50:00.123456: I tensorflow/core/util/port.cc:113] oneDNN custom operations "
+    "are on. You may see slightly different numerical results due to floating-point round-off",
+    "An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed. "
+    "Falling back to cpu.",
+    "Unable to initialize backend 'cuda': module 'jaxlib.cuda' has no attribute",
     "WARNING:tensorflow:Using CollectiveAllReduceStrategy eagerly has significant overhead",
 ]
 SIGNAL = [

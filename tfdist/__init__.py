@@ -34,27 +34,18 @@ _EXPORTS = {
     "cluster_from_env": "tfdist.cluster",
     "ConfigError": "tfdist.config",
     "make_or_restore": "tfdist.checkpoint",
+    "resume_state": "tfdist.checkpoint",
     "loops": "tfdist.loops",
     "save": "tfdist.saving",
     "load": "tfdist.saving",
     "describe": "tfdist.layouts",
     "estimate_memory": "tfdist.layouts",
-    # submodules reachable as attributes: tfdist.data, tfdist.callbacks, ...
-    **{
-        name: f"tfdist.{name}"
-        for name in (
-            "callbacks",
-            "checkpoint",
-            "cluster",
-            "compat",
-            "config",
-            "data",
-            "distribute",
-            "launch",
-            "saving",
-        )
-    },
+    # the public submodules, each a namespace of its own: tfdist.data.pipeline, ...
+    **{name: f"tfdist.{name}" for name in ("callbacks", "compat", "config", "data", "launch")},
 }
+# Implementation modules: importable (tests, tools), not part of the API and not listed,
+# so each public name has one route (tfdist.save, never tfdist.saving.save).
+_INTERNAL = {name: f"tfdist.{name}" for name in ("checkpoint", "cluster", "distribute", "saving")}
 
 __all__ = ["__version__", *_EXPORTS]
 
@@ -62,7 +53,7 @@ startup.install()
 
 
 def __getattr__(name: str):
-    target = _EXPORTS.get(name)
+    target = _EXPORTS.get(name) or _INTERNAL.get(name)
     if target is None:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
     module = importlib.import_module(target)

@@ -44,8 +44,8 @@ from dataclasses import dataclass, fields
 
 from tfdist import validate
 
+# ConfigError is defined here and exported once, as tfdist.ConfigError.
 __all__ = [
-    "ConfigError",
     "DEBUG_ENV",
     "debug",
     "RESTART_EXIT_CODE",

@@ -130,13 +130,23 @@ def global_batch_size(per_replica: int, *, strategy=None) -> int:
     return per_replica * num_replicas(strategy=strategy)
 
 
-def num_workers(strategy=None) -> int:
-    """Training processes in the job (1 on one machine)."""
+def num_workers(*, strategy=None) -> int:
+    """Training processes in the job (1 on one machine).
+
+    Example:
+        >>> num_workers()  # doctest: +SKIP
+        2
+    """
     return backends.get().num_workers(strategy)
 
 
-def worker_index(strategy=None) -> int:
-    """This process's index among the training processes, chief first (0 on one machine)."""
+def worker_index(*, strategy=None) -> int:
+    """This process's index among the training processes, chief first (0 on one machine).
+
+    Example:
+        >>> worker_index()  # doctest: +SKIP
+        0
+    """
     return backends.get().worker_index(strategy)
 
 

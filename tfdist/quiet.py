@@ -54,6 +54,19 @@ HARMLESS: tuple[tuple[str, str], ...] = (
         "second line of the same banner",
     ),
     (
+        r"oneDNN custom operations are on\. You may see slightly different numerical results",
+        "TensorFlow uses oneDNN kernels on this CPU (AVX-512 and newer): results differ from "
+        "other kernels by floating-point round-off only, as any change of summation order does",
+    ),
+    (
+        r"An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed",
+        "jax's CPU-only wheel on a machine with an NVIDIA driver: jax uses the CPU, as installed",
+    ),
+    (
+        r"Unable to initialize backend '(cuda|rocm|tpu)'",
+        "jax probing accelerators this machine does not have; it falls back to the CPU",
+    ),
+    (
         r"Unable to register cu(DNN|FFT|BLAS) factory",
         "TensorFlow and jax both registering CUDA plugins in one process",
     ),

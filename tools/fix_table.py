@@ -1,7 +1,7 @@
 """The docs' list of fixes, generated from the ``Fix`` records (``tfdist.compat.FIXES``).
 
     python tools/fix_table.py            # print the table
-    python tools/fix_table.py --write    # replace it in docs/multi_worker.md
+    python tools/fix_table.py --write    # replace it in docs/fixes.md
 
 tests/test_fix_guards.py checks the page holds exactly this table.
 """
@@ -16,7 +16,7 @@ import generated_block
 
 from tfdist import compat
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "multi_worker.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "fixes.md"
 BEGIN, END = "<!-- fix table: begin -->", "<!-- fix table: end -->"
 
 

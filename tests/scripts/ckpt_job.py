@@ -96,7 +96,7 @@ train = tfdist.data.pipeline(
 # Under `tfdist launch --max-restarts`, faults fire only in the first attempt.
 first_attempt = os.environ.get("TFDIST_RESTART", "0") == "0"
 kill_attempt = os.environ.get("TFDIST_RESTART", "0") == str(args.sigkill_attempt)
-rank = tfdist.cluster.cluster_from_env().rank
+rank = tfdist.cluster_from_env().rank
 if args.dir_per_rank and rank:
     args.dir = f"{args.dir}-rank{rank}"
 
@@ -149,7 +149,7 @@ if args.keras_backup:
     initial_epoch, restored = 0, None  # BackupAndRestore restores inside fit
 else:
     model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
-    restored = tfdist.checkpoint.resume_state(model)
+    restored = tfdist.resume_state(model)
 t_restored = time.perf_counter()
 
 

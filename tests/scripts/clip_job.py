@@ -79,5 +79,5 @@ with scope:
 result["replicas"] = strategy.num_replicas_in_sync
 result["strategy"] = type(strategy).__name__
 result["applied"] = compat.applied()
-result["worker"] = tfdist.cluster.cluster_from_env().rank
+result["worker"] = tfdist.cluster_from_env().rank
 print(json.dumps(result))

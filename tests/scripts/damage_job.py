@@ -47,7 +47,7 @@ def restart(directory: str, epochs: int) -> dict:
             model, initial_epoch = tfdist.make_or_restore(build, directory)
         except Exception as err:  # noqa: BLE001 - the test checks the message
             return {"error": f"{type(err).__name__}: {err}"}
-    state = tfdist.checkpoint.resume_state(model)
+    state = tfdist.resume_state(model)
     result = {
         "restored": None if state is None else os.path.basename(state.path),
         "initial_epoch": initial_epoch,

@@ -75,7 +75,7 @@ result = {
     "replicas": tfdist.num_replicas(),
     "strategy": type(tfdist.strategy()).__name__,
     "variable_type": mirrored,
-    "worker": tfdist.cluster.cluster_from_env().rank,
+    "worker": tfdist.cluster_from_env().rank,
     "loss": history.history["loss"],
     "weights": [w.tolist() for w in model.get_weights()],
 }

@@ -37,7 +37,7 @@ import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
 
-rank = tfdist.cluster.cluster_from_env().rank
+rank = tfdist.cluster_from_env().rank
 print("PID", os.getpid(), "RANK", rank, flush=True)
 
 rng = np.random.default_rng(0)

@@ -42,7 +42,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 tf.config.experimental.enable_op_determinism()
-info = tfdist.cluster.cluster_from_env()
+info = tfdist.cluster_from_env()
 restart = int(os.environ.get("TFDIST_RESTART", "0"))
 rng = np.random.default_rng(0)
 x = rng.normal(size=(64, 4)).astype("float32")

@@ -83,12 +83,12 @@ class Report(keras.callbacks.Callback):
             time.sleep(step_sleep)
 
 
-rank = tfdist.cluster.cluster_from_env().rank
+rank = tfdist.cluster_from_env().rank
 # Only the first attempt needs slow steps (for a preemption to land mid-training); a
 # requeued job (SLURM_RESTART_COUNT > 0) runs at full speed.
 step_sleep = args.step_sleep if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0.0
 model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
-restored = tfdist.checkpoint.resume_state(model)
+restored = tfdist.resume_state(model)
 callbacks = [
     *tfdist.callbacks.standard(args.dir, decay={0: 0.01, 2: 0.005}, print_lr=False),
     Report(),
@@ -102,7 +102,7 @@ except SystemExit as exc:  # the checkpoint callback's "saved after SIGTERM, res
     exit_code = exc.code
 result = {
     "rank": rank,
-    "workers": tfdist.cluster.cluster_from_env().num_workers,
+    "workers": tfdist.cluster_from_env().num_workers,
     "replicas": replicas,
     "backend": tfdist.backends.name(),
     "restored_step": None if restored is None else restored.step,

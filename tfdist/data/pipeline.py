@@ -97,7 +97,7 @@ def _plan(
     checks.check_not_batched(source, dataset)
     strategy = distribute.current(strategy)
     per_replica_batch, replicas, batch = _batch_sizes(per_replica_batch, global_batch, strategy)
-    num_workers = distribute.num_workers(strategy)
+    num_workers = distribute.num_workers(strategy=strategy)
     policy, why = shard_policy(
         source, num_workers, in_memory=cache is True, positioned=seed is not None
     )
@@ -189,7 +189,7 @@ def _cache_path(plan: _Plan) -> str:
     path = os.fspath(plan.cache)
     if plan.num_workers > 1:
         # Workers on one host (or one shared disk) must not write the same cache files.
-        path = f"{path}.worker{distribute.worker_index(plan.strategy)}"
+        path = f"{path}.worker{distribute.worker_index(strategy=plan.strategy)}"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     return path
 

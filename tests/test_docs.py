@@ -1,0 +1,232 @@
+"""The manual keeps its promises: every code block is checked or says why not, generated
+figures are current, the site builds strictly, and no page speaks of how it was made.
+
+The marker convention (docs/architecture.md, "Writing docs"): the line before each fenced
+block is ``<!-- run by tests/test_x.py -->``, ``<!-- same as tests/scripts/x.py -->``,
+``<!-- run here -->`` (this file runs it) or ``<!-- not run: why -->``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, child_env, last_json_line
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MARKER = re.compile(r"<!-- (run by (\S+)|same as (\S+)|run here|not run: .+?) -->")
+
+
+def blocks(page):
+    """(line number, info string, marker or None, code) of each fenced block of ``page``."""
+    lines = page.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].lstrip().startswith("```"):
+            indent = len(lines[i]) - len(lines[i].lstrip())
+            j = i + 1
+            while not lines[j].lstrip().startswith("```"):
+                j += 1
+            before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
+            code = textwrap.dedent("\n".join(x[indent:] for x in lines[i + 1 : j]))
+            found.append((i + 1, lines[i].strip()[3:], MARKER.fullmatch(before), code))
+            i = j
+        i += 1
+    return found
+
+
+def _name(page) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+def test_every_code_block_says_how_it_is_checked():
+    unmarked = [
+        f"{_name(page)}:{line} ```{info}"
+        for page in PAGES
+        for line, info, marker, _ in blocks(page)
+        if marker is None
+    ]
+    assert not unmarked, "blocks without a marker (docs/architecture.md):\n" + "\n".join(unmarked)
+
+
+def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
+    for page in PAGES:
+        for line, _, marker, code in blocks(page):
+            if marker is None:
+                continue
+            where = f"{_name(page)}:{line}"
+            if marker.group(2):  # run by a test: it must read this page
+                test = REPO / marker.group(2)
+                assert test.is_file(), f"{where}: no {test}"
+                assert page.name in test.read_text(), (
+                    f"{where}: {test.name} never reads {page.name}"
+                )
+            elif marker.group(3):  # an excerpt: every line, in order, in the script
+                source = (REPO / marker.group(3)).read_text().splitlines()
+                k = 0
+                for text in filter(str.strip, code.splitlines()):
+                    stripped = [s.rstrip() for s in source[k:]]
+                    assert text.rstrip() in stripped, f"{where}: {text!r} not in {marker.group(3)}"
+                    k += stripped.index(text.rstrip()) + 1
+
+
+# What a "run here" block needs that its page defines in prose, and what it must have done.
+SETUP = {
+    "docs/checkpoints.md": """
+        import keras, numpy as np, tfdist
+        def build_and_compile():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+            return model
+        def decay(epoch):
+            return 1e-3 if epoch < 3 else 1e-4
+        rng = np.random.default_rng(0)
+        train = tfdist.data.pipeline(
+            (rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)),
+            per_replica_batch=8, seed=0)
+    """,
+    "docs/multi_worker.md": """
+        import numpy as np
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(256, 784)).astype("float32"), rng.integers(0, 10, 256)
+    """,
+    "docs/custom_loops.md": """
+        import numpy as np
+        rng = np.random.default_rng(0)
+        features, labels = rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 4, 64)
+    """,
+    "docs/jax.md": """
+        import keras, tfdist
+        def build_and_compile():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense_a"),
+                                      keras.layers.Dense(4, name="dense_b")])
+            model.compile(optimizer="adam", loss="mse")
+            return model
+    """,
+}
+CHECK = {
+    "docs/checkpoints.md": "result = {'epoch': initial_epoch, 'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)),"
+    " 'saved': sorted(os.listdir('ckpt'))}",
+    "docs/multi_worker.md": "result = {'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)), 'batch': batch}",
+    "docs/custom_loops.md": "result = {'step': step, 'epochs': step // ckpt.steps_per_epoch}",
+    "docs/jax.md": "result = {'kernel': str(model.layers[0].kernel.value.sharding.spec)}",
+}
+
+RUNNER = """
+import json, os, sys, tempfile, textwrap
+results = {}
+for name, setup, code, check in json.loads(sys.argv[1]):
+    os.chdir(tempfile.mkdtemp())
+    scope = {"__name__": "__main__"}
+    exec(textwrap.dedent(setup) + "\\n" + code + "\\nimport os\\n" + check, scope)
+    results[name] = scope["result"]
+print(json.dumps(results))
+"""
+
+
+def _run_here(names, skip_importing, **env):
+    """Runs the ``run here`` blocks of ``names`` in one interpreter, except those that
+    import ``skip_importing`` (the other backend's block of a page that has both)."""
+    cases = []
+    for page in PAGES:
+        for line, info, marker, code in blocks(page):
+            if f"import {skip_importing}" in code:
+                continue
+            if marker and marker.group(1) == "run here" and _name(page) in names:
+                assert info == "python", f"{_name(page)}:{line}: only python blocks run here"
+                cases.append(
+                    (f"{_name(page)}:{line}", SETUP[_name(page)], code, CHECK[_name(page)])
+                )
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(cases)],
+        env=child_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return {k.split(":")[0]: v for k, v in last_json_line(proc.stdout).items()}, len(cases)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_run_here_blocks_run_on_two_tensorflow_devices():
+    results, count = _run_here(
+        ["docs/checkpoints.md", "docs/multi_worker.md", "docs/custom_loops.md"],
+        "jax",
+        TFDIST_CPU_DEVICES="2",
+    )
+    assert count == 3
+    ckpts = results["docs/checkpoints.md"]
+    assert ckpts["epoch"] == 0 and ckpts["steps"] == 12 * 4  # 64 examples / global batch 16
+    assert "ckpt-12.keras" in ckpts["saved"]
+    assert results["docs/multi_worker.md"] == {"steps": 3 * 2, "batch": 128}
+    assert results["docs/custom_loops.md"]["epochs"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+def test_run_here_blocks_run_on_four_jax_devices():
+    results, count = _run_here(
+        ["docs/jax.md", "docs/custom_loops.md"],
+        "tensorflow",
+        KERAS_BACKEND="jax",
+        TFDIST_CPU_DEVICES="4",
+    )
+    assert count == 2
+    assert "model" in results["docs/jax.md"]["kernel"]  # the layout's key matched the kernel
+    assert results["docs/custom_loops.md"]["epochs"] == 3
+
+
+def test_generated_figures_are_current():
+    sys.path.insert(0, str(REPO / "tools"))
+    import docs_figures
+
+    for name, (page, block) in docs_figures.blocks().items():
+        assert block in page.read_text(), f"{name}: run python tools/docs_figures.py --write"
+
+
+# What a user's manual never says: the history of its own making.
+HISTORY = re.compile(
+    r"this round|previous round|before this (round|change)|closing note|the issue'?s?\b|"
+    r"how (the project|it) was built|we built|load average",
+    re.I,
+)
+
+
+def test_no_page_speaks_of_how_the_project_was_built():
+    said = [
+        f"{_name(page)}:{n}: {line.strip()}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert not said, "\n".join(said)
+
+
+def test_readme_is_a_front_page_and_links_every_page_and_notebook():
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    for page in (REPO / "docs").glob("*.md"):
+        if page.name != "index.md":
+            assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"
+    for notebook in (REPO / "notebooks").glob("*.ipynb"):
+        assert f"(notebooks/{notebook.name})" in text, f"README does not list {notebook.name}"
+
+
+def test_the_site_builds_strictly(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    built = {p.parent.name for p in (tmp_path / "site").rglob("index.html")}
+    assert {"data", "checkpoints", "multi_worker", "jax", "scaling"} <= built

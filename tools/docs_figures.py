@@ -1,0 +1,114 @@
+"""The docs' measured figures, generated from the JSON files the benchmark tools write.
+
+Every figure in docs/ comes from a file a tool wrote, with the machine, the versions and
+the date inside it; this tool renders those files into the pages' generated blocks:
+
+* docs/benchmarks.md: ``tools/benchmark_measured.json``
+  (``python tools/benchmark.py --pairs 3 --json tools/benchmark_measured.json``);
+* docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
+  ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``).
+
+    python tools/docs_figures.py            # print the blocks
+    python tools/docs_figures.py --write    # replace them in the pages
+
+tests/test_docs.py checks the pages hold exactly these blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import generated_block
+
+TOOLS = Path(__file__).resolve().parent
+DOCS = TOOLS.parent / "docs"
+BENCHMARK_JSON = TOOLS / "benchmark_measured.json"
+
+
+def _machine_line(mach: dict) -> str:
+    gpus = ", ".join(mach.get("gpus") or []) or "none"
+    return (
+        f"Machine: {mach['cpu']}, {mach['cores']} cores, GPUs: {gpus}; python "
+        f"{mach['python']}, tensorflow {mach['tensorflow']}, keras {mach['keras']}, tfdist "
+        f"{mach.get('tfdist')}; measured {mach['date']}."
+    )
+
+
+def _ratio(row: dict) -> str:
+    if row.get("error"):
+        return f"error: {row['error']}"
+    ratios = row["ratios"]
+    return f"{row['median']:.3g} ({min(ratios):.3g}-{max(ratios):.3g}, n={len(ratios)})"
+
+
+def benchmarks_block(payload: dict) -> list[str]:
+    """The benchmark table of ``payload`` (what ``tools/benchmark.py --json`` writes)."""
+    met = {True: "yes", False: "**no**", None: "-"}
+    lines = [
+        _machine_line(payload["machine"]) + f" {payload['pairs']} alternated pair(s) per row.",
+        "",
+        "| name | A | B | A/B median (min-max) | goal | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in payload["rows"]:
+        lines.append(
+            f"| {row['name']} | {row['a']} | {row['b']} | {_ratio(row)} | {row['goal']} "
+            f"| {met[row.get('met')]} |"
+        )
+    notes = [f"- {r['name']}: {r['notes']}" for r in payload["rows"] if r.get("notes")]
+    return lines + ([""] + notes if notes else [])
+
+
+def scaling_block() -> list[str]:
+    """The scaling model's report (its inputs name their machines and dates)."""
+    import scaling_model
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        scaling_model.main(["--gpu", str(TOOLS / "gpu_measured.json")])
+    lines = out.getvalue().rstrip("\n").splitlines()[1:]  # drop "scaling model, <today>"
+    # Its sections become sub-headings of the page's.
+    return [("###" + line[2:]) if line.startswith("## ") else line for line in lines]
+
+
+def blocks() -> dict[str, tuple[Path, str]]:
+    """name -> (page, block with its markers)."""
+    payload = json.loads(BENCHMARK_JSON.read_text())
+    found = {
+        "benchmarks": (DOCS / "benchmarks.md", benchmarks_block(payload)),
+        "scaling model": (DOCS / "scaling.md", scaling_block()),
+    }
+    return {
+        name: (page, "\n".join([_begin(name), *lines, _end(name)]))
+        for name, (page, lines) in found.items()
+    }
+
+
+def _begin(name: str) -> str:
+    return f"<!-- {name}: begin (python tools/docs_figures.py --write) -->"
+
+
+def _end(name: str) -> str:
+    return f"<!-- {name}: end -->"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="replace the blocks in docs/")
+    args = parser.parse_args(argv)
+    status = 0
+    for name, (page, block) in blocks().items():
+        if args.write:
+            status |= generated_block.replace(page, _begin(name), _end(name), block, "docs_figures")
+        else:
+            print(block)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
