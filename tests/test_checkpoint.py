@@ -269,7 +269,7 @@ def test_files_from_keras_model_checkpoint_restore(tmp_path):
     restored, initial_epoch = restore(tmp_path)
     assert initial_epoch == 2
     assert_same_weights(restored.get_weights(), model.get_weights(), atol=0)
-    assert tfdist.checkpoint.resume_state(restored).step is None
+    assert tfdist.resume_state(restored).step is None
 
 
 # --------------------------------------------------------------------------- writes
@@ -298,7 +298,7 @@ def test_mid_epoch_checkpoint_resumes_inside_the_epoch(tmp_path):
     fit(model, 1, callbacks=[tfdist.callbacks.checkpoint(tmp_path, save_freq=3, max_to_keep=None)])
     os.remove(tmp_path / "ckpt-1.keras")
     restored, initial_epoch = restore(tmp_path)
-    state = tfdist.checkpoint.resume_state(restored)
+    state = tfdist.resume_state(restored)
     assert (initial_epoch, state.batch, state.step) == (0, 3, 3)
     assert int(restored.optimizer.iterations.numpy()) == 3
 

@@ -212,7 +212,7 @@ def run(config: TrainConfig) -> dict:
         config.ckpt_dir,
         strategy=strategy,
     )
-    resumed = tfdist.checkpoint.resume_state(model)  # None for a fresh model
+    resumed = tfdist.resume_state(model)  # None for a fresh model
     _say_start(config, recipe, initial_epoch, resumed, steps_per_epoch)
     record.start_run(resumed, steps_per_epoch, start)
     history_csv = os.path.join(config.output, "history.csv")
