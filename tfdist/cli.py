@@ -426,9 +426,11 @@ def _add_launch_parser(sub) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
+    from tfdist import quiet
     from tfdist.examples import mnist  # TensorFlow-free until it trains
 
-    return mnist.main(args)
+    with quiet.filtered_stderr():  # TensorFlow's C++ start-up lines, as under launch
+        return mnist.main(args)
 
 
 def _add_train(sub) -> None:

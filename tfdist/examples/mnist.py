@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tfdist import validate
-from tfdist.config import ConfigError
+from tfdist.config import RESTART_ENV, ConfigError
 
 __all__ = ["MnistMissing", "TrainConfig", "ensure_mnist", "plot_history", "run", "summary_line"]
 
@@ -408,6 +408,27 @@ def _flag(check, value, flag: str, **kwargs):
         raise ConfigError(str(err)) from None
 
 
+def _verbose(flag: str, stdout=None) -> int | str:
+    """Keras's ``verbose`` for ``--verbose``: "auto" writes one line per epoch (Keras's 2)
+    when stdout is a pipe or a file, so a log gets no progress-bar redraws, colour codes
+    or backspaces; under ``tfdist launch`` the launcher renders a worker's bar itself.
+
+    Example:
+        >>> import io
+        >>> _verbose("auto", stdout=io.StringIO())
+        2
+    """
+    if flag != "auto":
+        return int(flag)
+    stdout = sys.stdout if stdout is None else stdout
+    try:
+        terminal = stdout.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        terminal = False
+    launched = RESTART_ENV in os.environ  # a worker of tfdist launch: its output is a pipe
+    return "auto" if terminal or launched else 2
+
+
 def config_from_args(args) -> TrainConfig:
     """The ``TrainConfig`` of parsed ``tfdist train mnist`` arguments (no TensorFlow).
 
@@ -433,7 +454,7 @@ def config_from_args(args) -> TrainConfig:
         devices=args.devices,
         seed=args.seed,
         save_freq=_save_freq(args.save_freq),
-        verbose=args.verbose if args.verbose == "auto" else int(args.verbose),
+        verbose=_verbose(args.verbose),
         train_split=args.train_split,
         backend=getattr(args, "backend", None),
     )
