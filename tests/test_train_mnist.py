@@ -122,8 +122,15 @@ def test_checkpoints_of_another_job_are_refused_naming_both(tmp_path):
     with pytest.raises(ConfigError) as info:
         job.open_record(ckpt, other)
     message = str(info.value)
-    assert "replicas=2 there, 1 now" in message and "global_batch=256 there, 128 now" in message
+    assert "global_batch=256 there, 128 now" in message and "replicas" not in message.split("(")[1]
+    assert "To resume it on 1 replica(s), keep its global batch: --per-replica-batch 256" in message
     assert "--output" in message and "delete" in message
+
+
+def test_the_same_global_batch_on_another_replica_count_resumes(tmp_path):
+    ckpt, identity = _folder_of_another_job(tmp_path)  # 2 replicas x 128
+    record = job.open_record(ckpt, dict(identity, replicas=4, per_replica_batch=64))
+    assert record.data["wall_time_s"] == 75.3 and record.data["identity"]["replicas"] == 4
 
 
 def test_a_rerun_adds_to_the_total_training_time(tmp_path):
@@ -211,7 +218,7 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
         env=child_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert other.returncode == 2, other.stderr[-3000:]
-    assert "per_replica_batch=128 there, 64 now" in other.stderr
+    assert "global_batch=128 there, 64 now" in other.stderr
 
 
 @pytest.mark.jax

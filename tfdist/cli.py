@@ -448,8 +448,9 @@ def _add_train(sub) -> None:
         description="Train MNIST (from tensorflow_datasets; set TFDS_DATA_DIR to run offline). "
         "Writes OUTPUT/model.keras, metrics.json, history.csv, curves.png, checkpoints and "
         "TensorBoard logs, and ends with a line `test_accuracy=...`. Rerun the same command to "
-        "resume; a checkpoint folder made with another recipe, replica count or batch is "
-        "refused (OUTPUT/ckpt/job.json records them and the total training time).",
+        "resume, also on another number of devices or workers with the same global batch "
+        "(--per-replica-batch); a checkpoint folder made with another recipe, global batch or "
+        "split is refused (OUTPUT/ckpt/job.json records them and the total training time).",
     )
     _add_train_mnist_options(mnist)
     train.set_defaults(func=_cmd_train)

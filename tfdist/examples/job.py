@@ -26,7 +26,10 @@ __all__ = ["JobRecord", "open_record"]
 RECORD = "job.json"
 # What a checkpoint folder must agree on: another value changes the steps, the learning
 # rate schedule or the model, so resuming would train a different job.
-MUST_MATCH = ("recipe", "replicas", "per_replica_batch", "global_batch", "train_split")
+# The replica count and per-replica batch may change between runs: a checkpoint resumes
+# exactly on another world size with the same global batch (the data position counts
+# global batches, the learning rate follows the optimizer step).
+MUST_MATCH = ("recipe", "global_batch", "train_split")
 # Write the running time at most this often from the batch callback (kill -9 loses less).
 _WRITE_EVERY_S = 5.0
 
@@ -41,11 +44,19 @@ def _refusal(ckpt_dir: str, old: dict, new: dict) -> str:
         for key in MUST_MATCH
         if old.get(key) != new[key]
     )
+    hint = ""
+    if old.get("global_batch") != new["global_batch"] and new.get("replicas"):
+        per_replica, rest = divmod(int(old["global_batch"]), int(new["replicas"]))
+        if not rest:
+            hint = (
+                f" To resume it on {new['replicas']} replica(s), keep its global batch: "
+                f"--per-replica-batch {per_replica}."
+            )
     return (
         f"train mnist: the checkpoints in {ckpt_dir} belong to another job ({diffs}). "
-        "Resuming would train with another batch or model. Pass --output (or "
-        "--checkpoint-dir) elsewhere, delete that folder to start again, or rerun with "
-        "the settings it was made with."
+        "Resuming would train with another batch or model." + hint + " Otherwise pass "
+        "--output (or --checkpoint-dir) elsewhere, delete that folder to start again, or "
+        "rerun with the settings it was made with."
     )
 
 

@@ -9,8 +9,9 @@ that already finished only evaluates and rewrites its outputs. Each decision (a 
 job, resuming from which checkpoint at which epoch and batch, evaluating only, waiting
 for the workers) is printed once, on the chief, as a ``tfdist train mnist: ...`` line.
 ``CKPT_DIR/job.json`` (``tfdist.examples.job``) records what the checkpoints were made
-with: a folder from another recipe, replica count, batch or split is refused with a
-``ConfigError``. ``metrics.json`` has numbers as numbers, ``wall_time_s`` is the total
+with: a folder from another recipe, global batch or split is refused with a
+``ConfigError``; the same global batch on another number of devices or workers resumes
+(``--per-replica-batch`` keeps it: 128 on 1 device = 64 on 2). ``metrics.json`` has numbers as numbers, ``wall_time_s`` is the total
 over every run of the job (``this_run_wall_time_s`` the last one's) and
 ``partial_epochs`` names the epochs trained across a mid-epoch restart: Keras's
 history row of such an epoch only covers the batches trained after the resume.
