@@ -298,6 +298,25 @@ def _child_multi_worker_step(quick: bool, pairs: int) -> dict:
     )
 
 
+def _child_checkpoint(part: str, quick: bool, pairs: int) -> dict:
+    import bench_checkpoint
+
+    f = bench_checkpoint.measure(pairs=pairs, megabytes=5.0 if quick else 50.0)
+    row = f[part]
+    goal = {"save": 1.2, "restore": 1.3}[part]
+    return asdict(
+        Result(
+            row["ratios"],
+            met=None if quick else row["ratio_median"] <= goal,
+            a_values=row["a_s"],
+            b_values=row["b_s"],
+            notes=f"{f['state_mb']} MB of weights and Adam state, a {f['file_mb']} MB archive; "
+            f"medians {statistics.median(row['a_s']):.3f} s vs {statistics.median(row['b_s']):.3f} s"
+            + (f"; the training step alone {f['step_s']:.3f} s" if part == "save" else ""),
+        )
+    )
+
+
 CHILD_ROWS = {
     "overhead": (_child_overhead, {"TFDIST_CPU_DEVICES": "2"}),
     "pipeline": (_child_pipeline, {}),
@@ -306,6 +325,8 @@ CHILD_ROWS = {
     "restart": (_child_restart, {}),
     "launcher": (_child_launcher, {}),
     "multi-worker-step": (_child_multi_worker_step, {}),
+    "checkpoint-save": (lambda q, p: _child_checkpoint("save", q, p), {}),
+    "checkpoint-restore": (lambda q, p: _child_checkpoint("restore", q, p), {}),
 }
 ROW_TIMEOUT_S = 3600
 
@@ -393,6 +414,20 @@ COMPARISONS = [
         "2 logical devices in one process",
         "none (the cost of gRPC)",
         _in_child("multi-worker-step"),
+    ),
+    Comparison(
+        "checkpoint-save",
+        "one-step fit + tfdist.callbacks.checkpoint (50 MB)",
+        "the same with keras.callbacks.ModelCheckpoint (.keras)",
+        "<= 1.2",
+        _in_child("checkpoint-save"),
+    ),
+    Comparison(
+        "checkpoint-restore",
+        "tfdist.make_or_restore (checked, resume state)",
+        "keras.models.load_model of the same file",
+        "<= 1.3",
+        _in_child("checkpoint-restore"),
     ),
     Comparison("cli", "`tfdist --help`", "`python -c pass`", "small (< 5)", _cli_row),
 ]

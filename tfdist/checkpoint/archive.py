@@ -14,11 +14,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import stat
 import struct
+import tempfile
 import time
 import zipfile
 
@@ -36,6 +39,7 @@ __all__ = [
     "write_resume_metadata",
     "read_resume_metadata",
     "inspect_archive",
+    "weights_file",
 ]
 
 RESUME_MEMBER = "tfdist/resume.json"
@@ -147,6 +151,32 @@ def _read_weights(zf: zipfile.ZipFile) -> None:
     with _open_member(zf, WEIGHTS_MEMBER) as stream, h5py.File(stream, "r") as weights:
         dict(weights.attrs)
         weights.visititems(read)
+
+
+@contextlib.contextmanager
+def weights_file(path: str):
+    """A ``.weights.h5`` path holding the archive's weights, for ``model.load_weights``.
+
+    ``load_weights`` of a ``.keras`` archive reads only its weights member (no assets),
+    through Python's ``ZipExtFile``, which re-reads and re-checksums the member from its
+    start at every backward seek h5py makes: 1.7 of 2.4 s restoring a 50 MB checkpoint.
+    Copied out once to a temporary file, the same weights load with plain h5py reads.
+    A compressed member (not Keras's way) is loaded from the archive as before.
+
+    Example:
+        >>> with weights_file("ckpt/ckpt-3.keras") as weights:  # doctest: +SKIP
+        ...     model.load_weights(weights)
+    """
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(WEIGHTS_MEMBER)
+        if info.compress_type != zipfile.ZIP_STORED:
+            yield path
+            return
+        with tempfile.TemporaryDirectory(prefix="tfdist-restore-") as scratch:
+            target = os.path.join(scratch, "model.weights.h5")
+            with _open_member(zf, WEIGHTS_MEMBER) as source, open(target, "wb") as out:
+                shutil.copyfileobj(io.BufferedReader(source, 1 << 20), out, 1 << 20)
+            yield target
 
 
 def _open_member(zf: zipfile.ZipFile, name: str) -> io.RawIOBase:

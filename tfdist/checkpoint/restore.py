@@ -25,7 +25,7 @@ import keras
 
 from tfdist import distribute, process, saving, validate
 from tfdist.checkpoint.agreement import check_workers_agree
-from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive
+from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive, weights_file
 from tfdist.checkpoint.names import (
     check_save_target,
     checkpoint_entries,
@@ -349,7 +349,8 @@ def _load_weights(model, path: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model.load_weights(path)
+            with weights_file(path) as weights:  # the archive's weights member, copied out once
+                model.load_weights(weights)
         except MemoryError:
             raise
         except OSError as err:

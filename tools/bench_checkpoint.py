@@ -1,0 +1,141 @@
+"""What a checkpoint costs against Keras's own, on a model of realistic size.
+
+* ``save``: a one-step ``fit`` whose step is checkpointed by ``tfdist.callbacks.checkpoint``
+  (a ``.keras`` with resume metadata, staged, fsynced and renamed) against the same ``fit``
+  with Keras's ``ModelCheckpoint`` writing a ``.keras`` of the same model (the step itself
+  is a few milliseconds: the save is most of each side);
+* ``restore``: ``tfdist.make_or_restore`` (which checks the archive end to end, then
+  restores weights, optimizer state and the resume position) against
+  ``keras.models.load_model`` of the same file.
+
+The model: an MLP with Adam whose weights and optimizer state total about 50 MB (``--mb``).
+A and B alternate; the first pair is a warm-up.
+
+    python tools/bench_checkpoint.py --pairs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+
+def _model(width: int):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((width,)),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(width, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+    return model
+
+
+def _width_for(megabytes: float) -> int:
+    # Two width x width kernels dominate; Adam keeps two slots: 3 x 4 bytes per weight.
+    return int((megabytes * 2**20 / (3 * 4 * 2)) ** 0.5)
+
+
+def _state_mb(model) -> float:
+    values = [*model.weights, *model.optimizer.variables]
+    return sum(int(np.prod(v.shape)) * 4 for v in values) / 2**20
+
+
+def measure(pairs: int = 3, megabytes: float = 50.0) -> dict:
+    """Save and restore ratios (A = tfdist, B = Keras), ``pairs`` alternated pairs each."""
+    import keras
+
+    import tfdist
+
+    width = _width_for(megabytes)
+    x = np.random.default_rng(0).normal(size=(32, width)).astype("float32")
+    y = np.zeros(32, "int64")
+    root = tempfile.mkdtemp(prefix="bench_checkpoint-")
+    model = _model(width)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # builds the optimizer state
+
+    def fit_once(callbacks) -> float:
+        start = time.perf_counter()
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=callbacks)
+        return time.perf_counter() - start
+
+    def save_tfdist() -> float:
+        folder = tempfile.mkdtemp(dir=root)
+        return fit_once([tfdist.callbacks.checkpoint(folder, save_freq=1)])
+
+    def save_keras() -> float:
+        path = os.path.join(tempfile.mkdtemp(dir=root), "model.keras")
+        return fit_once([keras.callbacks.ModelCheckpoint(path, save_freq=1)])
+
+    save = _alternate(save_tfdist, save_keras, pairs)
+    ckpt = tempfile.mkdtemp(dir=root)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              callbacks=[tfdist.callbacks.checkpoint(ckpt, save_freq=1)])  # fmt: skip
+    newest = sorted(os.listdir(ckpt))[-1]
+    path = os.path.join(ckpt, newest)
+
+    def restore_tfdist() -> float:
+        start = time.perf_counter()
+        tfdist.make_or_restore(lambda: _model(width), ckpt)
+        return time.perf_counter() - start
+
+    def restore_keras() -> float:
+        start = time.perf_counter()
+        keras.models.load_model(path)
+        return time.perf_counter() - start
+
+    restore = _alternate(restore_tfdist, restore_keras, pairs)
+    figures = {
+        "state_mb": round(_state_mb(model), 1),
+        "file_mb": round(os.path.getsize(path) / 2**20, 1),
+        "step_s": statistics.median(fit_once([]) for _ in range(3)),
+        "save": save,
+        "restore": restore,
+    }
+    shutil.rmtree(root, ignore_errors=True)
+    return figures
+
+
+def _alternate(a, b, pairs: int) -> dict:
+    a(), b()  # warm-up: traced functions, file cache
+    a_values, b_values = [], []
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        one, two = first(), second()
+        a_values.append(one if i % 2 == 0 else two)
+        b_values.append(two if i % 2 == 0 else one)
+    ratios = [x / y for x, y in zip(a_values, b_values, strict=True)]
+    return {
+        "a_s": a_values,
+        "b_s": b_values,
+        "ratios": ratios,
+        "ratio_median": statistics.median(ratios),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--mb", type=float, default=50.0, help="weights + optimizer state, MB")
+    args = parser.parse_args(argv)
+    if args.pairs < 1 or args.mb <= 0:
+        parser.error(f"--pairs >= 1 and --mb > 0. Received: --pairs={args.pairs} --mb={args.mb}")
+    print(json.dumps(measure(args.pairs, args.mb)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
