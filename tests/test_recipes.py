@@ -49,6 +49,24 @@ def test_tutorial_model_is_the_guides_convnet():
     assert model.count_params() == 320 + 346_176 + 650
 
 
+def test_fast_recipe_is_what_the_docs_say():
+    # docs/mnist.md, literally: Conv2D(16) + MaxPooling + Conv2D(32) + MaxPooling +
+    # Dense(128) + Dense(10), Adam, 5 epochs, 128 per replica, peak 5e-3 x global / 128.
+    model = recipes.fast_model()
+    described = [
+        (type(layer).__name__, getattr(layer, "filters", None) or getattr(layer, "units", None))
+        for layer in model.layers
+    ]
+    assert described == [
+        ("Conv2D", 16), ("MaxPooling2D", None), ("Conv2D", 32), ("MaxPooling2D", None),
+        ("Flatten", None), ("Dense", 128), ("Dense", 10),
+    ]  # fmt: skip
+    fast = recipes.get_recipe("fast")
+    assert (fast.epochs, fast.per_replica_batch) == (5, 128)
+    assert (fast.base_learning_rate, fast.reference_batch) == (5e-3, 128)
+    assert (fast.warmup_epochs, fast.min_warmup_steps) == (0.5, 100)
+
+
 def test_fast_model_has_no_per_replica_statistics_or_unsaved_randomness():
     # BatchNormalization would normalise each replica's slice separately (N replicas would
     # not train the 1-device model); Dropout's seed state is not in .weights.h5 checkpoints.
