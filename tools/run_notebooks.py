@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.metadata as md
-import os
-import platform
 import re
 import sys
 import tempfile
@@ -38,29 +36,16 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 def machine() -> dict:
-    """CPU, cores, versions and date: what produced the outputs."""
-    cpu = platform.processor() or platform.machine()
+    """CPU, cores, GPUs, versions and date (``tools/benchmark.py``'s), plus jax's."""
+    import benchmark
+
+    stamp = benchmark.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {}
-    for dist in ("tensorflow", "keras", "jax", "tfdist"):
-        try:
-            versions[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            versions[dist] = None
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "gpus": "none" if not Path("/dev/nvidia0").exists() else "present",
-        "python": platform.python_version(),
-        **versions,
-    }
+        stamp["jax"] = md.version("jax")
+    except md.PackageNotFoundError:
+        stamp["jax"] = None
+    stamp["gpus"] = ", ".join(stamp["gpus"]) or "none"
+    return stamp
 
 
 def clean_text(text: str) -> str:
