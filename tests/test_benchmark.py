@@ -46,7 +46,7 @@ def test_quick_suite_prints_every_row_and_writes_the_same_figures_as_json(tmp_pa
     names = [row["name"] for row in figures["rows"]]
     assert names == [
         "overhead", "pipeline", "input-bound", "time-to-accuracy", "restart", "launcher",
-        "multi-worker-step", "cli",
+        "multi-worker-step", "checkpoint-save", "checkpoint-restore", "cli",
     ]  # fmt: skip
     for row in figures["rows"]:
         assert row["error"] is None, row
