@@ -51,8 +51,11 @@ setup(
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
         # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).
         "docs": ["mkdocs>=1.6,<2"],
+        # Checkpoint directories and save/load paths as URLs (tfdist.storage); add gcsfs
+        # for gs://, s3fs for s3://.
+        "remote": ["fsspec>=2023.1"],
         "test": [
-            "tfdist[jax,notebooks,docs]",
+            "tfdist[jax,notebooks,docs,remote]",
             "pytest>=7",
             "pytest-timeout",
             "pytest-xdist",

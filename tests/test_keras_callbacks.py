@@ -247,8 +247,12 @@ def test_upstream_callbacks_collide_without_the_fixes(tmp_path):
     assert proc.returncode != 0
     assert COLLISION.search(output), output[-4000:]
     assert (second / "all" / "backup").is_dir()
-    rows = (second / "all" / "log.csv").read_text().splitlines()
-    assert [r.split(",")[0] for r in rows] == ["epoch", "0", "epoch", "0"]
+    rows = [r.split(",")[0] for r in (second / "all" / "log.csv").read_text().splitlines()]
+    # Both workers wrote the header and every row they reached into the one file. Which
+    # epoch's backup collides first depends on timing (the HDF5 lock is a race), so only
+    # the doubling is asserted: each epoch's row twice, and epoch 0 was reached.
+    assert rows.count("epoch") == 2 and rows.count("0") == 2, rows
+    assert all(rows.count(r) == 2 for r in rows), rows
     assert (second / "all" / "ckpt" / "ckpt_1.weights.h5").is_file()  # the fixed save landed
 
 

@@ -16,7 +16,7 @@ MAX_FUNCTION_LINES = 60
 # Layers, lowest first: a module may import only from its own layer's leaves or below.
 LAYERS = [
     {"validate", "position", "quiet"},
-    {"config"},
+    {"config", "storage"},  # storage: local paths and fsspec URLs, for saving and checkpoints
     {"cluster", "process", "_private", "launch", "versions", "watchdog"},
     {"compat", "batchnorm"},
     {"backends", "layouts"},  # layouts: the checked ModelParallel the JAX backend sets

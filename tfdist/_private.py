@@ -55,6 +55,7 @@ __all__ = [
     "keras_model_strategy_or_none",
     "keras_symbolic_build",
     "keras_optimizer_accumulators",
+    "keras_optimizer_all_accumulators",
     "keras_optimizer_clip",
     "keras_optimizer_micro_steps",
     "keras_optimizer_uses_weight_decay",
@@ -415,6 +416,11 @@ def keras_symbolic_build(model, data_batch) -> None:
 def keras_optimizer_accumulators(optimizer, variables) -> list:
     """The gradient accumulators of ``variables``, in order."""
     return [optimizer._accumulated_gradients[optimizer._get_variable_index(v)] for v in variables]
+
+
+def keras_optimizer_all_accumulators(optimizer) -> list:
+    """Every gradient accumulator of ``optimizer`` (empty before it is built)."""
+    return list(getattr(optimizer, "_accumulated_gradients", None) or [])
 
 
 def keras_optimizer_apply_weight_decay(optimizer, variables) -> None:
@@ -785,3 +791,13 @@ REQUIRED["jax"] += [
     "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
 ]
 # ======================================== end of section: the JAX watchdog
+
+
+# ======================================== section: all-reduce in the backward pass
+# (tfdist.compat.overlap, opt-in) Keras reduces every gradient in one collective in a
+# private method of its TensorFlow optimizer; the opt-in replaces that method (the module
+# comes from keras_tf_optimizer_module above).
+REQUIRED["keras"] += [
+    "keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients",
+]
+# ======================================== end of section: all-reduce in the backward pass

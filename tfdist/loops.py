@@ -36,7 +36,7 @@ import sys
 import keras
 import numpy as np
 
-from tfdist import cluster, config, saving, validate
+from tfdist import cluster, compat, config, saving, validate
 from tfdist import distribute as _distribute
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import (
@@ -49,6 +49,7 @@ from tfdist.checkpoint.names import check_save_target, checkpoint_name, list_che
 from tfdist.checkpoint.preemption import PreemptionWatch
 from tfdist.checkpoint.restore import newest_readable, set_data_position
 from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
+from tfdist.compat import keras_fixes
 from tfdist.position import Position
 
 __all__ = [
@@ -245,6 +246,10 @@ def _steps_per_epoch(pipeline, steps_per_epoch) -> int | None:
 
 
 def _optimizer_bytes(optimizer) -> bytes:
+    if "keras_gradient_accumulation" in compat.applied():
+        # Mid-window, each replica's accumulator copy holds its own share: made equal
+        # (the window's sum so far) before they are read, as Keras saves do under the fix.
+        keras_fixes.consolidate_accumulators(optimizer)
     buffer = io.BytesIO()
     values = {f"v{i:05d}": numpy_value(v) for i, v in enumerate(optimizer.variables)}
     np.savez(buffer, **values)

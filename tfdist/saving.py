@@ -7,8 +7,11 @@ cross-process gather of a JAX array), but only the chief's file lands at ``path`
 others write to a temporary directory that is removed. The chief writes to a temporary
 name in the same directory, flushes it to disk and renames it over ``path``, so a crash
 at any moment leaves either the old file or the new one, never a half-written file
-under the final name. ``save`` returns on every worker only once the chief's file is in
-place (a ``tfdist.barrier``), so ``save`` then ``load`` works on every worker.
+under the final name. A URL path (``gs://``, ``s3://``, any fsspec filesystem) is written
+locally, uploaded under a staging name and moved onto ``path``; ``tfdist.storage`` says
+what that guarantees on each kind of store. ``save`` returns on every worker only once
+the chief's file is in place (a ``tfdist.barrier``), so ``save`` then ``load`` works on
+every worker.
 
 "Every worker calls it": ``save``, ``load(in_scope=True)``, and Keras's ``fit``,
 ``evaluate`` and ``predict`` on a distributed model. Called on some workers only,
@@ -39,7 +42,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tfdist import _private, distribute, validate
+from tfdist import _private, distribute, storage, validate
 from tfdist import cluster as _cluster
 
 __all__ = [
@@ -181,9 +184,9 @@ def staging_path(
         >>> "worker1" in staging_path("/ckpt/ckpt-1.keras", WriteRole(False, 1), tmp_root="/t")
         True
     """
-    final = os.path.abspath(validate.path_text(final_path, "final_path", "staging_path"))
+    final = storage.normalize(final_path, "staging_path", "final_path")
     validate.instance(role, WriteRole, "role", "staging_path", "a WriteRole")
-    parent, name = os.path.split(final.rstrip(os.sep))
+    parent, name = storage.dirname(final), storage.basename(final)
     tag = _staging_tag()
     if role.is_chief:
         return os.path.join(parent, f"{_STAGING_PREFIX}{tag}-{name}")
@@ -216,10 +219,7 @@ def remove_stale_staging(directory: str | os.PathLike) -> list[str]:
         ['ckpt/.tmp-4242-host-ckpt-3.keras']
     """
     directory = validate.path_text(directory, "directory", "remove_stale_staging")
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+    names = storage.listdir(directory)
     host = socket.gethostname()
     removed = []
     for name in names:
@@ -230,8 +230,8 @@ def remove_stale_staging(directory: str | os.PathLike) -> list[str]:
         same_host = match.group(2).startswith(host + "-")
         if same_host and (pid == os.getpid() or _pid_alive(pid)):
             continue  # a save in progress, ours or a live process's
-        path = os.path.join(directory, name)
-        _remove(path)
+        path = storage.join(directory, name)
+        storage.remove(path)
         removed.append(path)
     if removed:
         logger.warning("tfdist: removed staging files left by an interrupted save: %s", removed)
@@ -305,26 +305,37 @@ def atomic_output(final_path: str | os.PathLike, *, role: WriteRole | None = Non
         >>> with atomic_output("model.keras") as tmp:   # doctest: +SKIP
         ...     model.save(tmp)
     """
-    final = os.path.abspath(validate.path_text(final_path, "final_path", "atomic_output"))
+    final = storage.normalize(final_path, "atomic_output", "final_path")
     role = write_role() if role is None else role
-    staging = staging_path(final, role)
-    own_dir = None if role.is_chief else os.path.dirname(staging)
+    remote = storage.is_url(final)
+    # A URL's chief writes locally too (Keras needs a local file), like other workers.
+    staging = staging_path(final, role if not remote else WriteRole(False, role.rank))
+    own_dir = None if role.is_chief and not remote else os.path.dirname(staging)
     if own_dir:
         os.makedirs(own_dir, exist_ok=True)
     _remove(staging)
     try:
         yield staging
         if role.is_chief:
-            if not os.path.exists(staging):
-                raise RuntimeError(
-                    f"atomic_output: nothing was written to the staging path {staging!r}, "
-                    f"so {final!r} was left as it was."
-                )
-            _fsync_path(staging)
-            _replace(staging, final)
-            _fsync_dir(os.path.dirname(final))
+            _land(staging, final)
     finally:
         _remove(own_dir or staging)
+
+
+def _land(staging: str, final: str) -> None:
+    """Puts the chief's staging output at ``final``: rename locally, upload for a URL."""
+    if not os.path.exists(staging):
+        raise RuntimeError(
+            f"atomic_output: nothing was written to the staging path {staging!r}, "
+            f"so {final!r} was left as it was."
+        )
+    if storage.is_url(final):
+        name = f"{_STAGING_PREFIX}{_staging_tag()}-{storage.basename(final)}"
+        storage.upload(staging, storage.join(storage.dirname(final), name), final)
+        return
+    _fsync_path(staging)
+    _replace(staging, final)
+    _fsync_dir(os.path.dirname(final))
 
 
 def _replace(staging: str, final: str) -> None:
@@ -356,13 +367,13 @@ def add_archive_member(archive_path: str, member: str, data: bytes) -> None:
 
 
 def read_archive_member(archive_path: str, member: str) -> bytes | None:
-    """The bytes of one member of a zip archive, or None when it has no such member.
+    """The bytes of one member of a zip archive (a local path or URL), or None without it.
 
     Example:
         >>> read_archive_member("ckpt-3.keras", "tfdist/resume.json")  # doctest: +SKIP
         b'{"format": 1, "epoch": 3, ...}'
     """
-    with zipfile.ZipFile(archive_path, "r") as zf:
+    with storage.local_copy(archive_path) as local, zipfile.ZipFile(local, "r") as zf:
         if member not in zf.namelist():
             return None
         return zf.read(member)
@@ -384,7 +395,9 @@ def save(
 
     Args:
         model: a built ``keras.Model``.
-        path: destination; its form picks the format (see above).
+        path: destination; its form picks the format (see above). A URL (``gs://``,
+            ``s3://``, any fsspec filesystem) is written locally, then uploaded (see
+            ``tfdist.storage`` for what each store guarantees).
         overwrite: replace an existing file; with False an existing path is an error.
         timeout: seconds to wait for the other workers (default
             ``tfdist.config.BARRIER_TIMEOUT_S``); unused on one worker.
@@ -408,14 +421,14 @@ def save(
     """
     text, fmt = _save_arguments(model, path, overwrite)
     timeout = _timeout(timeout, "tfdist.save")
-    final = os.path.abspath(text)
+    final = storage.normalize(text, "tfdist.save")
     role = write_role()
     # Checked on every worker, not only the chief: a worker that went on into the save's
     # collectives while the chief stopped here would wait for it (shared storage assumed).
     _check_destination(final, text, overwrite)
     if role.is_chief:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-    what = f"tfdist.save({os.path.basename(final)!r})"
+        storage.makedirs(storage.dirname(final))
+    what = f"tfdist.save({storage.basename(final)!r})"
     # First every worker arrives: a save called on the chief only fails here, clearly,
     # instead of waiting forever in the collectives of reading the variables.
     sync_workers(what, timeout=timeout, model=model)
@@ -457,12 +470,12 @@ def _save_arguments(model, path, overwrite) -> tuple[str, str]:
 
 
 def _check_destination(final: str, text: str, overwrite: bool) -> None:
-    if os.path.lexists(final) and not overwrite:
+    if storage.exists(final) and not overwrite:
         raise FileExistsError(
             f"tfdist.save: {final!r} exists and overwrite=False. Received: path={text!r}. "
             "Pass overwrite=True or choose another path."
         )
-    if os.path.isfile(os.path.dirname(final)):
+    if storage.isfile(storage.dirname(final)):
         raise NotADirectoryError(
             f"tfdist.save: the parent of path is a file, not a directory. "
             f"Received: path={text!r}. Choose a path inside a directory."
@@ -508,7 +521,8 @@ def load(
     code too, are refused in safe mode.
 
     Args:
-        path: a ``.keras`` file, a ``.weights.h5`` file or a SavedModel directory.
+        path: a ``.keras`` file, a ``.weights.h5`` file or a SavedModel directory; a
+            URL is downloaded to a temporary local copy first.
         in_scope: create the variables inside the scope of ``strategy`` (the current
             one when None, see ``tfdist.strategy()``).
         strategy: a ``tf.distribute.Strategy`` to load into; implies ``in_scope``.
@@ -537,6 +551,14 @@ def load(
     timeout = _timeout(timeout, where)
     for name, value in (("in_scope", in_scope), ("safe_mode", safe_mode), ("compile", compile)):
         validate.instance(value, bool, name, where, "a bool")
+    if storage.is_url(text):
+        _load_format(text)  # nothing there: FileNotFoundError before any download
+        with storage.local_copy(text) as local:
+            return load(local, in_scope=in_scope, strategy=strategy, safe_mode=safe_mode,
+                        compile=compile, custom_objects=custom_objects, model=model,
+                        timeout=timeout)  # fmt: skip
+    if text.lower().startswith("file://"):
+        text = storage.normalize(text, where)
     fmt = _load_format(text)
     if model is not None and fmt != "weights":
         raise ValueError(
@@ -559,7 +581,7 @@ def load(
 
 def _load_format(text: str) -> str:
     """What is at ``text``: ``keras``, ``weights``, ``saved_model`` or ``legacy_h5``."""
-    if not os.path.exists(text):
+    if not (storage.exists(text) if storage.is_url(text) else os.path.exists(text)):
         raise FileNotFoundError(
             f"tfdist.load: nothing at path. Received: path={text!r}. Pass the path "
             "tfdist.save (or model.save/model.export) wrote."
@@ -671,7 +693,7 @@ def write_on_every_worker(model, path: str | os.PathLike, write, *, what: str) -
         >>> write_on_every_worker(model, "w.weights.h5", writer, what="w")  # doctest: +SKIP
         '/abs/w.weights.h5'
     """
-    final = os.path.abspath(validate.path_text(path, "path", "write_on_every_worker"))
+    final = storage.normalize(path, "write_on_every_worker")
     if not callable(write):
         raise TypeError(
             f"write_on_every_worker: write must be a function of the staging path. "
@@ -679,7 +701,7 @@ def write_on_every_worker(model, path: str | os.PathLike, write, *, what: str) -
         )
     role = write_role()
     if role.is_chief:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        storage.makedirs(storage.dirname(final))
     sync_workers(what, model=model)  # a call on some workers only fails here, clearly
     with atomic_output(final, role=role) as staging:
         write(staging)

@@ -126,6 +126,33 @@ def _alternate(a, b, pairs: int) -> dict:
     }
 
 
+ROWS = {"checkpoint-save": ("save", 1.2), "checkpoint-restore": ("restore", 1.3)}
+
+
+def run(name: str, pairs: int = 3, megabytes: float = 50.0) -> dict:
+    """One row for tools/benchmark.py: ``{"ratio", "range", "goal", "met", ...figures}``.
+
+    Example:
+        >>> run("checkpoint-restore", pairs=3)["ratio"]  # doctest: +SKIP
+        1.05
+    """
+    if name not in ROWS:
+        raise ValueError(f"run: name must be one of {sorted(ROWS)}. Received: name={name!r}")
+    part, goal = ROWS[name]
+    figures = measure(pairs, megabytes)
+    row = figures[part]
+    return {
+        "name": name,
+        "ratio": row["ratio_median"],
+        "range": [min(row["ratios"]), max(row["ratios"])],
+        "goal": goal,
+        "met": row["ratio_median"] <= goal,
+        "state_mb": figures["state_mb"],
+        "a_s": row["a_s"],
+        "b_s": row["b_s"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)

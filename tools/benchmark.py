@@ -9,7 +9,8 @@ with its min/max. It prints one table, with the machine on top.
     python tools/benchmark.py --only pipeline --json figures.json
     python tools/benchmark.py --scaling       # 1/2/4 workers x 1/2 devices, both backends
 
-The test suite runs ``--quick`` as a smoke test; no test asserts on a timing.
+The test suite checks every row's reporting on sample figures and runs two rows with
+``--quick`` end to end; no test asserts on a timing.
 """
 
 from __future__ import annotations
@@ -164,169 +165,254 @@ def _cli_row(quick: bool, pairs: int) -> Result:
 
 
 # --- rows measured in a fresh process each (TensorFlow fixes its devices per process) ---
+#
+# Each row is two functions: ``figures(quick, pairs)`` measures (the per-issue module
+# beside this file) and returns its dict; ``result(figures, quick)`` turns that dict into
+# the row's Result. The child process runs both; tests/test_benchmark.py checks every
+# ``result`` on sample figures without measuring (the measuring takes minutes).
 
 
 def _ratios(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
-def _child_overhead(quick: bool, pairs: int) -> dict:
+# Rows whose one measurement lasts about a second (a process start, one save) record, per
+# pair, the median of REPEATS alternated pairs: one scheduler hiccup then moves the
+# median of three, not the pair itself.
+REPEATS = 3
+
+
+def _grouped(values: list[float], size: int) -> list[float]:
+    """Medians of consecutive groups of ``size`` values (one per recorded pair).
+
+    Example:
+        >>> _grouped([1.0, 5.0, 2.0, 3.0, 3.0, 9.0], 3)
+        [2.0, 3.0]
+    """
+    if size < 1 or len(values) % size:
+        raise ValueError(
+            f"_grouped: {len(values)} values do not split into groups of {size}. Received: "
+            f"size={size}. Measure a multiple of size values."
+        )
+    return [statistics.median(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+def _figures_overhead(quick: bool, pairs: int) -> dict:
     import bench_overhead
 
-    f = bench_overhead.measure(pairs=pairs, split="train[:10%]" if quick else "train[:50%]")
+    # The whole split: each side's epoch lasts seconds, so start-up noise stays small.
+    return bench_overhead.measure(pairs=pairs, split="train[:10%]" if quick else "train")
+
+
+def _result_overhead(f: dict, quick: bool) -> Result:
     med = statistics.median(f["ratios"])
-    return asdict(
-        Result(
-            f["ratios"],
-            met=med <= 1.01,
-            a_values=f["a_epoch_s"],
-            b_values=f["b_epoch_s"],
-            notes=f"epoch time on {f['replicas']} replicas, {f['steps_per_epoch']} steps "
-            f"(A {statistics.median(f['a_epoch_s']):.2f} s, B {statistics.median(f['b_epoch_s']):.2f} s)",
-        )
+    return Result(
+        f["ratios"],
+        met=med <= 1.01,
+        a_values=f["a_epoch_s"],
+        b_values=f["b_epoch_s"],
+        notes=f"epoch time on {f['replicas']} replicas, {f['steps_per_epoch']} steps "
+        f"(A {statistics.median(f['a_epoch_s']):.2f} s, B {statistics.median(f['b_epoch_s']):.2f} s)",
     )
 
 
-def _child_pipeline(quick: bool, pairs: int) -> dict:
+PIPELINE_EPOCHS = 10  # each run reads MNIST 10 times: seconds for the fast side, not ~1 s
+
+
+def _figures_pipeline(quick: bool, pairs: int) -> dict:
     import bench_pipeline
 
-    f = bench_pipeline.throughput(rounds=pairs, epochs=1 if quick else 3)
+    return bench_pipeline.throughput(rounds=pairs, epochs=1 if quick else PIPELINE_EPOCHS)
+
+
+def _result_pipeline(f: dict, quick: bool) -> Result:
     ratios = _ratios(f["naive_wall_s"], f["pipeline_wall_s"])  # = throughput A / throughput B
-    return asdict(
-        Result(
-            ratios,
-            unit="throughput ratio",
-            met=statistics.median(ratios) >= 7,
-            a_values=f["pipeline_wall_s"],
-            b_values=f["naive_wall_s"],
-            notes=f"examples/s over {f['epochs']} epoch(s): pipeline "
-            f"{f['pipeline_examples_per_s']}, naive {f['naive_examples_per_s']}; ratio is "
-            "throughput A / throughput B",
-        )
+    return Result(
+        ratios,
+        unit="throughput ratio",
+        met=statistics.median(ratios) >= 7,
+        a_values=f["pipeline_wall_s"],
+        b_values=f["naive_wall_s"],
+        notes=f"examples/s over {f['epochs']} epoch(s): pipeline "
+        f"{f['pipeline_examples_per_s']}, naive {f['naive_examples_per_s']}; ratio is "
+        "throughput A / throughput B",
     )
 
 
-def _child_input_bound(quick: bool, pairs: int) -> dict:
+def _figures_input_bound(quick: bool, pairs: int) -> dict:
     import bench_pipeline
 
-    f = bench_pipeline.input_bound(
+    return bench_pipeline.input_bound(
         rounds=1 if quick else pairs, split="train[:20%]" if quick else "train"
     )
-    return asdict(
-        Result(
-            [f["input_bound_ratio"]],
-            met=f["input_bound_ratio"] <= 1.05,
-            a_values=[f["pipeline_step_ms"]],
-            b_values=[f["in_memory_step_ms"]],
-            value_unit="ms/step",
-            notes=f"median step {f['pipeline_step_ms']} ms vs {f['in_memory_step_ms']} ms "
-            f"over {f['rounds']} alternated epoch(s) each; CPU-time ratio "
-            f"{f['input_bound_ratio_cpu']}",
-        )
+
+
+def _result_input_bound(f: dict, quick: bool) -> Result:
+    return Result(
+        [f["input_bound_ratio"]],
+        met=f["input_bound_ratio"] <= 1.05,
+        a_values=[f["pipeline_step_ms"]],
+        b_values=[f["in_memory_step_ms"]],
+        value_unit="ms/step",
+        notes=f"median step {f['pipeline_step_ms']} ms vs {f['in_memory_step_ms']} ms "
+        f"over {f['rounds']} alternated epoch(s) each; CPU-time ratio "
+        f"{f['input_bound_ratio_cpu']}",
     )
 
 
-def _child_time_to_accuracy(quick: bool, pairs: int) -> dict:
+def _figures_time_to_accuracy(quick: bool, pairs: int) -> dict:
     import bench_recipes
 
-    f = bench_recipes.benchmark(quick=quick, seeds=list(range(1 if quick else pairs)))
+    return bench_recipes.benchmark(quick=quick, seeds=list(range(1 if quick else pairs)))
+
+
+def _result_time_to_accuracy(f: dict, quick: bool) -> Result:
     summary = f["summary"]
     fast, tutorial = summary["recipes"]["fast"], summary["recipes"]["tutorial"]
     ratios = summary["ratios_by_round"]
     reaches = fast["all_reach_0.99"]
-    return asdict(
-        Result(
-            ratios,
-            met=None if quick else (statistics.median(ratios) < 1 and reaches),
-            a_values=fast["train_s"],
-            b_values=tutorial["train_s"],
-            notes=f"test accuracy fast {fast['test_accuracy']} vs tutorial "
-            f"{tutorial['test_accuracy']}; fit time only, each run a fresh process"
-            + (" (quick: 2048 examples, 1 epoch: no accuracy goal)" if quick else ""),
-        )
+    return Result(
+        ratios,
+        met=None if quick else (statistics.median(ratios) < 1 and reaches),
+        a_values=fast["train_s"],
+        b_values=tutorial["train_s"],
+        notes=f"test accuracy fast {fast['test_accuracy']} vs tutorial "
+        f"{tutorial['test_accuracy']}; fit time only, each run a fresh process"
+        + (" (quick: 2048 examples, 1 epoch: no accuracy goal)" if quick else ""),
     )
 
 
-def _child_restart(quick: bool, pairs: int) -> dict:
+def _figures_restart(quick: bool, pairs: int) -> dict:
     import bench_restart
 
-    f = bench_restart.run(quick=True) if quick else bench_restart.measure(rounds=pairs)
+    return bench_restart.run(quick=True) if quick else bench_restart.measure(rounds=pairs)
+
+
+def _result_restart(f: dict, quick: bool) -> Result:
     ratios = _ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
     work_ok = f["batches_applied_twice"] == 0 and f["steps_recomputed_goal_met"]
-    return asdict(
-        Result(
-            ratios,
-            met=statistics.median(ratios) <= 1.2 and work_ok,
-            a_values=f["resumed_to_first_step_s"],
-            b_values=f["fresh_to_first_step_s"],
-            notes=f"after kill -9 at step {f['killed_after_step']} (save_freq "
-            f"{f['save_freq']}): {f['steps_recomputed']} step(s) recomputed, "
-            f"{f['batches_applied_twice']} batch(es) applied twice, {f['batches_skipped']} "
-            f"skipped; restore + first step adds {f['restart_extra_s']} s in-process",
-        )
+    return Result(
+        ratios,
+        met=statistics.median(ratios) <= 1.2 and work_ok,
+        a_values=f["resumed_to_first_step_s"],
+        b_values=f["fresh_to_first_step_s"],
+        notes=f"after kill -9 at step {f['killed_after_step']} (save_freq "
+        f"{f['save_freq']}): {f['steps_recomputed']} step(s) recomputed, "
+        f"{f['batches_applied_twice']} batch(es) applied twice, {f['batches_skipped']} "
+        f"skipped; restore + first step adds {f['restart_extra_s']} s in-process",
     )
 
 
-def _child_launcher(quick: bool, pairs: int) -> dict:
+def _figures_launcher(quick: bool, pairs: int) -> dict:
     import bench_launcher
 
-    f = bench_launcher.startup(pairs=pairs)
-    return asdict(
-        Result(
-            f["ratios"],
-            met=f["ratio_median"] <= 1.1,
-            a_values=f["a"],
-            b_values=f["b"],
-            notes=f"launch to first step: {f['a_median']:.2f} s vs {f['b_median']:.2f} s",
-        )
+    f = bench_launcher.startup(pairs=pairs * (1 if quick else REPEATS))
+    return {**f, "repeats": 1 if quick else REPEATS}
+
+
+def _result_launcher(f: dict, quick: bool) -> Result:
+    repeats = f.get("repeats", 1)
+    return Result(
+        _grouped(f["ratios"], repeats),
+        met=f["ratio_median"] <= 1.1,
+        a_values=f["a"],
+        b_values=f["b"],
+        notes=f"launch to first step: {f['a_median']:.2f} s vs {f['b_median']:.2f} s; each "
+        f"ratio the median of {repeats} alternated pair(s)",
     )
 
 
-def _child_multi_worker_step(quick: bool, pairs: int) -> dict:
+def _figures_multi_worker_step(quick: bool, pairs: int) -> dict:
     import bench_launcher
 
-    f = bench_launcher.per_step(pairs=pairs, steps=30 if quick else 60, warmup=5 if quick else 10)
-    return asdict(
-        Result(
-            f["ratios"],
-            a_values=f["a"],
-            b_values=f["b"],
-            value_unit="ms/step",
-            notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per step (gRPC all-reduce "
-            "between processes against in-process all-reduce)",
-        )
+    # 300 timed steps: several seconds per run, so one slow second moves it by < 15 %.
+    return bench_launcher.per_step(
+        pairs=pairs, steps=30 if quick else 320, warmup=5 if quick else 20
     )
 
 
-def _child_checkpoint(part: str, quick: bool, pairs: int) -> dict:
+def _result_multi_worker_step(f: dict, quick: bool) -> Result:
+    return Result(
+        f["ratios"],
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per step (gRPC all-reduce "
+        "between processes against in-process all-reduce)",
+    )
+
+
+def _figures_multi_worker_accumulation(quick: bool, pairs: int) -> dict:
+    import bench_accumulation
+
+    return bench_accumulation.per_micro_step(
+        pairs=pairs, steps=24 if quick else 420, warmup=4 if quick else 20
+    )
+
+
+def _result_multi_worker_accumulation(f: dict, quick: bool) -> Result:
+    return Result(
+        f["ratios"],
+        met=None if quick else f["ratio_median"] <= f["goal_ratio"],
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/micro-step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per micro-step with "
+        f"gradient_accumulation_steps={f['accumulation_steps']} (one all-reduce per window), "
+        f"{f['steps'] - f['warmup']} timed micro-steps per run",
+    )
+
+
+def _figures_checkpoint(quick: bool, pairs: int) -> dict:
     import bench_checkpoint
 
-    f = bench_checkpoint.measure(pairs=pairs, megabytes=5.0 if quick else 50.0)
+    f = bench_checkpoint.measure(
+        pairs=pairs * (1 if quick else REPEATS), megabytes=5.0 if quick else 50.0
+    )
+    return {**f, "repeats": 1 if quick else REPEATS}
+
+
+def _result_checkpoint(part: str, f: dict, quick: bool) -> Result:
     row = f[part]
     goal = {"save": 1.2, "restore": 1.3}[part]
-    return asdict(
-        Result(
-            row["ratios"],
-            met=None if quick else row["ratio_median"] <= goal,
-            a_values=row["a_s"],
-            b_values=row["b_s"],
-            notes=f"{f['state_mb']} MB of weights and Adam state, a {f['file_mb']} MB archive; "
-            f"medians {statistics.median(row['a_s']):.3f} s vs {statistics.median(row['b_s']):.3f} s"
-            + (f"; the training step alone {f['step_s']:.3f} s" if part == "save" else ""),
-        )
+    repeats = f.get("repeats", 1)
+    ratios = _grouped(row["ratios"], repeats)
+    return Result(
+        ratios,
+        met=None if quick else statistics.median(ratios) <= goal,
+        a_values=row["a_s"],
+        b_values=row["b_s"],
+        notes=f"{f['state_mb']} MB of weights and Adam state, a {f['file_mb']} MB archive; "
+        f"medians {statistics.median(row['a_s']):.3f} s vs {statistics.median(row['b_s']):.3f} s"
+        + (f"; the training step alone {f['step_s']:.3f} s" if part == "save" else "")
+        + f"; each ratio the median of {repeats} alternated pair(s)",
     )
+
+
+@dataclass(frozen=True)
+class ChildRow:
+    """A row measured in a fresh interpreter: ``figures`` measures, ``result`` reports."""
+
+    figures: Callable[[bool, int], dict]
+    result: Callable[[dict, bool], Result]
+    env: dict = field(default_factory=dict)
 
 
 CHILD_ROWS = {
-    "overhead": (_child_overhead, {"TFDIST_CPU_DEVICES": "2"}),
-    "pipeline": (_child_pipeline, {}),
-    "input-bound": (_child_input_bound, {}),
-    "time-to-accuracy": (_child_time_to_accuracy, {}),
-    "restart": (_child_restart, {}),
-    "launcher": (_child_launcher, {}),
-    "multi-worker-step": (_child_multi_worker_step, {}),
-    "checkpoint-save": (lambda q, p: _child_checkpoint("save", q, p), {}),
-    "checkpoint-restore": (lambda q, p: _child_checkpoint("restore", q, p), {}),
+    "overhead": ChildRow(_figures_overhead, _result_overhead, {"TFDIST_CPU_DEVICES": "2"}),
+    "pipeline": ChildRow(_figures_pipeline, _result_pipeline),
+    "input-bound": ChildRow(_figures_input_bound, _result_input_bound),
+    "time-to-accuracy": ChildRow(_figures_time_to_accuracy, _result_time_to_accuracy),
+    "restart": ChildRow(_figures_restart, _result_restart),
+    "launcher": ChildRow(_figures_launcher, _result_launcher),
+    "multi-worker-step": ChildRow(_figures_multi_worker_step, _result_multi_worker_step),
+    "multi-worker-accumulation": ChildRow(
+        _figures_multi_worker_accumulation, _result_multi_worker_accumulation
+    ),
+    "checkpoint-save": ChildRow(_figures_checkpoint, lambda f, q: _result_checkpoint("save", f, q)),
+    "checkpoint-restore": ChildRow(
+        _figures_checkpoint, lambda f, q: _result_checkpoint("restore", f, q)
+    ),
 }
 ROW_TIMEOUT_S = 3600
 
@@ -338,7 +424,7 @@ def _in_child(name: str) -> Callable[[bool, int], Result]:
         import subprocess
 
         env = dict(
-            os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **CHILD_ROWS[name][1]
+            os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **CHILD_ROWS[name].env
         )
         cmd = [
             sys.executable,
@@ -375,7 +461,7 @@ COMPARISONS = [
     ),
     Comparison(
         "pipeline",
-        "tfdist.data.pipeline throughput (MNIST, 3 epochs)",
+        "tfdist.data.pipeline throughput (MNIST, 10 epochs)",
         "naive raw.map(scale).batch(128)",
         ">= 7",
         _in_child("pipeline"),
@@ -414,6 +500,13 @@ COMPARISONS = [
         "2 logical devices in one process",
         "none (the cost of gRPC)",
         _in_child("multi-worker-step"),
+    ),
+    Comparison(
+        "multi-worker-accumulation",
+        "2 workers, gradient_accumulation_steps=4, ms/micro-step",
+        "2 logical devices in one process, the same",
+        "<= 1.2",
+        _in_child("multi-worker-accumulation"),
     ),
     Comparison(
         "checkpoint-save",
@@ -507,7 +600,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--pairs must be >= 1. Received: --pairs={pairs}")
 
     if args.child:  # one row, in this fresh process; the parent reads the JSON line
-        figures = CHILD_ROWS[args.child][0](args.quick, pairs)
+        row = CHILD_ROWS[args.child]
+        figures = asdict(row.result(row.figures(args.quick, pairs), args.quick))
         # numpy scalars (np.float64, np.bool_) from the benchmark modules -> plain Python
         print(json.dumps(figures, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
         return 0

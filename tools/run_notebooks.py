@@ -33,6 +33,9 @@ NOTEBOOKS = REPO / "notebooks"
 STAMP_KEY = "tfdist_run"
 STAMP_HEADING = "## How these outputs were produced"
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# TensorFlow's own INFO log lines about its collectives and device lists: one per traced
+# function, they repeat inside the epoch lines and say nothing the cells do not print.
+TF_CHATTER = re.compile(r"^INFO:tensorflow:(Collective all_reduce|Using MirroredStrategy)")
 
 
 def machine() -> dict:
@@ -58,7 +61,7 @@ def clean_text(text: str) -> str:
     lines = []
     for line in ANSI.sub("", text).split("\n"):
         line = line.rsplit("\r", 1)[-1].replace("\x08", "")
-        if not quiet.is_harmless(line):
+        if not quiet.is_harmless(line) and not TF_CHATTER.match(line):
             lines.append(line)
     return "\n".join(lines)
 

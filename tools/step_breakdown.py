@@ -1,7 +1,9 @@
 """Where a training step's time goes: 2 workers against 2 logical devices in one process.
 
-The job (this file with ``--child``, the MLP of tests/scripts/mw_bench_job.py: 269k
-parameters in 6 tensors, global batch 128, SGD) times, under ``tfdist.strategy()``, each
+The job (this file with ``--child``; ``--model mlp``: the MLP of tests/scripts/mw_bench_job.py,
+269k parameters in 6 tensors; ``convnet``: the MNIST job's convnet; ``resnet``: a deeper
+ResNet-style convnet, 700k parameters in 42 tensors, whose backward pass is long enough to
+hide communication behind; global batch 128, SGD) times, under ``tfdist.strategy()``, each
 part of a step as its own ``tf.function`` called in a loop (median of rounds, each round
 timing every part once, so load drift hits all parts alike):
 
@@ -20,12 +22,17 @@ jit_compile under MirroredStrategy on logical CPUs ("Trying to access resource .
 located in device CPU:1 from device CPU:0") and under MultiWorkerMirroredStrategy
 ("Collectives are not yet implemented for CPU devices when compiling with XLA").
 
-From them: exposed all-reduce = step - compute, Python/callback overhead = fit - step.
+From them: exposed communication = step - compute (the all-reduce time the step waits
+for, i.e. not hidden behind the backward pass), Python/callback overhead = fit - step.
 The parent runs the job as ``tfdist launch -n 2`` and with ``TFDIST_CPU_DEVICES=2``,
-alternating, and prints both columns side by side.
+alternating, and prints both columns side by side, the exposed communication per step, and
+(with ``--json``) the figures with the machine: CPU, cores, load average, versions, date.
+tools/bench_overlap.py is the experiment that tries to hide it.
 
-    python tools/step_breakdown.py               # 3 alternated pairs
-    python tools/step_breakdown.py --pairs 1 --json breakdown.json
+    python tools/step_breakdown.py               # 3 alternated pairs, the MLP
+    python tools/step_breakdown.py --model resnet --pairs 3 --json breakdown.json
+    python tools/step_breakdown.py --quick       # 1 short pair: checks the figures exist
+    python tools/step_breakdown.py --model resnet --overlap   # with tfdist.compat.overlap
 """
 
 from __future__ import annotations
@@ -45,29 +52,80 @@ TIMEOUT_S = 900
 PARTS = ("input", "compute", "allreduce", "step", "fit", "fit_accuracy")
 
 
-def _model(keras, **compile_args):
+MODELS = ("mlp", "convnet", "resnet")
+
+
+def resnet(keras):
+    """A ResNet-style convnet on 28x28x1: 8 residual blocks, 0.70M parameters (2.8 MB).
+
+    Most parameters sit in the last, low-resolution stage (cheap to compute, heavy to
+    all-reduce), and the backward pass is long, so the all-reduce of the last layers'
+    gradients could run behind the backward of the first ones. No batch normalisation:
+    its per-replica statistics would make N replicas differ from one device.
+    """
+    layers = keras.layers
+    x = inputs = keras.Input((28, 28, 1))
+    x = layers.Conv2D(16, 3, padding="same", activation="relu")(x)
+    for filters, stride in (
+        (16, 1),
+        (16, 1),
+        (32, 2),
+        (32, 1),
+        (64, 2),
+        (64, 1),
+        (128, 2),
+        (128, 1),
+    ):
+        skip = x
+        x = layers.Conv2D(filters, 3, strides=stride, padding="same", activation="relu")(x)
+        x = layers.Conv2D(filters, 3, padding="same")(x)
+        if stride != 1 or skip.shape[-1] != filters:
+            skip = layers.Conv2D(filters, 1, strides=stride)(skip)
+        x = layers.Activation("relu")(layers.Add()([x, skip]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x), name="resnet")
+
+
+def build_model(keras, name: str = "mlp", learning_rate: float = 0.01, **compile_args):
+    """One of ``MODELS`` from seed 0, compiled with plain SGD and logits cross-entropy.
+
+    Example:
+        >>> build_model(keras, "resnet").count_params()  # doctest: +SKIP
+        699978
+    """
+    if name not in MODELS:
+        raise ValueError(f"step_breakdown: unknown model. Received: name={name!r}; use {MODELS}")
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((784,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
+    if name == "resnet":
+        model = resnet(keras)
+    elif name == "convnet":
+        from tfdist.examples.recipes import fast_model
+
+        model = fast_model()  # the MNIST job's own convnet
+    else:
+        model = keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
     model.compile(
-        optimizer=keras.optimizers.SGD(0.01),
+        optimizer=keras.optimizers.SGD(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         **compile_args,
     )
     return model
 
 
-def _dataset(tf, global_batch: int):
+def dataset(tf, global_batch: int, model: str = "mlp"):
+    """Synthetic MNIST-shaped batches (8 of them, repeated), sharded by DATA across workers."""
     import numpy as np
 
+    shape = (784,) if model == "mlp" else (28, 28, 1)
     rng = np.random.default_rng(0)
-    x = rng.random((global_batch * 8, 784), dtype=np.float32)
+    x = rng.random((global_batch * 8, *shape), dtype=np.float32)
     y = rng.integers(0, 10, size=(global_batch * 8,))
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -145,7 +203,9 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def child(rounds: int, calls: int, global_batch: int) -> dict:
+def child(
+    rounds: int, calls: int, global_batch: int, model_name: str = "mlp", overlap: bool = False
+) -> dict:
     """Runs in each worker (or the one process): every part, ``rounds`` times each."""
     import tfdist
 
@@ -153,13 +213,18 @@ def child(rounds: int, calls: int, global_batch: int) -> dict:
     import keras
     import tensorflow as tf
 
-    data = _dataset(tf, global_batch)
+    if overlap:  # the opt-in: gradient packs all-reduced during the backward pass
+        from tfdist.compat import overlap as in_backward
+
+        in_backward.enable()
+
+    data = dataset(tf, global_batch, model_name)
     with strategy.scope():
-        model = _model(keras)
-        with_accuracy = _model(keras, metrics=["accuracy"])
+        model = build_model(keras, model_name)
+        with_accuracy = build_model(keras, model_name, metrics=["accuracy"])
     fits = {"fit": model, "fit_accuracy": with_accuracy}
     for m in fits.values():  # warm up; builds the optimizers before the parts use one
-        _fit_ms(keras, m, data, 16)
+        _fit_ms(keras, m, data, min(16, calls + 4))
     iterator = iter(strategy.experimental_distribute_dataset(data))
     parts = _step_functions(tf, keras, strategy, model, iterator)
     for fn in parts.values():  # trace and warm up
@@ -174,6 +239,36 @@ def child(rounds: int, calls: int, global_batch: int) -> dict:
         "replicas": strategy.num_replicas_in_sync,
         "ms": {name: _median(v) for name, v in times.items()},
         "chief": tfdist.is_chief(),
+    }
+
+
+def machine() -> dict:
+    """CPU model, cores, load average, versions and date, for the top of a report."""
+    import datetime
+    import importlib.metadata as md
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
+        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    except OSError:
+        pass
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "tensorflow": version("tensorflow") or version("tensorflow-cpu"),
+        "keras": version("keras"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -199,14 +294,28 @@ def _run(where: str, child_args: list[str]) -> dict:
     )
 
 
-def measure(pairs: int = 3, rounds: int = 3, calls: int = 40, global_batch: int = 128) -> dict:
+def measure(
+    pairs: int = 3,
+    rounds: int = 3,
+    calls: int = 40,
+    global_batch: int = 128,
+    model: str = "mlp",
+    overlap: bool = False,
+) -> dict:
     """Medians over ``pairs`` alternated runs of each column (workers, devices).
 
     Example:
-        >>> measure(pairs=1)["workers"]["step"]  # doctest: +SKIP
-        16.2
+        >>> measure(pairs=1, model="resnet")["exposed_comm_ms"]["workers"]  # doctest: +SKIP
+        9.8
     """
+    if model not in MODELS or min(pairs, rounds, calls) < 1:
+        raise ValueError(
+            f"step_breakdown: model must be one of {MODELS} and pairs, rounds, calls >= 1. "
+            f"Received: model={model!r}, pairs={pairs}, rounds={rounds}, calls={calls}"
+        )
     args = ["--rounds", str(rounds), "--calls", str(calls), "--global-batch", str(global_batch)]
+    args += ["--model", model] + (["--overlap"] if overlap else [])
+    before = machine()
     runs = {"workers": [], "devices": []}
     for i in range(pairs):
         for where in ("workers", "devices") if i % 2 == 0 else ("devices", "workers"):
@@ -218,7 +327,11 @@ def measure(pairs: int = 3, rounds: int = 3, calls: int = 40, global_batch: int 
             p: [min(v), max(v)] if (v := [r[p] for r in results if r[p] is not None]) else None
             for p in PARTS
         }
-    out.update(pairs=pairs, rounds=rounds, calls=calls, global_batch=global_batch)
+    out.update(pairs=pairs, rounds=rounds, calls=calls, global_batch=global_batch, model=model)
+    out["overlap"] = overlap
+    out.update(machine=before, load_after=machine()["load_avg"])
+    # The communication a step waits for: the step minus its forward + backward.
+    out["exposed_comm_ms"] = {w: derived(out[w])["exposed_allreduce"] for w in runs}
     return out
 
 
@@ -255,6 +368,18 @@ def format_table(f: dict) -> str:
     lines += ["", "| derived | 2 workers | 2 devices | difference |", "|---|---|---|---|"]
     for name in dw:
         lines.append(f"| {name} | {dw[name]:.2f} | {dd[name]:.2f} | {dw[name] - dd[name]:+.2f} |")
+    lines.append(
+        f"\nexposed communication (step - compute), ms/step: 2 workers "
+        f"{dw['exposed_allreduce']:.2f}, 2 devices {dd['exposed_allreduce']:.2f}"
+    )
+    if "machine" in f:  # measure()'s figures; hand-made ones in tests may leave it out
+        m = f["machine"]
+        lines.insert(
+            0,
+            f"machine: {m['cpu']}, {m['cores']} cores, load {m['load_avg']} -> "
+            f"{f['load_after']}, TF {m['tensorflow']}, Keras {m['keras']}, {m['date']}; "
+            f"model {f['model']}" + (", all-reduce in backward (opt-in)" if f["overlap"] else ""),
+        )
     return "\n".join(lines)
 
 
@@ -264,15 +389,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--global-batch", type=int, default=128)
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--quick", action="store_true", help="1 pair, 1 round of 4 calls")
+    parser.add_argument(
+        "--overlap", action="store_true", help="tfdist.compat.overlap.enable() in the workers"
+    )
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = child(args.rounds, args.calls, args.global_batch)
+        result = child(args.rounds, args.calls, args.global_batch, args.model, args.overlap)
         if result.pop("chief"):
             print(json.dumps(result), flush=True)
         return 0
-    figures = measure(args.pairs, args.rounds, args.calls, args.global_batch)
+    if args.quick:  # one short pair: shows the figures are computed, not what they are
+        args.pairs, args.rounds, args.calls = 1, 1, 4
+    figures = measure(
+        args.pairs, args.rounds, args.calls, args.global_batch, args.model, args.overlap
+    )
     print(format_table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))

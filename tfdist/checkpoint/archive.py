@@ -24,6 +24,7 @@ import struct
 import tempfile
 import time
 import zipfile
+import zlib
 
 import h5py
 import keras
@@ -88,13 +89,17 @@ def read_resume_metadata(path: str | os.PathLike) -> dict | None:
     return None if data is None else json.loads(data.decode("utf-8"))
 
 
-def inspect_archive(path: str) -> dict:
+def inspect_archive(path: str, *, keep: contextlib.ExitStack | None = None) -> dict:
     """Reads a checkpoint back end to end: ``{"config": ..., "resume": meta or None}``.
 
     Every member's CRC, ``config.json``, every dataset of ``model.weights.h5`` and the
     resume metadata are read, so that any failure here is the file's (damaged, truncated,
     unreadable, not a file) and a failure while loading it into a model afterwards is a
     model that does not fit.
+
+    With ``keep``, the weights member is copied out in the same pass that checks its CRC,
+    walked from that copy, and the copy (``info["weights"]``, removed when ``keep``
+    closes) is what ``weights_file`` then loads: the same checks, one read of the archive.
 
     Raises:
         CorruptCheckpoint: for any exception while reading (``OSError``, zip, h5py and
@@ -107,8 +112,11 @@ def inspect_archive(path: str) -> dict:
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
             raise CorruptCheckpoint("not a regular file")
-        with zipfile.ZipFile(path, "r") as zf:
-            config, meta = _read_members(zf)
+        with contextlib.ExitStack() as attempt, zipfile.ZipFile(path, "r") as zf:
+            config, meta, weights = _read_members(zf, attempt if keep is not None else None)
+            _check_shapes(config, meta)
+            if keep is not None:
+                keep.enter_context(attempt.pop_all())  # only a copy that passed is kept
     except CorruptCheckpoint:
         raise
     except MemoryError:
@@ -116,12 +124,16 @@ def inspect_archive(path: str) -> dict:
     except Exception as err:  # noqa: BLE001 - any failure to read is the file's
         said = " ".join(str(err).split())[:300]
         raise CorruptCheckpoint(f"{type(err).__name__}: {said}") from None
-    _check_shapes(config, meta)
-    return {"config": config, "resume": meta}
+    info = {"config": config, "resume": meta}
+    if weights is not None:
+        info["weights"] = weights
+    return info
 
 
-def _read_members(zf: zipfile.ZipFile) -> tuple[dict, object]:
-    bad = zf.testzip()  # reads every member and checks its CRC
+def _read_members(zf: zipfile.ZipFile, scratch: contextlib.ExitStack | None):
+    """``(config, meta, extracted weights or None)``; every check, in one pass with scratch."""
+    extract = scratch is not None and _extractable(zf)
+    bad = _first_bad_crc(zf, skip=WEIGHTS_MEMBER if extract else None)
     if bad is not None:
         raise CorruptCheckpoint(f"member {bad!r} fails its CRC check")
     names = set(zf.namelist())
@@ -129,11 +141,69 @@ def _read_members(zf: zipfile.ZipFile) -> tuple[dict, object]:
     if missing:
         raise CorruptCheckpoint(f"missing {sorted(missing)}")
     config = json.loads(zf.read(CONFIG_MEMBER).decode("utf-8"))
-    _read_weights(zf)
+    weights = None
+    if extract:
+        weights = _extract_checked(zf, scratch)
+        with h5py.File(weights, "r") as h5:
+            _walk(h5)
+    else:
+        _read_weights(zf)
     meta = None
     if RESUME_MEMBER in names:
         meta = json.loads(zf.read(RESUME_MEMBER).decode("utf-8"))
-    return config, meta
+    return config, meta, weights
+
+
+def _first_bad_crc(zf: zipfile.ZipFile, skip: str | None) -> str | None:
+    """``zf.testzip()`` leaving out ``skip`` (its CRC is checked while it is copied out)."""
+    if skip is None:
+        return zf.testzip()  # reads every member and checks its CRC
+    for info in zf.infolist():
+        if info.filename == skip:
+            continue
+        try:
+            with zf.open(info, "r") as member:
+                while member.read(1 << 20):  # ZipExtFile checks the CRC at the end
+                    pass
+        except zipfile.BadZipFile:
+            return info.filename
+    return None
+
+
+def _extractable(zf: zipfile.ZipFile) -> bool:
+    """A stored (uncompressed) weights member of an archive on disk: Keras's way."""
+    try:
+        info = zf.getinfo(WEIGHTS_MEMBER)
+    except KeyError:
+        return False  # reported as missing by the caller
+    return info.compress_type == zipfile.ZIP_STORED and isinstance(zf.filename, str)
+
+
+def _extract_checked(zf: zipfile.ZipFile, scratch: contextlib.ExitStack) -> str:
+    """Copies the weights member to a temporary file, checking its CRC and size on the way."""
+    info = zf.getinfo(WEIGHTS_MEMBER)
+    folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="tfdist-restore-"))
+    target = os.path.join(folder, "model.weights.h5")
+    crc, size = 0, 0
+    with _StoredMember(zf.filename, info) as source, open(target, "wb") as out:
+        while chunk := source.read(1 << 20):
+            crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+            out.write(chunk)
+    if crc != info.CRC or size != info.file_size:
+        raise CorruptCheckpoint(f"member {WEIGHTS_MEMBER!r} fails its CRC check")
+    return target
+
+
+def _walk(weights: h5py.File) -> None:
+    """Reads every attribute and value of an open HDF5 file."""
+
+    def read(_name, item):
+        dict(item.attrs)
+        if isinstance(item, h5py.Dataset):
+            item[()]
+
+    dict(weights.attrs)
+    weights.visititems(read)
 
 
 def _read_weights(zf: zipfile.ZipFile) -> None:
@@ -142,20 +212,15 @@ def _read_weights(zf: zipfile.ZipFile) -> None:
     A CRC only proves the bytes are the ones written; this proves they are an HDF5 file
     whose every dataset reads, which is what ``load_weights`` needs of the file.
     """
-
-    def read(_name, item):
-        dict(item.attrs)
-        if isinstance(item, h5py.Dataset):
-            item[()]
-
     with _open_member(zf, WEIGHTS_MEMBER) as stream, h5py.File(stream, "r") as weights:
-        dict(weights.attrs)
-        weights.visititems(read)
+        _walk(weights)
 
 
 @contextlib.contextmanager
-def weights_file(path: str):
+def weights_file(path: str, info: dict | None = None):
     """A ``.weights.h5`` path holding the archive's weights, for ``model.load_weights``.
+
+    ``info`` from ``inspect_archive(path, keep=...)``: its checked copy is used as is.
 
     ``load_weights`` of a ``.keras`` archive reads only its weights member (no assets),
     through Python's ``ZipExtFile``, which re-reads and re-checksums the member from its
@@ -167,6 +232,9 @@ def weights_file(path: str):
         >>> with weights_file("ckpt/ckpt-3.keras") as weights:  # doctest: +SKIP
         ...     model.load_weights(weights)
     """
+    if info is not None and info.get("weights"):
+        yield info["weights"]
+        return
     with zipfile.ZipFile(path) as zf:
         info = zf.getinfo(WEIGHTS_MEMBER)
         if info.compress_type != zipfile.ZIP_STORED:

@@ -1,11 +1,12 @@
 """``ResumableCheckpoint``: Keras's ``ModelCheckpoint`` made safe for restartable jobs.
 
-Each save is atomic (staging file in the same directory, fsync, rename) and only the
-chief's file lands, on TensorFlow and on JAX (every process runs the save, the others
-wait for the chief's file); ``save_freq`` counts global steps (aligned across restarts); each
-archive carries the resume metadata; old files are pruned to ``max_to_keep``; at each
-epoch begin the data pipeline is told where the epoch starts; on SIGTERM the callback
-saves at an agreed step and exits with ``RESTART_EXIT_CODE``.
+Each save is atomic (staging file in the same directory, fsync, rename; for a URL
+directory see ``tfdist.storage``) and only the chief's file lands, on TensorFlow and on
+JAX (every process runs the save, the others wait for the chief's file); ``save_freq``
+counts global steps (aligned across restarts); each archive carries the resume metadata;
+old files are pruned to ``max_to_keep``; at each epoch begin the data pipeline is told
+where the epoch starts; on SIGTERM the callback saves at an agreed step and exits with
+``RESTART_EXIT_CODE``.
 
 Example:
     >>> callback = ResumableCheckpoint("ckpt/", save_freq=100)  # doctest: +SKIP
@@ -14,7 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
@@ -24,7 +24,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from tfdist import cluster, config, distribute, saving, validate
+from tfdist import cluster, config, distribute, saving, storage, validate
 from tfdist.checkpoint.archive import resume_metadata, write_resume_metadata
 from tfdist.checkpoint.names import (
     check_dir,
@@ -106,7 +106,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self.role = saving.write_role()
         self.checkpoint_dir = check_dir(checkpoint_dir, _WHERE, writable=self.role.is_chief)
         super().__init__(
-            filepath=os.path.join(self.checkpoint_dir, "ckpt-{epoch}.keras"),
+            filepath=storage.join(self.checkpoint_dir, "ckpt-{epoch}.keras"),
             save_freq=save_freq,
             verbose=verbose,
         )
@@ -135,7 +135,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         # checkpoint's name, an unwritable directory) fails now, on every worker, naming it.
         check_save_target(self.checkpoint_dir, _WHERE, writable=self.role.is_chief)
         if self.role.is_chief:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
+            storage.makedirs(self.checkpoint_dir)
             saving.remove_stale_staging(self.checkpoint_dir)
         self._resume = resume_state(self.model)
         if self._resume is not None and self._resume.step is not None:
@@ -273,11 +273,11 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def _get_file_path(self, epoch, batch, logs):
         position = self._position(epoch, batch)
-        return os.path.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
+        return storage.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
 
     def _save_model(self, epoch, batch, logs):
         position = self._position(epoch, batch)
-        path = os.path.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
+        path = storage.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
         meta = resume_metadata(
             position,
             step=self._step,
@@ -304,7 +304,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         """Every worker waits until the chief's file is in place (a no-op on one worker)."""
         timeout = self.preemption_timeout if self._preempting else None
         try:
-            name = f"checkpoint {os.path.basename(path)}"
+            name = f"checkpoint {storage.basename(path)}"
             saving.sync_workers(name, timeout=timeout, model=self.model)
         except RuntimeError as err:
             if not self._preempting:
@@ -319,9 +319,8 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             return
         found = list_checkpoints(self.checkpoint_dir)
         for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
-            if os.path.abspath(path) != os.path.abspath(keep):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+            if path != keep:  # both joined from self.checkpoint_dir: the same spelling
+                storage.remove(path)
 
     def _exit_for_restart(self) -> None:
         if self._watch is not None:

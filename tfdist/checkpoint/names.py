@@ -18,7 +18,7 @@ import stat
 import struct
 import tempfile
 
-from tfdist import saving, validate
+from tfdist import saving, storage, validate
 from tfdist.position import Position
 
 __all__ = [
@@ -85,18 +85,11 @@ def list_checkpoints(checkpoint_dir: str | os.PathLike) -> list[tuple[Position, 
         >>> list_checkpoints("ckpt/")  # doctest: +SKIP
         [(Position(epoch=1, batch=0), 'ckpt/ckpt-1.keras')]
     """
-    directory = os.fspath(checkpoint_dir)
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
     found = []
-    for name in names:
-        position = parse_checkpoint_name(name)
-        path = os.path.join(directory, name)
-        if position is not None and os.path.isfile(path):
+    for position, path in _named_entries(checkpoint_dir):
+        if storage.isfile(path):
             found.append((position, path))
-    return sorted(found)
+    return found
 
 
 def checkpoint_entries(checkpoint_dir: str | os.PathLike) -> list[tuple[Position, str]]:
@@ -112,22 +105,20 @@ def checkpoint_entries(checkpoint_dir: str | os.PathLike) -> list[tuple[Position
     """
     found = []
     for position, path in _named_entries(checkpoint_dir):
-        if not (os.path.isdir(path) and not os.path.islink(path)):
+        if storage.is_url(path) and not storage.isdir(path):
+            found.append((position, path))
+        elif not (os.path.isdir(path) and not os.path.islink(path)):
             found.append((position, path))
     return found
 
 
 def _named_entries(checkpoint_dir) -> list[tuple[Position, str]]:
     directory = os.fspath(checkpoint_dir)
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     found = []
-    for name in names:
+    for name in storage.listdir(directory):
         position = parse_checkpoint_name(name)
         if position is not None:
-            found.append((position, os.path.join(directory, name)))
+            found.append((position, storage.join(directory, name)))
     return sorted(found)
 
 
@@ -139,7 +130,7 @@ def quarantine_path(path: str) -> str:
         '/no/such/dir/ckpt-3.keras.corrupt'
     """
     candidate, number = path + CORRUPT_SUFFIX, 1
-    while os.path.lexists(candidate):
+    while storage.exists(candidate):
         number += 1
         candidate = f"{path}.{number}{CORRUPT_SUFFIX}"
     return candidate
@@ -160,6 +151,8 @@ def blocked_paths(checkpoint_dir: str | os.PathLike) -> list[str]:
 
 
 def _blocks(path: str) -> bool:
+    if storage.is_url(path):  # object stores have no inode flags; a "directory" blocks
+        return storage.isdir(path)
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
@@ -206,8 +199,9 @@ def check_save_target(checkpoint_dir, where: str, *, writable: bool = True) -> s
     blocked = blocked_paths(directory)
     if blocked:
         path = blocked[0]
-        kind = "a directory" if os.path.isdir(path) else "immutable (chattr +i or +a)"
-        error = IsADirectoryError if os.path.isdir(path) else PermissionError
+        is_dir = storage.isdir(path)
+        kind = "a directory" if is_dir else "immutable (chattr +i or +a)"
+        error = IsADirectoryError if is_dir else PermissionError
         raise error(
             f"{where}: {path!r} has a checkpoint's name but is {kind}, so a checkpoint "
             f"saved there would fail after training. Received: checkpoint_dir={directory!r}"
@@ -230,8 +224,12 @@ def check_dir(checkpoint_dir, where: str, *, writable: bool) -> str:
         True
     """
     text = validate.path_text(checkpoint_dir, "checkpoint_dir", where)
-    directory = os.path.abspath(text)
-    if os.path.exists(directory) and not os.path.isdir(directory):
+    directory = storage.normalize(text, where, "checkpoint_dir")
+    if storage.is_url(directory):
+        is_file = storage.isfile(directory)
+    else:
+        is_file = os.path.exists(directory) and not os.path.isdir(directory)
+    if is_file:
         raise NotADirectoryError(
             f"{where}: checkpoint_dir is a file, not a directory. "
             f"Received: checkpoint_dir={text!r}. Pass a directory "
@@ -243,6 +241,9 @@ def check_dir(checkpoint_dir, where: str, *, writable: bool) -> str:
 
 
 def _probe_writable(directory: str, text: str, where: str) -> None:
+    if storage.is_url(directory):
+        _probe_url(directory, text, where)
+        return
     try:
         os.makedirs(directory, exist_ok=True)
         # A real write, not os.access: permission bits do not tell the whole story
@@ -257,4 +258,21 @@ def _probe_writable(directory: str, text: str, where: str) -> None:
             f"{where}: checkpoint_dir is not writable ({err.strerror or err}). "
             f"Received: checkpoint_dir={text!r}. Pass a directory this "
             "process can create files in; nothing in it was changed."
+        ) from None
+
+
+def _probe_url(directory: str, text: str, where: str) -> None:
+    """A URL's chief writes and removes one small staging-named object (stores without
+    directories create nothing else), so that missing credentials fail before training."""
+    probe = saving.staging_path(storage.join(directory, "probe"), saving.WriteRole())
+    try:
+        storage.makedirs(directory)
+        with tempfile.NamedTemporaryFile(prefix="tfdist-probe-") as local:
+            storage.upload(local.name, probe, probe + "-landed")
+        storage.remove(probe + "-landed")
+    except OSError as err:
+        raise PermissionError(
+            f"{where}: checkpoint_dir is not writable ({err}). Received: checkpoint_dir="
+            f"{text!r}. Pass a URL this process can write to (credentials, bucket); nothing "
+            "in it was changed."
         ) from None

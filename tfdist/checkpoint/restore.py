@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import keras
 
-from tfdist import distribute, process, saving, validate
+from tfdist import distribute, process, saving, storage, validate
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive, weights_file
 from tfdist.checkpoint.names import (
@@ -157,7 +157,9 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
 
     Args:
         build_fn: no-argument callable returning a compiled ``keras.Model``.
-        checkpoint_dir: the directory the checkpoint callback writes to.
+        checkpoint_dir: the directory the checkpoint callback writes to: a local path or
+            a URL (``gs://``, ``s3://``, any fsspec filesystem; see ``tfdist.storage``),
+            whose candidate is downloaded once, checked and loaded from that copy.
         strategy: the ``tf.distribute.Strategy`` to build in; the current one when None.
 
     Returns:
@@ -187,9 +189,9 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     # Before building: a path that would make a later save fail is reported now.
     directory = check_save_target(checkpoint_dir, where, writable=role.is_chief)
     strategy = distribute.current(strategy)
-    with strategy.scope():
+    with strategy.scope(), contextlib.ExitStack() as downloads:
         model = _build(build_fn, where)
-        chosen = _newest_readable(directory, role)
+        chosen = _newest_readable(directory, role, downloads)
         # Agree before restoring: a restore may create variables (collectives), and
         # workers that disagree must fail together rather than wait on each other.
         check_workers_agree(strategy, chosen, directory)
@@ -247,17 +249,38 @@ def _build(build_fn: Callable, where: str):
     return model
 
 
-def _newest_readable(directory: str, role: saving.WriteRole) -> tuple[str, dict] | None:
+def _newest_readable(
+    directory: str, role: saving.WriteRole, downloads: contextlib.ExitStack
+) -> tuple[str, dict] | None:
     """``(path, info)`` of the newest checkpoint that reads back intact, or None.
 
     Deterministic given the bytes, so workers on shared storage skip the same files.
     """
     for _position, path in reversed(checkpoint_entries(directory)):
         try:
-            return path, inspect_archive(path)
+            return path, _inspect_copy(path, downloads)
         except CorruptCheckpoint as err:
             _skip_corrupt(path, str(err), role)
     return None
+
+
+def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
+    """``inspect_archive(path)``; a URL is downloaded once, checked, and its local copy
+    kept (``info["local"]``, until ``downloads`` closes) so the restore loads those bytes.
+
+    A failed download (network, credentials) is raised as it is, not counted against the
+    file: quarantining a good checkpoint on a transient error would lose it.
+    """
+    if not storage.is_url(path):
+        return inspect_archive(path, keep=downloads)
+    with contextlib.ExitStack() as attempt:
+        try:
+            local = attempt.enter_context(storage.local_copy(path))
+        except FileNotFoundError:
+            raise CorruptCheckpoint("gone before it could be read") from None
+        info = dict(inspect_archive(local, keep=attempt), local=local)
+        downloads.enter_context(attempt.pop_all())
+    return info
 
 
 def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
@@ -273,7 +296,7 @@ def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
         return
     target = quarantine_path(path)
     try:
-        os.replace(path, target)
+        storage.move(path, target)
     except FileNotFoundError:
         pass  # gone already (another process moved it)
     except OSError as err:
@@ -288,7 +311,7 @@ def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
 def _restore_into(model, path: str, info: dict) -> ResumeState:
     """Loads weights, optimizer state and RNG state of ``path`` into ``model``."""
     _build_from_archive(model, path, info)
-    _load_weights(model, path)
+    _load_weights(model, path, info)
     meta = info["resume"]
     if meta is None:
         logger.info(
@@ -344,12 +367,13 @@ def _changed_while_restoring(path: str, err: OSError) -> RuntimeError:
     )
 
 
-def _load_weights(model, path: str) -> None:
-    """``model.load_weights(path)``; a checkpoint that does not fit is an error, not a warning."""
+def _load_weights(model, path: str, info: dict) -> None:
+    """``model.load_weights`` of ``path``'s checked bytes; not fitting is an error."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            with weights_file(path) as weights:  # the archive's weights member, copied out once
+            # The weights member inspect_archive checked and copied out (or a local copy).
+            with weights_file(info.get("local", path), info) as weights:
                 model.load_weights(weights)
         except MemoryError:
             raise
@@ -377,12 +401,22 @@ def newest_readable(directory: str, role: saving.WriteRole, inspect: Callable = 
 
     ``make_or_restore``'s rule for any reader (``tfdist.loops.Checkpointer``): newest first,
     a file ``inspect`` rejects (``CorruptCheckpoint``) is skipped with a warning and, on the
-    chief, renamed ``*.corrupt``.
+    chief, renamed ``*.corrupt``. Local directories only: ``inspect`` reads paths.
+
+    Raises:
+        ValueError: ``directory`` is a URL (every good checkpoint would fail ``inspect``
+            and be moved aside).
 
     Example:
         >>> newest_readable("ckpt/", saving.write_role())  # doctest: +SKIP
         ('/abs/ckpt/ckpt-1-4.keras', {'config': {...}, 'resume': {...}})
     """
+    if storage.is_url(directory):
+        raise ValueError(
+            "newest_readable: directory must be a local path (URLs work with "
+            f"make_or_restore and tfdist.callbacks.checkpoint). Received: directory="
+            f"{directory!r}. Mount the bucket (gcsfuse, s3fs-fuse) and pass its local path."
+        )
     for _position, path in reversed(checkpoint_entries(directory)):
         try:
             return path, inspect(path)

@@ -134,6 +134,7 @@ FIXES: list[Fix] = [
         keras_fixes.fix_gradient_accumulation,
         targets=targets(
             _KO + "TFOptimizer._backend_apply_gradients",
+            _KB + "BaseOptimizer.save_own_variables",
             _KO + "TFOptimizer._distributed_tf_update_step",
             _KB + "BaseOptimizer._get_variable_index",
             _KB + "BaseOptimizer._clip_gradients",

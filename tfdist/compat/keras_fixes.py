@@ -211,38 +211,75 @@ def _tf_var(v):
 
 
 def _accumulate_in_replica_context(optimizer, grads, variables) -> None:
-    """Steps 1-3 of the gradient-accumulation fix (see ``fix_gradient_accumulation``)."""
+    """Steps 1-2 of the gradient-accumulation fix (see ``fix_gradient_accumulation``)."""
     import tensorflow as tf
 
     steps = optimizer.gradient_accumulation_steps
     context = tf.distribute.get_replica_context()
     accumulators = _private.keras_optimizer_accumulators(optimizer, variables)
-    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
-    candidate = [(g + acc) / steps for g, acc in zip(summed, accumulators, strict=True)]
-    clipped = _private.keras_optimizer_clip(optimizer, candidate)
+    # This replica's own gradient, dense (IndexedSlices too): nothing is reduced here.
+    # Times the replica count: each copy of an accumulator then holds N x its replica's
+    # share, so the MEAN over the copies is the window's sum so far, the value one device
+    # holds, whatever N is (what ``consolidate_accumulators`` writes into every copy).
+    replicas = context.num_replicas_in_sync
+    local = [tf.convert_to_tensor(g) * replicas for g in grads]
+    # Reading a mirrored accumulator in replica context reads this replica's copy: its
+    # local sum of the window's earlier micro-steps.
+    totals = [g + acc for g, acc in zip(local, accumulators, strict=True)]
 
-    def merge_fn(distribution, summed, clipped):
+    def merge_fn(distribution, local, totals):
         tf.cond(
             # The micro-step counter, as upstream: ``iterations`` counts updates only.
             (_private.keras_optimizer_micro_steps(optimizer) + 1) % steps == 0,
-            lambda: _cross_replica_update(
-                optimizer, distribution, clipped, variables, accumulators
-            ),
-            lambda: _cross_replica_accumulate(distribution, summed, accumulators),
+            lambda: _cross_replica_update(optimizer, distribution, totals, variables, accumulators),
+            lambda: _cross_replica_accumulate(distribution, local, accumulators),
         )
 
-    context.merge_call(merge_fn, args=(summed, clipped))
+    context.merge_call(merge_fn, args=(local, totals))
 
 
-def _cross_replica_update(optimizer, distribution, clipped, variables, accumulators) -> None:
-    """The update step: weight decay, the optimizer's update, accumulators zeroed."""
+def _cross_replica_update(optimizer, distribution, totals, variables, accumulators) -> None:
+    """The update step: the window's one all-reduce, clip, the update, accumulators zeroed."""
     import tensorflow as tf
 
+    reduced = distribution.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.MEAN,
+        [(t, _tf_var(v)) for t, v in zip(totals, variables, strict=True)],
+    )
+    clipped = _clipped_means(optimizer, distribution, reduced)
     cross_replica_apply(optimizer, distribution, clipped, variables)
     for acc in accumulators:
         distribution.extended.update(
             _tf_var(acc), lambda a: a.assign(tf.zeros_like(a)), group=False
         )
+
+
+def _clipped_means(optimizer, distribution, reduced) -> list:
+    """``clip(sum / k)`` of the all-reduced window sums, on each local device's copy.
+
+    ``clipnorm``/``global_clipnorm`` see the global mean gradient, as on one device. Each
+    device clips its own (identical) copy, so no device waits for another's.
+    """
+    import tensorflow as tf
+
+    steps = optimizer.gradient_accumulation_steps
+    copies = [distribution.experimental_local_results(r) for r in reduced]
+    local_replicas = len(copies[0])
+    per_device = []
+    for d in range(local_replicas):
+        with tf.device(copies[0][d].device):
+            per_device.append(
+                _private.keras_optimizer_clip(optimizer, [c[d] / steps for c in copies])
+            )
+
+    def value(i):
+        # Replica ids run over the cluster; a worker's local replicas are consecutive.
+        return lambda ctx: per_device[ctx.replica_id_in_sync_group % local_replicas][i]
+
+    return [
+        distribution.experimental_distribute_values_from_function(value(i))
+        for i in range(len(reduced))
+    ]
 
 
 def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
@@ -276,16 +313,67 @@ def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
     )
 
 
-def _cross_replica_accumulate(distribution, summed, accumulators) -> None:
-    """The accumulate step: the all-reduced gradient added to every replica's accumulator."""
+def consolidate_accumulators(optimizer) -> bool:
+    """Gives every copy of each gradient accumulator the mean of the copies, mid-window.
+
+    Under the fix, the copies of a mirrored accumulator differ between updates (each
+    holds N x its replica's share), and a save reads one copy. Called before a save (the
+    fix's ``save_own_variables``, tfdist's checkpoints), this makes every copy the mean:
+    the window's sum so far, the value one device holds. A checkpoint written mid-window
+    then resumes exactly, on any number of replicas. A collective: under
+    MultiWorkerMirroredStrategy every worker must save (as the fixed Keras callbacks and
+    tfdist's checkpoints do). Returns whether anything was done (not at a window
+    boundary, where every copy is zero, nor on one replica).
+
+    Example:
+        >>> consolidate_accumulators(model.optimizer)  # doctest: +SKIP
+        True
+    """
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    accumulators = _private.keras_optimizer_all_accumulators(optimizer) if steps else []
+    if not accumulators:
+        return False  # no accumulation, or an optimizer not built yet
+    variables = [_tf_var(a) for a in accumulators]
+    strategy = getattr(variables[0], "distribute_strategy", None)  # tf.distribute's only
+    if strategy is None or strategy.num_replicas_in_sync == 1:
+        return False
+    if int(_private.keras_optimizer_micro_steps(optimizer).numpy()) % steps == 0:
+        return False  # a window boundary: every copy is zero already
     import tensorflow as tf
 
-    for grad, acc in zip(summed, accumulators, strict=True):
+    def copies_of(var):
+        copies = strategy.experimental_local_results(var)
+
+        def value(context):
+            # Replica ids run over the cluster; a worker's local replicas are consecutive.
+            copy = copies[context.replica_id_in_sync_group % len(copies)]
+            with tf.device(copy.device):
+                return tf.identity(copy)
+
+        # Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
+        return strategy.experimental_distribute_values_from_function(value)
+
+    @tf.function(autograph=False)
+    def consolidate():
+        pairs = [(copies_of(var), var) for var in variables]
+        means = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, pairs)
+        for var, mean in zip(variables, means, strict=True):
+            strategy.extended.update(var, lambda a, m: a.assign(m), args=(mean,), group=False)
+
+    with strategy.scope():
+        consolidate()
+    return True
+
+
+def _cross_replica_accumulate(distribution, local, accumulators) -> None:
+    """The accumulate step: each replica adds its own gradient to its own accumulator copy.
+
+    No communication: the copies of a mirrored accumulator hold different local sums
+    until the update step all-reduces them.
+    """
+    for grad, acc in zip(local, accumulators, strict=True):
         distribution.extended.update(
-            _tf_var(acc),
-            lambda a, g: a.assign_add(tf.convert_to_tensor(g)),  # IndexedSlices too
-            args=(grad,),
-            group=False,
+            _tf_var(acc), lambda a, g: a.assign_add(g), args=(grad,), group=False
         )
 
 
@@ -301,22 +389,30 @@ def fix_gradient_accumulation() -> None:
     ``merge_call`` inside a ``tf.cond`` branch is not allowed ("merge_call called while
     defining a new graph"), so any strategy with more than one replica fails.
 
-    The fix keeps the same arithmetic but moves the synchronisation out of the cond:
+    The fix keeps the same arithmetic, moves the synchronisation out of the cond, and
+    communicates once per window instead of once per micro-step (Horovod's
+    ``backward_passes_per_step``, DDP's ``no_sync``):
 
-    1. in replica context, all-reduce (SUM) this step's gradients once. The loss is
-       already scaled by 1/replicas, so this is the gradient of the global batch, the
-       same value the non-accumulating path all-reduces;
-    2. still in replica context, form the update candidate ``(g + acc) / k`` and clip
-       it (``clipnorm``/``global_clipnorm`` see the global gradient, as on one device);
-    3. one ``merge_call``; in cross-replica context, ``tf.cond(is_update_step, ...)``
-       either applies weight decay, the optimizer update (``update_step`` on every
-       variable, via ``extended.update``) and zeroes the accumulators, or adds the
-       all-reduced gradient to the accumulators.
+    1. in replica context, nothing is reduced: each replica forms ``acc_r + N * g_r``
+       (its copy of the accumulator plus N times this step's local gradient, N the
+       replica count);
+    2. one ``merge_call``; in cross-replica context, ``tf.cond(is_update_step, ...)``
+       either adds ``N * g_r`` to replica r's own copy of the accumulator (no
+       communication), or, on the k-th micro-step, all-reduces (MEAN) those window sums
+       once, divides by k, clips (``clipnorm``/``global_clipnorm`` see the global mean
+       gradient, as on one device), applies weight decay and the optimizer update
+       (``update_step`` on every variable, via ``extended.update``) and zeroes the
+       accumulators.
 
-    Every replica holds identical accumulators (they only ever receive all-reduced
-    values), so the result equals accumulation on one device with the same global
-    batch. Without a strategy, in cross-replica context, or eagerly (where upstream's
-    ``merge_call`` inside ``ops.cond`` works), upstream's code runs unchanged.
+    The loss is already scaled by 1/replicas, so the MEAN over replicas of N times the
+    local window sums is the sum of the k global-batch gradients, and the update equals
+    accumulation on one device with the same global batch. Between updates the copies of
+    an accumulator differ; ``consolidate_accumulators`` sets each to their mean before
+    every save (patched ``save_own_variables``; tfdist's own checkpoints), so a
+    checkpoint written mid-window holds the window's sum so far, as one device's does,
+    and resumes exactly on any number of replicas. Without a strategy, in
+    cross-replica context, or eagerly (where upstream's ``merge_call`` inside
+    ``ops.cond`` works), upstream's code runs unchanged.
     """
 
     def make(upstream):
@@ -342,6 +438,18 @@ def fix_gradient_accumulation() -> None:
     # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
     tf_optimizer = _private.keras_tf_optimizer_module()
     patch(tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make)
+
+    def make_save(upstream):
+        def save_own_variables(self, store):
+            # Every save of a Keras model (``save``, ``save_weights``, the callbacks)
+            # writes the optimizer through here: mid-window, the copies are made equal
+            # first, so the one copy saved is the window's sum (see above).
+            consolidate_accumulators(self)
+            return upstream(self, store)
+
+        return save_own_variables
+
+    patch(tf_optimizer.TFOptimizer, "save_own_variables", "keras_gradient_accumulation", make_save)
 
 
 # ------------------------------------------------- fix: progress bars on the chief only

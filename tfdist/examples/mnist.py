@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tfdist import validate
+from tfdist import storage, validate
 from tfdist.config import RESTART_ENV, ConfigError
 
 __all__ = ["MnistMissing", "TrainConfig", "ensure_mnist", "plot_history", "run", "summary_line"]
@@ -462,7 +462,21 @@ def config_from_args(args) -> TrainConfig:
 
 
 def _check_folder(path: str, flag: str) -> None:
-    """A folder flag naming an existing file fails at once, before TensorFlow starts."""
+    """A folder flag naming an existing file (or a URL) fails at once, before TensorFlow
+    starts."""
+    if storage.is_url(path):
+        # The job's own outputs (history, pipeline position) are local files; a URL
+        # would become a local folder named after its scheme.
+        raise ConfigError(
+            validate.message(
+                "train mnist",
+                flag,
+                "a local folder",
+                path,
+                "Pass a local folder (a mounted bucket works); URLs work with "
+                "tfdist.callbacks.checkpoint and tfdist.make_or_restore in your own script.",
+            )
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(
             validate.message(

@@ -1,0 +1,124 @@
+"""All-reduce in the backward pass (tfdist.compat.overlap, opt-in), the overlap experiment's
+pure parts (tools/bench_overlap.py) and the exposed-communication report
+(tools/step_breakdown.py). Timings are never asserted: only that the figures are computed
+from their parts and printed, and that the opt-in trains the model one device trains."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, last_json_line, launch_cli
+
+
+def _tool(name: str):
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
+def test_packs_start_from_the_last_gradients_and_hold_at_least_the_pack_size():
+    bo = _tool("bench_overlap")
+    assert bo.reverse_packs([40, 1200, 20], 1000) == [[2, 1], [0]]
+    assert bo.reverse_packs([5, 5, 5], 1) == [[2], [1], [0]]
+    assert bo.reverse_packs([5, 5, 5], 10**9) == [[2, 1, 0]]
+    with pytest.raises(ValueError, match=r"Received: pack_bytes=0"):
+        bo.reverse_packs([5], 0)
+
+
+def test_overlap_summary_gives_ratios_to_keras_with_their_range():
+    bo = _tool("bench_overlap")
+    runs = [
+        {"ms": {"compute": 80.0, "keras": 100.0, "inback-256k": 90.0},
+         "exposed_ms": {"keras": 20.0, "inback-256k": 10.0},
+         "max_weight_diff": {"keras": 0.0, "inback-256k": 1e-7}},
+        {"ms": {"compute": 90.0, "keras": 120.0, "inback-256k": 132.0},
+         "exposed_ms": {"keras": 30.0, "inback-256k": 42.0},
+         "max_weight_diff": {"keras": 0.0, "inback-256k": 2e-7}},
+    ]  # fmt: skip
+    rows = bo.summarise(runs)
+    assert rows["inback-256k"]["ratio_to_keras"] == pytest.approx(
+        {"median": 1.0, "min": 0.9, "max": 1.1}
+    )
+    assert rows["inback-256k"]["exposed_ms"] == {"median": 26.0, "min": 10.0, "max": 42.0}
+    assert (
+        rows["inback-256k"]["max_weight_diff"] == 2e-7 and "ratio_to_keras" not in rows["compute"]
+    )
+
+
+def test_unknown_model_is_an_error_naming_the_choices():
+    sb = _tool("step_breakdown")
+    with pytest.raises(ValueError, match=r"Received: model='vgg'"):
+        sb.measure(model="vgg")
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_step_breakdown_quick_prints_the_exposed_communication_of_both_columns(tmp_path):
+    out = tmp_path / "breakdown.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "step_breakdown.py"), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    for where in ("workers", "devices"):
+        ms = figures[where]
+        assert figures["exposed_comm_ms"][where] == pytest.approx(ms["step"] - ms["compute"])
+        assert ms["compute"] > 0 and ms["step"] > 0
+    exposed = figures["exposed_comm_ms"]
+    assert (
+        f"exposed communication (step - compute), ms/step: 2 workers {exposed['workers']:.2f}, "
+        f"2 devices {exposed['devices']:.2f}" in proc.stdout
+    )
+    assert figures["machine"]["cores"] >= 1 and len(figures["machine"]["load_avg"]) == 3
+    assert proc.stdout.startswith("machine: ") and figures["model"] == "mlp"
+
+
+def test_opt_in_packs_start_from_the_last_gradients():
+    from tfdist.compat import overlap
+
+    assert overlap.reverse_packs([40, 1200, 20], 1000) == [[2, 1], [0]]
+    assert overlap.reverse_packs([overlap.PACK_BYTES] * 2) == [[1], [0]]
+    with pytest.raises(ValueError, match=r"Received: pack_bytes=-1"):
+        overlap.reverse_packs([5], -1)
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    import numpy as np
+
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(a["weights"], b["weights"], strict=True)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_all_reduce_in_backward_issues_one_collective_per_pack_and_trains_like_one_device():
+    job = str(SCRIPTS / "overlap_job.py")
+    runs = {}
+    for name, flags in (("upstream", []), ("overlap", ["--enable"])):
+        proc = launch_cli("-n", "2", job, *flags, "--steps", "20", timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = last_json_line(proc.stdout.replace("[w0] ", ""))
+    # one device, opted in: the single-replica path is upstream's, unchanged
+    proc = subprocess.run(
+        [sys.executable, job, "--enable", "--steps", "20"],
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = last_json_line(proc.stdout)
+    # Upstream (the opt-in not taken): ONE collective, after the whole backward pass.
+    assert runs["upstream"]["collectives"] == 1 and not runs["upstream"]["enabled"]
+    # Opted in: the MLP's 1.1 MB of gradients in 2 packs of >= 256 KiB, each its own.
+    assert runs["overlap"]["collectives"] == 2 and runs["overlap"]["enabled"]
+    assert one["replicas"] == 1 and one["collectives"] == 0 and one["enabled"]
+    assert runs["overlap"]["replicas"] == 2
+    assert _max_difference(runs["overlap"], one) < 1e-5
+    assert _max_difference(runs["overlap"], runs["upstream"]) < 1e-6

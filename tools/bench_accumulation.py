@@ -1,0 +1,198 @@
+"""What gradient accumulation costs across workers: ms per micro-step, 2 workers vs 2 devices.
+
+The ``multi-worker-accumulation`` row of tools/benchmark.py. The job (this file with
+``--job``) trains tools/bench_launcher.py's MLP (784-256-256-10, 269k parameters) on
+MNIST-sized synthetic data with ``SGD(gradient_accumulation_steps=4)``, global batch 128
+per micro-step, under ``tfdist.strategy()``. A: 2 workers (``tfdist launch -n 2``, gRPC
+all-reduce between processes); B: 2 logical CPU devices in one process. Since
+``keras_gradient_accumulation`` all-reduces once per window of 4 micro-steps, A pays the
+gRPC all-reduce once every 4 micro-steps (goal: A/B <= 1.2; ``multi-worker-step`` is the
+same comparison without accumulation). Runs alternate A B B A ... after a warm-up pair;
+each times whole windows after warm-up windows.
+
+    python tools/bench_accumulation.py --pairs 3
+    python -m tfdist launch -n 2 tools/bench_accumulation.py --job --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+K = 4  # micro-steps per window
+GOAL = 1.2
+TOOLS = Path(__file__).resolve().parent
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+
+def window_steps(steps: int, warmup: int) -> tuple[int, int]:
+    """(steps, warmup) rounded up to whole windows of ``K`` micro-steps, at least one each.
+
+    Example:
+        >>> window_steps(30, 5)
+        (32, 8)
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(
+            f"bench_accumulation: steps must be >= 1 and warmup >= 0. Received: "
+            f"steps={steps}, warmup={warmup}. Pass e.g. steps=200, warmup=20."
+        )
+    warmup = max(K, -(-warmup // K) * K)
+    timed = max(K, -(-(steps - warmup) // K) * K) if steps > warmup else K
+    return warmup + timed, warmup
+
+
+def per_micro_step(*, pairs: int = 3, steps: int = 200, warmup: int = 20) -> dict:
+    """Milliseconds per micro-step: 2 workers (A) vs 2 logical devices in one process (B).
+
+    Example:
+        >>> per_micro_step(pairs=1, steps=40)["ratio_median"]  # doctest: +SKIP
+        1.1
+    """
+    import bench_launcher
+
+    steps, warmup = window_steps(steps, warmup)
+    args = ["--job", "--steps", str(steps), "--warmup", str(warmup)]
+
+    def measure(run):
+        def once() -> float:
+            _, report = run(args)
+            if report["replicas"] != 2 or report["accumulation_steps"] != K:
+                raise RuntimeError(f"bench_accumulation: expected 2 replicas, k={K}: {report}")
+            return report["ms_per_micro_step"]
+
+        return once
+
+    def launched(job_args):
+        return _run_self(bench_launcher, job_args, launch=True)
+
+    def one_process(job_args):
+        return _run_self(bench_launcher, job_args, launch=False)
+
+    a, b = bench_launcher._alternate(measure(launched), measure(one_process), pairs)
+    result = bench_launcher._summary(a, b)
+    result.update(
+        unit="ms/micro-step",
+        steps=steps,
+        warmup=warmup,
+        accumulation_steps=K,
+        goal=f"<= {GOAL}",
+        goal_ratio=GOAL,
+        met=result["ratio_median"] <= GOAL,
+    )
+    return result
+
+
+def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[float, dict]:
+    """This file as the job: under ``tfdist launch -n 2``, or alone on 2 logical CPUs."""
+    import subprocess
+
+    me = str(Path(__file__).resolve())
+    if launch:
+        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", me, *job_args]
+        env = bench_launcher._env()
+    else:
+        cmd = [sys.executable, me, *job_args]
+        env = bench_launcher._env(TFDIST_CPU_DEVICES="2")
+    started = time.time()
+    proc = subprocess.run(
+        cmd,
+        cwd=bench_launcher.REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=bench_launcher.TIMEOUT,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"bench_accumulation: {cmd[1:5]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    return started, bench_launcher._report(proc.stdout)
+
+
+def job(steps: int, warmup: int, global_batch: int = 128) -> None:
+    """Trains the MLP with accumulation; worker 0 prints ms per micro-step as JSON.
+
+    Example:
+        >>> job(*window_steps(200, 20))  # doctest: +SKIP
+        {"replicas": 2, "accumulation_steps": 4, "ms_per_micro_step": 9.8, "updates": 50}
+    """
+    import numpy as np
+
+    import tfdist
+
+    strategy = tfdist.strategy()
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=K),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    rng = np.random.default_rng(0)
+    x = rng.random((global_batch * 8, 784), dtype=np.float32)
+    y = rng.integers(0, 10, size=(global_batch * 8,))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .repeat()
+        .batch(global_batch)
+        .with_options(options)
+        .prefetch(2)
+    )
+    marks = {}
+
+    class Clock(keras.callbacks.Callback):
+        """Marks the end of the warm-up windows and of the last micro-step."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 == warmup:
+                marks["warm"] = time.perf_counter()
+            if batch + 1 == steps:
+                marks["end"] = time.perf_counter()
+
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Clock()])
+    ms = 1000 * (marks["end"] - marks["warm"]) / (steps - warmup)
+    report = {
+        "replicas": strategy.num_replicas_in_sync,
+        "accumulation_steps": K,
+        "ms_per_micro_step": ms,
+        "updates": int(model.optimizer.iterations.numpy()),
+    }
+    if tfdist.is_chief():
+        print(json.dumps(report), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--job", action="store_true", help="be the measured job")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.job:
+        job(*window_steps(args.steps, args.warmup))
+        return 0
+    if args.pairs < 1:
+        parser.error(f"--pairs must be >= 1. Received: --pairs={args.pairs}")
+    print(json.dumps(per_micro_step(pairs=args.pairs, steps=args.steps, warmup=args.warmup)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
