@@ -791,13 +791,3 @@ REQUIRED["jax"] += [
     "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
 ]
 # ======================================== end of section: the JAX watchdog
-
-
-# ======================================== section: all-reduce in the backward pass
-# (tfdist.compat.overlap, opt-in) Keras reduces every gradient in one collective in a
-# private method of its TensorFlow optimizer; the opt-in replaces that method (the module
-# comes from keras_tf_optimizer_module above).
-REQUIRED["keras"] += [
-    "keras.src.backend.tensorflow.optimizer:TFOptimizer._all_reduce_sum_gradients",
-]
-# ======================================== end of section: all-reduce in the backward pass

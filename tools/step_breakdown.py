@@ -32,7 +32,6 @@ tools/bench_overlap.py is the experiment that tries to hide it.
     python tools/step_breakdown.py               # 3 alternated pairs, the MLP
     python tools/step_breakdown.py --model resnet --pairs 3 --json breakdown.json
     python tools/step_breakdown.py --quick       # 1 short pair: checks the figures exist
-    python tools/step_breakdown.py --model resnet --overlap   # with tfdist.compat.overlap
 """
 
 from __future__ import annotations
@@ -203,20 +202,13 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def child(
-    rounds: int, calls: int, global_batch: int, model_name: str = "mlp", overlap: bool = False
-) -> dict:
+def child(rounds: int, calls: int, global_batch: int, model_name: str = "mlp") -> dict:
     """Runs in each worker (or the one process): every part, ``rounds`` times each."""
     import tfdist
 
     strategy = tfdist.strategy()
     import keras
     import tensorflow as tf
-
-    if overlap:  # the opt-in: gradient packs all-reduced during the backward pass
-        from tfdist.compat import overlap as in_backward
-
-        in_backward.enable()
 
     data = dataset(tf, global_batch, model_name)
     with strategy.scope():
@@ -300,7 +292,6 @@ def measure(
     calls: int = 40,
     global_batch: int = 128,
     model: str = "mlp",
-    overlap: bool = False,
 ) -> dict:
     """Medians over ``pairs`` alternated runs of each column (workers, devices).
 
@@ -314,7 +305,7 @@ def measure(
             f"Received: model={model!r}, pairs={pairs}, rounds={rounds}, calls={calls}"
         )
     args = ["--rounds", str(rounds), "--calls", str(calls), "--global-batch", str(global_batch)]
-    args += ["--model", model] + (["--overlap"] if overlap else [])
+    args += ["--model", model]
     before = machine()
     runs = {"workers": [], "devices": []}
     for i in range(pairs):
@@ -328,7 +319,6 @@ def measure(
             for p in PARTS
         }
     out.update(pairs=pairs, rounds=rounds, calls=calls, global_batch=global_batch, model=model)
-    out["overlap"] = overlap
     out.update(machine=before, load_after=machine()["load_avg"])
     # The communication a step waits for: the step minus its forward + backward.
     out["exposed_comm_ms"] = {w: derived(out[w])["exposed_allreduce"] for w in runs}
@@ -378,7 +368,7 @@ def format_table(f: dict) -> str:
             0,
             f"machine: {m['cpu']}, {m['cores']} cores, load {m['load_avg']} -> "
             f"{f['load_after']}, TF {m['tensorflow']}, Keras {m['keras']}, {m['date']}; "
-            f"model {f['model']}" + (", all-reduce in backward (opt-in)" if f["overlap"] else ""),
+            f"model {f['model']}",
         )
     return "\n".join(lines)
 
@@ -391,22 +381,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=128)
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--quick", action="store_true", help="1 pair, 1 round of 4 calls")
-    parser.add_argument(
-        "--overlap", action="store_true", help="tfdist.compat.overlap.enable() in the workers"
-    )
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = child(args.rounds, args.calls, args.global_batch, args.model, args.overlap)
+        result = child(args.rounds, args.calls, args.global_batch, args.model)
         if result.pop("chief"):
             print(json.dumps(result), flush=True)
         return 0
     if args.quick:  # one short pair: shows the figures are computed, not what they are
         args.pairs, args.rounds, args.calls = 1, 1, 4
-    figures = measure(
-        args.pairs, args.rounds, args.calls, args.global_batch, args.model, args.overlap
-    )
+    figures = measure(args.pairs, args.rounds, args.calls, args.global_batch, args.model)
     print(format_table(figures))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
