@@ -51,7 +51,8 @@ def test_tutorial_model_is_the_guides_convnet():
 
 def test_fast_recipe_is_what_the_docs_say():
     # docs/mnist.md, literally: Conv2D(16) + MaxPooling + Conv2D(32) + MaxPooling +
-    # Dense(128) + Dense(10), Adam, 5 epochs, 128 per replica, peak 5e-3 x global / 128.
+    # Dense(128) + Dense(10), Adam, 7 epochs, 128 per replica, peak 5e-3 x global / 128,
+    # shifts of up to 2 pixels.
     model = recipes.fast_model()
     described = [
         (type(layer).__name__, getattr(layer, "filters", None) or getattr(layer, "units", None))
@@ -62,9 +63,37 @@ def test_fast_recipe_is_what_the_docs_say():
         ("Flatten", None), ("Dense", 128), ("Dense", 10),
     ]  # fmt: skip
     fast = recipes.get_recipe("fast")
-    assert (fast.epochs, fast.per_replica_batch) == (5, 128)
+    assert (fast.epochs, fast.per_replica_batch) == (7, 128)
+    assert fast.augment is recipes.shift_augment and recipes.MAX_SHIFT == 2
     assert (fast.base_learning_rate, fast.reference_batch) == (5e-3, 128)
     assert (fast.warmup_epochs, fast.min_warmup_steps) == (0.5, 100)
+
+
+def test_shifts_move_each_image_by_at_most_two_pixels_and_depend_on_the_batch_only():
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=(16, 28, 28, 1))
+    images = tf.constant(raw / 255.0, tf.float32)
+    labels = tf.constant(rng.integers(0, 10, size=16))
+    shifted, same_labels = recipes.shift_augment(images, labels)
+    assert np.array_equal(same_labels.numpy(), labels.numpy())
+    padded = np.pad(raw[..., 0] / 255.0, ((0, 0), (2, 2), (2, 2)))
+    moves = set()
+    for i in range(16):  # each output is the padded input cropped at one offset
+        found = [
+            (dy, dx)
+            for dy in range(5)
+            for dx in range(5)
+            if np.allclose(padded[i, dy : dy + 28, dx : dx + 28], shifted[i, ..., 0].numpy())
+        ]
+        assert len(found) == 1, i
+        moves.add(found[0])
+    assert len(moves) > 3  # the offsets vary across images
+    # A pure function of the batch: the same batch again (another replica count, a
+    # resume), the same shifts; another batch, other shifts.
+    again, _ = recipes.shift_augment(images, labels)
+    assert np.array_equal(again.numpy(), shifted.numpy())
+    other, _ = recipes.shift_augment(images, tf.roll(labels, 1, axis=0))
+    assert not np.array_equal(other.numpy(), shifted.numpy())
 
 
 def test_fast_model_has_no_per_replica_statistics_or_unsaved_randomness():
@@ -152,8 +181,8 @@ def test_warmup_lasts_at_least_min_warmup_steps_but_leaves_steps_to_decay():
     assert round(r.warmup_epochs * r.steps_per_epoch(8)) < r.min_warmup_steps
     assert many.warmup_steps == r.min_warmup_steps
     assert math.isclose(_lr(many, r.min_warmup_steps), 8 * BASE, rel_tol=1e-5)
-    few = r.learning_rate(1, steps_per_epoch=20)  # a short smoke run: 5 x 20 steps
-    assert (few.warmup_steps, few.decay_steps) == (50, 50)  # at most half the run
+    few = r.learning_rate(1, steps_per_epoch=20)  # a short smoke run: 7 x 20 steps
+    assert (few.warmup_steps, few.decay_steps) == (70, 70)  # at most half the run
     tiny = get_recipe("fast", epochs=1).learning_rate(1, steps_per_epoch=1)
     assert (tiny.warmup_steps, tiny.decay_steps) == (0, 1)
 
@@ -374,3 +403,31 @@ def test_benchmark_rejects_bad_arguments_before_starting_anything():
         bench.benchmark(seeds=[])
     with pytest.raises(ValueError, match=r"timeout_s must be a positive number"):
         bench.benchmark(timeout_s=0)
+
+
+def test_recipe_seeds_summary_flags_any_run_below_the_goal_and_renders_every_seed():
+    import sys
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import recipe_seeds
+
+    def run(seed, topology, accuracy, seconds, recipe="fast"):
+        return {"recipe": recipe, "seed": seed, "topology": topology,
+                "test_accuracy": accuracy, "wall_time_s": seconds}  # fmt: skip
+
+    runs = [
+        run(0, "1 device", 0.9935, 40.0), run(0, "2 devices", 0.9931, 60.0),
+        run(1, "1 device", 0.9940, 50.0), run(1, "2 devices", 0.9929, 70.0),
+        run(0, "1 device", 0.9866, 100.0, recipe="tutorial"),
+    ]  # fmt: skip
+    summary = recipe_seeds.summarise(runs)
+    assert summary["fast_accuracy_min"] == 0.9929 and summary["all_reach_goal"] is False
+    assert summary["time_ratio"] == 0.45  # median(40, 50) / 100
+    lines = recipe_seeds.table({**summary, "runs": runs})
+    assert "| 1 | 99.40% in 50 s | 99.29% in 70 s |" in lines
+    assert any("not met" in line for line in lines)
+    assert recipe_seeds.summarise(runs[:4])["time_ratio"] is None
+    with pytest.raises(ValueError, match=r"Received: seeds=\[\]"):
+        recipe_seeds.measure([], [0])

@@ -6,7 +6,9 @@ the date inside it; this tool renders those files into the pages' generated bloc
 * docs/benchmarks.md: ``tools/benchmark_measured.json``
   (``python tools/benchmark.py --pairs 3 --json tools/benchmark_measured.json``);
 * docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
-  ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``).
+  ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``);
+* docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
+  --json tools/recipe_seeds_measured.json``).
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -28,6 +30,7 @@ import generated_block
 TOOLS = Path(__file__).resolve().parent
 DOCS = TOOLS.parent / "docs"
 BENCHMARK_JSON = TOOLS / "benchmark_measured.json"
+RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -76,6 +79,13 @@ def scaling_block() -> list[str]:
     return [("###" + line[2:]) if line.startswith("## ") else line for line in lines]
 
 
+def recipe_seeds_block(payload: dict) -> list[str]:
+    """The fast recipe's seeds table of ``payload`` (what ``tools/recipe_seeds.py`` writes)."""
+    import recipe_seeds
+
+    return [_machine_line(payload["machine"]), "", *recipe_seeds.table(payload)]
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -83,6 +93,9 @@ def blocks() -> dict[str, tuple[Path, str]]:
         "benchmarks": (DOCS / "benchmarks.md", benchmarks_block(payload)),
         "scaling model": (DOCS / "scaling.md", scaling_block()),
     }
+    seeds = recipe_seeds_block(json.loads(RECIPE_SEEDS_JSON.read_text()))
+    found["recipe seeds"] = (DOCS / "mnist.md", seeds)
+    found["recipe seeds (README)"] = (DOCS.parent / "README.md", seeds)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()
