@@ -83,5 +83,6 @@ def test_every_command_is_quiet_into_a_pipe(tmp_path):
     for command in ("train", "train --workers"):
         assert len(re.findall(r"^(\[w0\] )?\d+/\d+ - ", runs[command].stdout, re.M)) == 1
         final = re.search(r"test_accuracy=([0-9.]+) .* replicas=2 ", runs[command].stdout)
-        assert final and float(final.group(1)) > 0.5, runs[command].stdout[-2000:]
+        # 4 steps on 2% of MNIST: well above chance (0.1), which is all such a run shows.
+        assert final and float(final.group(1)) > 0.3, runs[command].stdout[-2000:]
     assert len(re.findall(r"trained rank=", runs["launch"].stdout)) == 2

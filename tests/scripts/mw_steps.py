@@ -76,6 +76,15 @@ if args.step_sleep:
 for epoch in range(first_epoch, args.epochs):
     print("EPOCH", epoch, "start", flush=True)
     if restart == 0 and epoch == args.die_at_epoch and info.rank == args.die_rank:
+        # The chief writes the progress of the epoch just ended after its fit returns;
+        # die only once it is there, so the restart point does not depend on timing.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                with open(path) as f:
+                    if json.load(f)["epochs_done"] >= epoch:
+                        break
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     if info.is_chief:
