@@ -85,7 +85,13 @@ def resnet(keras):
     return keras.Model(inputs, layers.Dense(10)(x), name="resnet")
 
 
-def build_model(keras, name: str = "mlp", learning_rate: float = 0.01, **compile_args):
+def build_model(
+    keras,
+    name: str = "mlp",
+    learning_rate: float = 0.01,
+    gradient_accumulation_steps: int | None = None,
+    **compile_args,
+):
     """One of ``MODELS`` from seed 0, compiled with plain SGD and logits cross-entropy.
 
     Example:
@@ -111,7 +117,9 @@ def build_model(keras, name: str = "mlp", learning_rate: float = 0.01, **compile
             ]
         )
     model.compile(
-        optimizer=keras.optimizers.SGD(learning_rate),
+        optimizer=keras.optimizers.SGD(
+            learning_rate, gradient_accumulation_steps=gradient_accumulation_steps
+        ),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         **compile_args,
     )

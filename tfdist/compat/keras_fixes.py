@@ -264,22 +264,28 @@ def _clipped_means(optimizer, distribution, reduced) -> list:
 
     steps = optimizer.gradient_accumulation_steps
     copies = [distribution.experimental_local_results(r) for r in reduced]
-    local_replicas = len(copies[0])
     per_device = []
-    for d in range(local_replicas):
+    for d in range(len(copies[0])):
         with tf.device(copies[0][d].device):
             per_device.append(
                 _private.keras_optimizer_clip(optimizer, [c[d] / steps for c in copies])
             )
 
-    def value(i):
-        # Replica ids run over the cluster; a worker's local replicas are consecutive.
-        return lambda ctx: per_device[ctx.replica_id_in_sync_group % local_replicas][i]
-
     return [
-        distribution.experimental_distribute_values_from_function(value(i))
+        _per_replica(distribution, [values[i] for values in per_device])
         for i in range(len(reduced))
     ]
+
+
+def _per_replica(distribution, local: list):
+    """A per-replica value whose replica on local device d is ``local[d]``.
+
+    Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
+    """
+    # Replica ids run over the cluster; a worker's local replicas are consecutive.
+    return distribution.experimental_distribute_values_from_function(
+        lambda context: local[context.replica_id_in_sync_group % len(local)]
+    )
 
 
 def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
@@ -342,16 +348,11 @@ def consolidate_accumulators(optimizer) -> bool:
     import tensorflow as tf
 
     def copies_of(var):
-        copies = strategy.experimental_local_results(var)
-
-        def value(context):
-            # Replica ids run over the cluster; a worker's local replicas are consecutive.
-            copy = copies[context.replica_id_in_sync_group % len(copies)]
+        reads = []
+        for copy in strategy.experimental_local_results(var):
             with tf.device(copy.device):
-                return tf.identity(copy)
-
-        # Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
-        return strategy.experimental_distribute_values_from_function(value)
+                reads.append(tf.identity(copy))
+        return _per_replica(strategy, reads)
 
     @tf.function(autograph=False)
     def consolidate():
