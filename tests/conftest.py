@@ -72,21 +72,6 @@ def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedP
     )
 
 
-def tool(name: str):
-    """The module ``tools/<name>.py`` (the benchmark tools are scripts, not a package).
-
-    Example:
-        >>> tool("bench_overlap").reverse_packs([5], 1)  # doctest: +SKIP
-        [[0]]
-    """
-    import importlib
-
-    tools = str(REPO / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module(name)
-
-
 def last_json_line(text: str):
     """The last line of ``text`` that parses as JSON (children print results that way)."""
     import json

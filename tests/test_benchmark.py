@@ -6,6 +6,7 @@ Every row's reporting runs on sample figures; two rows run end to end with ``--q
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_env, tool
+from conftest import REPO, child_env
 
 MNIST_ON_DISK = (
     Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
@@ -38,7 +39,7 @@ def test_unknown_row_is_an_error_naming_the_choices():
 
 def _summary(a: list[float], b: list[float]) -> dict:
     """bench_launcher's own summary of alternated runs (what its rows return)."""
-    return tool("bench_launcher")._summary(a, b)
+    return _tool("bench_launcher")._summary(a, b)
 
 
 def _sample_figures() -> dict:
@@ -74,7 +75,7 @@ def _sample_figures() -> dict:
 
 
 def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
-    bench = tool("benchmark")
+    bench = _tool("benchmark")
     samples = _sample_figures()
     names = [c.name for c in bench.COMPARISONS]
     assert names == [*bench.CHILD_ROWS, "cli"] and set(samples) == set(bench.CHILD_ROWS)
@@ -97,7 +98,7 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
 
 
 def test_accumulation_rounds_to_whole_windows_and_validates():
-    ba = tool("bench_accumulation")
+    ba = _tool("bench_accumulation")
     assert ba.window_steps(420, 20) == (420, 20) and ba.window_steps(30, 5) == (32, 8)
     with pytest.raises(ValueError, match=r"Received: steps=0, warmup=4"):
         ba.window_steps(0, 4)
@@ -126,8 +127,15 @@ def test_quick_rows_run_end_to_end_and_write_the_same_figures_as_json(tmp_path):
     assert proc.stdout.startswith("machine: ")
 
 
+def _tool(name: str):
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
+
+
 def test_scaling_rows_are_efficiency_against_one_worker_one_device():
-    bs = tool("bench_scaling")
+    bs = _tool("bench_scaling")
     rows = bs.table_rows("jax", {"1x1": [100.0, 120.0], "2x1": [50.0, 70.0], "4x2": [30.0]}, 128)
     assert [(r["workers"], r["devices_per_worker"], r["replicas"]) for r in rows] == [
         (1, 1, 1), (2, 1, 2), (4, 2, 8),
@@ -137,7 +145,7 @@ def test_scaling_rows_are_efficiency_against_one_worker_one_device():
 
 
 def test_scaling_rounds_alternate_their_order():
-    bs = tool("bench_scaling")
+    bs = _tool("bench_scaling")
     order = []
     runs = {name: (lambda n=name: order.append(n) or 1.0) for name in ("a", "b", "c")}
     assert bs.rounds_of(runs, 2) == {"a": [1.0, 1.0], "b": [1.0, 1.0], "c": [1.0, 1.0]}
@@ -145,7 +153,7 @@ def test_scaling_rounds_alternate_their_order():
 
 
 def test_scaling_commands_use_the_launcher_and_logical_devices():
-    bs = tool("bench_scaling")
+    bs = _tool("bench_scaling")
     cmd, env = bs.command("tensorflow", 1, 2, ["--steps", "5"])
     assert cmd[-2:] == ["--steps", "5"]
     assert cmd[1].endswith("mw_bench_job.py") and env["TFDIST_CPU_DEVICES"] == "2"
@@ -156,7 +164,7 @@ def test_scaling_commands_use_the_launcher_and_logical_devices():
 
 
 def test_step_breakdown_explains_the_step_from_its_parts():
-    sb = tool("step_breakdown")
+    sb = _tool("step_breakdown")
     ms = {"input": 1.0, "compute": 5.0, "allreduce": 4.0, "step": 8.0, "fit": 11.0,
           "fit_accuracy": 12.5}  # fmt: skip
     assert sb.derived(ms) == {
@@ -174,7 +182,7 @@ def test_step_breakdown_explains_the_step_from_its_parts():
 
 
 def test_bench_comm_names_its_variants():
-    bc = tool("bench_comm")
+    bc = _tool("bench_comm")
     with pytest.raises(ValueError, match=r"unknown variant. Received: name='x'"):
         bc.measure("x")
     assert {"ring", "pack-64k", "pack-256k"} <= set(bc.VARIANTS)

@@ -20,8 +20,6 @@ from tfdist import _private
 from tfdist.examples import recipes
 from tfdist.examples.recipes import get_recipe, peak_learning_rate, scaled_warmup_cosine_decay
 
-from conftest import tool
-
 CosineDecay = keras.optimizers.schedules.CosineDecay
 
 BASE = recipes.FAST.base_learning_rate
@@ -408,7 +406,12 @@ def test_benchmark_rejects_bad_arguments_before_starting_anything():
 
 
 def test_recipe_seeds_summary_flags_any_run_below_the_goal_and_renders_every_seed():
-    recipe_seeds = tool("recipe_seeds")
+    import sys
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    import recipe_seeds
 
     def run(seed, topology, accuracy, seconds, recipe="fast"):
         return {"recipe": recipe, "seed": seed, "topology": topology,

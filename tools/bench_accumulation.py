@@ -1,7 +1,7 @@
 """What gradient accumulation costs across workers: ms per micro-step, 2 workers vs 2 devices.
 
 The ``multi-worker-accumulation`` row of tools/benchmark.py. The job (this file with
-``--job``) trains tools/step_breakdown.py's MLP (784-256-256-10, 269k parameters) on
+``--job``) trains tools/bench_launcher.py's MLP (784-256-256-10, 269k parameters) on
 MNIST-sized synthetic data with ``SGD(gradient_accumulation_steps=4)``, global batch 128
 per micro-step, under ``tfdist.strategy()``. A: 2 workers (``tfdist launch -n 2``, gRPC
 all-reduce between processes); B: 2 logical CPU devices in one process. Since
@@ -127,11 +127,22 @@ def job(steps: int, warmup: int, global_batch: int = 128) -> None:
 
     strategy = tfdist.strategy()
     import keras
-    import step_breakdown  # its MLP, seeded and compiled the same way
     import tensorflow as tf
 
+    keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = step_breakdown.build_model(keras, "mlp", 0.01, gradient_accumulation_steps=K)
+        model = keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=K),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
     rng = np.random.default_rng(0)
     x = rng.random((global_batch * 8, 784), dtype=np.float32)
     y = rng.integers(0, 10, size=(global_batch * 8,))

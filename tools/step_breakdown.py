@@ -85,13 +85,7 @@ def resnet(keras):
     return keras.Model(inputs, layers.Dense(10)(x), name="resnet")
 
 
-def build_model(
-    keras,
-    name: str = "mlp",
-    learning_rate: float = 0.01,
-    gradient_accumulation_steps: int | None = None,
-    **compile_args,
-):
+def build_model(keras, name: str = "mlp", learning_rate: float = 0.01, **compile_args):
     """One of ``MODELS`` from seed 0, compiled with plain SGD and logits cross-entropy.
 
     Example:
@@ -117,9 +111,7 @@ def build_model(
             ]
         )
     model.compile(
-        optimizer=keras.optimizers.SGD(
-            learning_rate, gradient_accumulation_steps=gradient_accumulation_steps
-        ),
+        optimizer=keras.optimizers.SGD(learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         **compile_args,
     )

@@ -264,28 +264,22 @@ def _clipped_means(optimizer, distribution, reduced) -> list:
 
     steps = optimizer.gradient_accumulation_steps
     copies = [distribution.experimental_local_results(r) for r in reduced]
+    local_replicas = len(copies[0])
     per_device = []
-    for d in range(len(copies[0])):
+    for d in range(local_replicas):
         with tf.device(copies[0][d].device):
             per_device.append(
                 _private.keras_optimizer_clip(optimizer, [c[d] / steps for c in copies])
             )
 
+    def value(i):
+        # Replica ids run over the cluster; a worker's local replicas are consecutive.
+        return lambda ctx: per_device[ctx.replica_id_in_sync_group % local_replicas][i]
+
     return [
-        _per_replica(distribution, [values[i] for values in per_device])
+        distribution.experimental_distribute_values_from_function(value(i))
         for i in range(len(reduced))
     ]
-
-
-def _per_replica(distribution, local: list):
-    """A per-replica value whose replica on local device d is ``local[d]``.
-
-    Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
-    """
-    # Replica ids run over the cluster; a worker's local replicas are consecutive.
-    return distribution.experimental_distribute_values_from_function(
-        lambda context: local[context.replica_id_in_sync_group % len(local)]
-    )
 
 
 def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
@@ -348,11 +342,16 @@ def consolidate_accumulators(optimizer) -> bool:
     import tensorflow as tf
 
     def copies_of(var):
-        reads = []
-        for copy in strategy.experimental_local_results(var):
+        copies = strategy.experimental_local_results(var)
+
+        def value(context):
+            # Replica ids run over the cluster; a worker's local replicas are consecutive.
+            copy = copies[context.replica_id_in_sync_group % len(copies)]
             with tf.device(copy.device):
-                reads.append(tf.identity(copy))
-        return _per_replica(strategy, reads)
+                return tf.identity(copy)
+
+        # Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
+        return strategy.experimental_distribute_values_from_function(value)
 
     @tf.function(autograph=False)
     def consolidate():
