@@ -42,6 +42,7 @@ JAX_TESTS = [
     "tests/test_jax.py",
     "tests/test_data_jax.py",
     "tests/test_jax_checkpoint.py",
+    "tests/test_sharded.py",
 ]
 
 nox.options.reuse_existing_virtualenvs = True

@@ -45,8 +45,9 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        # Keras 3 on JAX (KERAS_BACKEND=jax), on CPU; jax 0.11+ needs Python 3.12+.
-        "jax": [requirement("jax", "[cpu]")],
+        # Keras 3 on JAX (KERAS_BACKEND=jax), on CPU; jax 0.11+ needs Python 3.12+. Orbax
+        # writes the sharded checkpoints (tfdist.callbacks.checkpoint(..., sharded=True)).
+        "jax": [requirement("jax", "[cpu]"), "orbax-checkpoint>=0.12"],
         # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
         # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -227,3 +228,73 @@ def test_the_same_script_gives_the_same_weights_everywhere(tmp_path):
     # written once, by the chief, atomically: the 5 newest checkpoints and the model
     expected = ["ckpt-2.keras", "ckpt-3-13.keras", "ckpt-3-3.keras", "ckpt-3-8.keras"]
     assert sorted(os.listdir(tmp_path / "two")) == [*expected, "ckpt-3.keras", "final.keras"]
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+
+
+def orbax_writes(directory):
+    """Orbax's temporary directories: sharded writes that never finished."""
+    return [n for n in os.listdir(directory) if ".orbax-checkpoint-tmp" in n]
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_sharded_kill_9_after_a_step_resumes_from_the_last_finished_write(tmp_path, reference):
+    """``checkpoint(..., sharded=True)`` on 4 devices: SIGKILL right after step 13 (the
+    background write of step 12 may or may not have finished); a dead job's unfinished
+    write is ignored and removed; the resume ends with the archive run's weights."""
+    proc = run_job(tmp_path, "--sharded", "--sigkill-at-step", "13")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    finished = sorted(n for n in os.listdir(tmp_path) if n.endswith(".orbax"))
+    assert {"ckpt-1.orbax", "ckpt-2-1.orbax"} <= set(finished), finished
+    # What a job killed inside a write leaves, whatever the timing was above.
+    stale = tmp_path / "ckpt-2-7.orbax.orbax-checkpoint-tmp"
+    (stale / "state").mkdir(parents=True)
+    (stale / "state" / "half").write_bytes(b"\0" * 100)
+
+    result = result_of(run_job(tmp_path, "--sharded"))
+    # step 12's checkpoint if its write finished before the kill, else step 9's
+    assert result["restored"]["path"] in ("ckpt-2-4.orbax", "ckpt-2-1.orbax"), result["restored"]
+    assert result["iterations"] == 16
+    assert max_diff(result["weights"], reference["weights"]) <= 1e-6
+    assert orbax_writes(tmp_path) == [] and staging_files(tmp_path) == []
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-2-4.orbax", "ckpt-2-7.orbax", "ckpt-2.orbax"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_sharded_two_processes_sigterm_then_kill_9_and_a_one_process_restore(tmp_path, reference):
+    """2 processes x 2 devices, sharded: SIGTERM -> both save after step 6 and exit 75;
+    attempt 1 is killed -9 after step 14; attempt 2 ends with the reference weights. Each
+    process wrote its own shard store. The job's last checkpoint then restores in one
+    process on 4 devices (another process count) to the same weights."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    directory = tmp_path / "ckpt"
+    faults = ("--sigterm-at-step", "5", "--sigterm-rank", "1")
+    faults += ("--sigkill-at-step", "14", "--sigkill-rank", "1", "--sigkill-attempt", "1")
+    proc = launch_job(directory, temp, "--sharded", *faults)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # (importing Orbax gives the root logger a handler: records carry a level prefix)
+    assert re.search(r"\[w1\] \S*tfdist: SIGTERM received", proc.stdout + proc.stderr)
+    assert '[w1] {"dying_at_step": 14}' in proc.stdout
+    restored = set()
+    for worker in ("w0", "w1"):
+        preempted, resumed = worker_results(proc, worker)  # the killed attempt printed none
+        assert preempted["exit_code"] == RESTART and preempted["iterations"] == 6
+        assert "ckpt-1-6.orbax" in preempted["checkpoints"]  # the preemption save, finished
+        assert resumed["replicas"] == 4 and resumed["iterations"] == 16
+        assert max_diff(resumed["weights"], reference["weights"]) <= 1e-5
+        restored.add(json.dumps(resumed["restored"], sort_keys=True))
+    assert len(restored) == 1  # both processes restored the same checkpoint
+    state = directory / "ckpt-2.orbax" / "state"
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state))
+    assert orbax_writes(directory) == []
+
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    os.rename(directory / "ckpt-2.orbax", alone / "ckpt-2.orbax")
+    result = result_of(run_job(alone, "--sharded"))
+    assert result["restored"]["path"] == "ckpt-2.orbax" and result["trained"] == []
+    assert max_diff(result["weights"], reference["weights"]) <= 1e-5

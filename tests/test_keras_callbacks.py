@@ -223,7 +223,9 @@ def test_two_jax_processes_write_each_file_once_and_match_one_process(tmp_path, 
 def test_upstream_callbacks_collide_without_the_fixes(tmp_path):
     """Upstream: both workers write every file. If this fails because the job succeeds,
     Keras fixed it: retire the fix."""
-    # 1. No fix: ModelCheckpoint's first save (batch 5) collides on the HDF5 file.
+    # 1. No fix: both workers write ModelCheckpoint's step file (batch 5) into one HDF5 path.
+    # Whether that first write or a later one (an epoch's ckpt_1) is the one that fails
+    # depends on timing (the HDF5 lock is a race), so only the collision is asserted.
     first = tmp_path / "none"
     proc, _ = launch(
         tmp_path, "-n", "2", JOB, "--dir", str(first), "--variant", "all",
@@ -233,7 +235,6 @@ def test_upstream_callbacks_collide_without_the_fixes(tmp_path):
     assert proc.returncode != 0
     assert COLLISION.search(output), output[-4000:]
     assert (first / "all" / "steps" / "step-1-5.weights.h5").exists()  # the file fought over
-    assert not (first / "all" / "ckpt").exists()  # it failed before the first epoch ended
     assert len(list((first / "all" / "tb" / "train").glob("events.*"))) == 2  # one per worker
 
     # 2. ModelCheckpoint fixed: BackupAndRestore collides at the end of the first epoch,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import keras
 
 from tfdist import _private, distribute, validate
-from tfdist.checkpoint import ResumableCheckpoint, is_resumed_partial_epoch
+from tfdist.checkpoint import ResumableCheckpoint, ShardedCheckpoint, is_resumed_partial_epoch
 from tfdist.checkpoint.restore import finish_resumed_epoch
 from tfdist.checkpoint.rng import numpy_value
 
@@ -323,6 +323,7 @@ def checkpoint(
     max_to_keep: int | None = 5,
     preemption: bool = True,
     verbose: int = 0,
+    sharded: bool = False,
 ) -> ResumableCheckpoint:
     """Checkpoints for restartable jobs: ``ckpt-{epoch}.keras`` files, written atomically.
 
@@ -342,9 +343,15 @@ def checkpoint(
         max_to_keep: how many checkpoints to keep (newest); None keeps all.
         preemption: catch SIGTERM, save and exit with the restart code.
         verbose: 1 prints a line per save (on the chief).
+        sharded: JAX only: write ``ckpt-{epoch}[-{batch}].orbax`` directories instead,
+            every process its own shards, in the background while training goes on
+            (Orbax; ``tfdist.checkpoint.sharded``). ``make_or_restore`` reads both kinds
+            and reshards onto the mesh of the model it builds.
 
     Raises:
-        ValueError: ``save_freq`` is 0, negative or not ``"epoch"``; bad ``max_to_keep``.
+        ValueError: ``save_freq`` is 0, negative or not ``"epoch"``; bad ``max_to_keep``;
+            ``sharded=True`` on TensorFlow or with a URL.
+        ImportError: ``sharded=True`` without ``orbax-checkpoint`` installed.
         NotADirectoryError: ``checkpoint_dir`` is a file.
         PermissionError: the chief cannot write to ``checkpoint_dir``.
 
@@ -353,7 +360,9 @@ def checkpoint(
         >>> model.fit(train, epochs=5, initial_epoch=start, callbacks=[cb])  # doctest: +SKIP
     """
     validate.one_of(verbose, (0, 1), "verbose", "tfdist.callbacks.checkpoint")
-    return ResumableCheckpoint(
+    validate.instance(sharded, bool, "sharded", "tfdist.callbacks.checkpoint", "a bool")
+    kind = ShardedCheckpoint if sharded else ResumableCheckpoint
+    return kind(
         checkpoint_dir,
         save_freq=save_freq,
         max_to_keep=max_to_keep,

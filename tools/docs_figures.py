@@ -8,7 +8,9 @@ the date inside it; this tool renders those files into the pages' generated bloc
 * docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
   ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``);
 * docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
-  --json tools/recipe_seeds_measured.json``).
+  --json tools/recipe_seeds_measured.json``);
+* docs/checkpoints.md: ``tools/sharded_measured.json`` (``python tools/bench_sharded.py
+  --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json``).
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -31,6 +33,7 @@ TOOLS = Path(__file__).resolve().parent
 DOCS = TOOLS.parent / "docs"
 BENCHMARK_JSON = TOOLS / "benchmark_measured.json"
 RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
+SHARDED_JSON = TOOLS / "sharded_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -86,6 +89,13 @@ def recipe_seeds_block(payload: dict) -> list[str]:
     return [_machine_line(payload["machine"]), "", *recipe_seeds.table(payload)]
 
 
+def sharded_block(payload: dict) -> list[str]:
+    """The sharded-checkpoint figures of ``payload`` (what ``tools/bench_sharded.py`` writes)."""
+    import bench_sharded
+
+    return [f"- {line}" for line in bench_sharded.report(payload).splitlines()]
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -96,6 +106,8 @@ def blocks() -> dict[str, tuple[Path, str]]:
     seeds = recipe_seeds_block(json.loads(RECIPE_SEEDS_JSON.read_text()))
     found["recipe seeds"] = (DOCS / "mnist.md", seeds)
     found["recipe seeds (README)"] = (DOCS.parent / "README.md", seeds)
+    sharded = sharded_block(json.loads(SHARDED_JSON.read_text()))
+    found["sharded checkpoints"] = (DOCS / "checkpoints.md", sharded)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()

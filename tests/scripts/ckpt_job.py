@@ -10,6 +10,7 @@ and can hurt itself on purpose:
                           the staging file half written
     --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
                           with --sigterm-rank R only worker R does
+    --sharded             sharded, asynchronous Orbax checkpoints (JAX) instead of archives
 
 Under ``tfdist launch --max-restarts``, faults fire only in the first attempt
 (``TFDIST_RESTART=0``), so the restarted group runs to the end; ``--sigkill-attempt N``
@@ -58,6 +59,7 @@ parser.add_argument(
 parser.add_argument("--width", type=int, default=16)
 parser.add_argument("--hidden2", type=int, default=0, help="a second hidden layer (bigger model)")
 parser.add_argument("--report-first-step", action="store_true")
+parser.add_argument("--sharded", action="store_true", help="sharded Orbax checkpoints (JAX)")
 parser.add_argument(
     "--keras-backup",
     action="store_true",
@@ -211,7 +213,9 @@ record = Record()
 if args.keras_backup:
     saver = keras.callbacks.BackupAndRestore(args.dir, save_freq=save_freq)
 else:
-    saver = tfdist.callbacks.checkpoint(args.dir, save_freq=save_freq, max_to_keep=args.max_to_keep)
+    saver = tfdist.callbacks.checkpoint(
+        args.dir, save_freq=save_freq, max_to_keep=args.max_to_keep, sharded=args.sharded
+    )
 callbacks = [
     Preempt(),  # before the checkpoint: it sees the notice at the same step
     saver,

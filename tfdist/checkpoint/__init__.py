@@ -28,6 +28,7 @@ The modules, each one idea; imports flow down this list only:
 
 - ``names``: the checkpoint directory, its file names and their positions.
 - ``archive``: an archive's resume metadata member and its end-to-end check.
+- ``sharded``: sharded, asynchronous Orbax checkpoints (JAX): names, writer, reader.
 - ``rng``: the training state Keras does not save (dropout RNG, phantom steps).
 - ``agreement``: workers agree on the checkpoint before restoring it.
 - ``restore``: ``make_or_restore`` and what a model was restored from.
@@ -43,7 +44,7 @@ Example:
 from __future__ import annotations
 
 from tfdist.checkpoint.archive import RESUME_MEMBER, read_resume_metadata
-from tfdist.checkpoint.callback import ResumableCheckpoint
+from tfdist.checkpoint.callback import ResumableCheckpoint, ShardedCheckpoint
 from tfdist.checkpoint.names import (
     CORRUPT_SUFFIX,
     checkpoint_name,
@@ -62,6 +63,7 @@ __all__ = [
     "Position",
     "ResumeState",
     "ResumableCheckpoint",
+    "ShardedCheckpoint",
     "make_or_restore",
     "list_checkpoints",
     "checkpoint_name",

@@ -41,9 +41,17 @@ from tfdist.checkpoint.restore import (
     set_data_position,
 )
 from tfdist.checkpoint.rng import numpy_value, phantom_prone_variables, rng_state
+from tfdist.checkpoint.sharded import (
+    ShardedWriter,
+    check_sharded_target,
+    remove_tree,
+    sharded_entries,
+    sharded_name,
+    stale_writes,
+)
 from tfdist.position import Position
 
-__all__ = ["ResumableCheckpoint"]
+__all__ = ["ResumableCheckpoint", "ShardedCheckpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,12 +280,14 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         return False
 
     def _get_file_path(self, epoch, batch, logs):
-        position = self._position(epoch, batch)
+        return self._path(self._position(epoch, batch))
+
+    def _path(self, position: Position) -> str:
         return storage.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
 
     def _save_model(self, epoch, batch, logs):
         position = self._position(epoch, batch)
-        path = storage.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
+        path = self._path(position)
         meta = resume_metadata(
             position,
             step=self._step,
@@ -285,18 +295,24 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             replicas=_replicas(self.model),
         )
         started = time.perf_counter()
+        done = self._write(path, meta)
+        if not self.role.is_chief:
+            return
+        logger.info("tfdist: %s %s in %.2f s", done, path, time.perf_counter() - started)
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: {done} checkpoint {path}", flush=True)
+
+    def _write(self, path: str, meta: dict) -> str:
+        """Writes the checkpoint; returns what was done ("saved")."""
         # Every worker runs model.save (it may gather sharded variables across processes);
         # only the chief's file lands, and the others wait for it before going on.
         with saving.atomic_output(path, role=self.role) as staging:
             self.model.save(staging)
             write_resume_metadata(staging, meta)
         self._wait_for_chief(path)
-        if not self.role.is_chief:
-            return
-        self._prune(keep=path)
-        logger.info("tfdist: saved %s in %.2f s", path, time.perf_counter() - started)
-        if self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: saved checkpoint {path}", flush=True)
+        if self.role.is_chief:
+            self._prune(keep=path)
+        return "saved"
 
     # -- after a save
 
@@ -333,3 +349,67 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         sys.stdout.flush()
         sys.stderr.flush()
         raise SystemExit(config.RESTART_EXIT_CODE)
+
+
+class ShardedCheckpoint(ResumableCheckpoint):
+    """``ResumableCheckpoint`` writing sharded, asynchronous Orbax checkpoints (JAX).
+
+    Use ``tfdist.callbacks.checkpoint(dir, sharded=True)``. Each save writes
+    ``ckpt-{epoch}[-{batch}].orbax``: every process writes the shards it holds and training
+    goes on while the files are written (``tfdist.checkpoint.sharded``). The positions,
+    ``save_freq``, pruning, exact resume and the SIGTERM protocol are the archives'; the
+    preemption save, and the end of ``fit``, wait for the write to finish.
+    """
+
+    def __init__(self, checkpoint_dir, **kwargs):
+        super().__init__(checkpoint_dir, **kwargs)
+        check_sharded_target(self.checkpoint_dir, _WHERE)
+        self._writer: ShardedWriter | None = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        if self.role.is_chief:
+            for stale in stale_writes(self.checkpoint_dir):  # a killed job's unfinished write
+                logger.warning("tfdist: removing %s, a checkpoint write that never finished", stale)
+                remove_tree(stale)
+        if self._writer is None:
+            self._writer = ShardedWriter()
+
+    def on_train_end(self, logs=None):
+        self._finish_writing()
+        super().on_train_end(logs)
+
+    def wait(self) -> None:
+        """Blocks until the last checkpoint write has finished (``fit`` ends with this).
+
+        Example:
+            >>> callback.wait()  # after a fit ended by an exception  # doctest: +SKIP
+        """
+        self._finish_writing()
+
+    def _path(self, position: Position) -> str:
+        return os.path.join(self.checkpoint_dir, sharded_name(position.epoch, position.batch))
+
+    def _write(self, path: str, meta: dict) -> str:
+        # The previous write is finished first, so that pruning counts it as a checkpoint.
+        self._finish_writing()
+        self._writer.save(self.model, path, meta)
+        return "writing in the background"
+
+    def _finish_writing(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.wait()
+        if self.role.is_chief:
+            self._prune(keep=None)
+
+    def _prune(self, keep) -> None:
+        if self.max_to_keep is None:
+            return
+        found = sharded_entries(self.checkpoint_dir)
+        for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
+            remove_tree(path)
+
+    def _exit_for_restart(self) -> None:
+        self._finish_writing()  # the preemption checkpoint must be whole before exiting
+        super()._exit_for_restart()

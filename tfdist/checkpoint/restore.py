@@ -33,6 +33,7 @@ from tfdist.checkpoint.names import (
     quarantine_path,
 )
 from tfdist.checkpoint.rng import set_rng_state
+from tfdist.checkpoint.sharded import assign_sharded, read_sharded, sharded_entries
 
 __all__ = [
     "ResumeState",
@@ -191,7 +192,7 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     strategy = distribute.current(strategy)
     with strategy.scope(), contextlib.ExitStack() as downloads:
         model = _build(build_fn, where)
-        chosen = _newest_readable(directory, role, downloads)
+        chosen = _newest_readable(directory, role, downloads, model)
         # Agree before restoring: a restore may create variables (collectives), and
         # workers that disagree must fail together rather than wait on each other.
         check_workers_agree(strategy, chosen, directory)
@@ -250,18 +251,52 @@ def _build(build_fn: Callable, where: str):
 
 
 def _newest_readable(
-    directory: str, role: saving.WriteRole, downloads: contextlib.ExitStack
+    directory: str, role: saving.WriteRole, downloads: contextlib.ExitStack, model
 ) -> tuple[str, dict] | None:
     """``(path, info)`` of the newest checkpoint that reads back intact, or None.
 
-    Deterministic given the bytes, so workers on shared storage skip the same files.
+    Archives and sharded checkpoints (``.orbax`` directories, JAX) are candidates alike,
+    newest position first. Deterministic given the bytes, so workers on shared storage
+    skip the same files.
     """
-    for _position, path in reversed(checkpoint_entries(directory)):
+    for _position, path, sharded in reversed(_candidates(directory)):
         try:
+            if sharded:
+                return path, _read_sharded(path, model)
             return path, _inspect_copy(path, downloads)
         except CorruptCheckpoint as err:
             _skip_corrupt(path, str(err), role)
     return None
+
+
+def _candidates(directory: str) -> list[tuple]:
+    """``(position, path, sharded)`` of every restore candidate, oldest first."""
+    found = [(position, path, False) for position, path in checkpoint_entries(directory)]
+    if storage.is_url(directory):
+        return found
+    sharded = sharded_entries(directory)
+    if sharded and keras.backend.backend() != "jax":
+        logger.warning(
+            "tfdist: %s holds %d sharded checkpoint(s) (.orbax, written on JAX), which the "
+            "%s backend cannot read; they are left alone.",
+            directory,
+            len(sharded),
+            keras.backend.backend(),
+        )
+        return found
+    # At one position the sharded checkpoint sorts last: it is preferred.
+    every = found + [(position, path, True) for position, path in sharded]
+    return sorted(every, key=lambda entry: (entry[0], entry[2]))
+
+
+def _read_sharded(path: str, model) -> dict:
+    if not model.built:
+        raise ValueError(
+            f"make_or_restore: the model from build_fn is not built, and the sharded "
+            f"checkpoint {path!r} is restored into the variables it has. Give the model a "
+            "keras.Input, or call model.build(input_shape) inside build_fn."
+        )
+    return read_sharded(path, model)
 
 
 def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
@@ -310,8 +345,11 @@ def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
 
 def _restore_into(model, path: str, info: dict) -> ResumeState:
     """Loads weights, optimizer state and RNG state of ``path`` into ``model``."""
-    _build_from_archive(model, path, info)
-    _load_weights(model, path, info)
+    if info.get("sharded"):
+        assign_sharded(model, info)
+    else:
+        _build_from_archive(model, path, info)
+        _load_weights(model, path, info)
     meta = info["resume"]
     if meta is None:
         logger.info(

@@ -1,0 +1,114 @@
+"""Sharded, asynchronous checkpoints (``checkpoint(..., sharded=True)``, JAX, Orbax).
+
+tests/scripts/sharded_job.py checks, in one process on 4 CPU devices, a restore onto
+other meshes, a damaged newest checkpoint and a model that does not fit; the kill -9,
+SIGTERM and two-process cases are in tests/test_jax_checkpoint.py (ckpt_job.py
+--sharded). Here also: what is refused, and the names.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+import pytest
+
+from tfdist.checkpoint import sharded
+
+from conftest import SCRIPTS, last_json_line, run_python
+
+STEP_10 = 10  # the stopped run's newest checkpoint: epoch 1, batch 2 (ckpt-2-2.orbax)
+
+
+@pytest.fixture(scope="module")
+def job():
+    proc = run_python(
+        f"import runpy, sys; sys.argv = ['sharded_job.py']; "
+        f"runpy.run_path({str(SCRIPTS / 'sharded_job.py')!r}, run_name='__main__')",
+        timeout=400,
+        KERAS_BACKEND="jax",
+        TFDIST_CPU_DEVICES="4",
+    )
+    return last_json_line(proc.stdout)
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+def test_a_checkpoint_saved_on_2x2_resumes_on_other_meshes_like_an_uninterrupted_run(job):
+    assert job["stopped"] == ["ckpt-1-5.orbax", "ckpt-1.orbax", "ckpt-2-2.orbax"]
+    assert job["reference_kept"] == ["ckpt-2-7.orbax", "ckpt-2.orbax"]  # max_to_keep=2
+    for shape, resumed in job["resumed"].items():
+        assert resumed["step"] == STEP_10, shape
+        # the restored kernel lies on the new mesh, sharded over its model axis
+        assert resumed["mesh"] == [int(n) for n in shape.split("x")], shape
+        assert resumed["spec"] == "P(None, 'model')" and resumed["devices"] == 4, shape
+        # the model is built again in this process: its variable paths differ from the
+        # saved ones (keras#23251's case), and the weights still end like the reference
+        assert resumed["diff"] <= 1e-5, shape
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+def test_a_damaged_newest_falls_back_and_another_model_is_refused(job):
+    damaged = job["damaged"]
+    assert damaged["step"] == 8 and damaged["diff"] <= 1e-5  # from ckpt-1 (step 8)
+    assert "ckpt-2-2.orbax.corrupt" in damaged["names"]
+    other = job["other"]
+    assert other is not None, "a model of another width was restored"
+    assert "does not fit the model build_fn returns" in other["error"]
+    assert re.search(r"dense_one/kernel \[\[6, 8\].*saved .*\[\[6, 16\]", other["error"])
+    assert other["names"] == job["stopped"]  # nothing moved or deleted
+
+
+def test_sharded_names_are_apart_from_archives_and_unfinished_writes(tmp_path):
+    assert sharded.sharded_name(2, 50) == "ckpt-3-50.orbax"
+    assert sharded.sharded_name(1) == "ckpt-1.orbax"
+    for name in ["ckpt-3.orbax.orbax-checkpoint-tmp", "ckpt-3.keras", "ckpt-0-1.orbax"]:
+        assert sharded.parse_sharded_name(name) is None, name
+    for name in ["ckpt-1.orbax", "ckpt-2-3.orbax", "ckpt-2.orbax.orbax-checkpoint-tmp"]:
+        (tmp_path / name).mkdir()
+    (tmp_path / "ckpt-1.keras").write_bytes(b"")
+    assert [p.rsplit("/", 1)[1] for _, p in sharded.sharded_entries(str(tmp_path))] == [
+        "ckpt-1.orbax",
+        "ckpt-2-3.orbax",
+    ]
+    assert [p.rsplit("/", 1)[1] for p in sharded.stale_writes(str(tmp_path))] == [
+        "ckpt-2.orbax.orbax-checkpoint-tmp"
+    ]
+
+
+def test_sharded_is_refused_on_tensorflow_with_urls_and_without_orbax(monkeypatch, tmp_path):
+    import keras
+
+    import tfdist
+
+    with pytest.raises(ValueError, match=r"sharded=True needs the JAX backend.*'tensorflow'"):
+        tfdist.callbacks.checkpoint(tmp_path, sharded=True)
+    with pytest.raises(TypeError, match="sharded"):
+        tfdist.callbacks.checkpoint(tmp_path, sharded="yes")
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(ValueError, match=r"local \(or mounted\).*gs://b/run"):
+        sharded.check_sharded_target("gs://b/run", "here")
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+    with pytest.raises(ImportError, match=r"pip install 'tfdist\[jax\]'"):
+        sharded.check_sharded_target(str(tmp_path), "here")
+
+
+def test_tensorflow_restores_leave_sharded_checkpoints_alone(tmp_path, caplog):
+    import keras
+
+    import tfdist
+
+    (tmp_path / "ckpt-3.orbax").mkdir()
+
+    def build():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        return model
+
+    with caplog.at_level(logging.WARNING):
+        model, initial_epoch = tfdist.make_or_restore(build, tmp_path)
+    assert initial_epoch == 0 and tfdist.resume_state(model) is None
+    assert "1 sharded checkpoint(s)" in caplog.text and "left alone" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3.orbax"]

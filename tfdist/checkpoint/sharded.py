@@ -1,0 +1,293 @@
+"""Sharded, asynchronous checkpoints on JAX: each process writes its own shards (Orbax).
+
+``tfdist.callbacks.checkpoint(dir, sharded=True)`` writes ``ckpt-{epoch}.orbax`` and
+``ckpt-{epoch}-{batch}.orbax`` directories instead of ``.keras`` archives. The model's
+weights and the optimizer's variables are saved as they lie on the devices (an
+``orbax.checkpoint`` PyTree: every process writes the shards it holds, nothing is
+gathered to one process), and the write runs in a background thread after the arrays
+are copied to host memory, so training goes on while the files are written. Orbax writes
+into ``<name>.orbax-checkpoint-tmp`` and renames it when every process has finished, so a
+directory with a checkpoint's name is a complete checkpoint; a killed job leaves only a
+temporary directory, removed by the chief at the next start.
+
+``make_or_restore`` reads these directories as it reads archives (newest first, a damaged
+one skipped and renamed ``*.corrupt``, every worker agreeing) and restores each array with
+the sharding the freshly built model gives it: a checkpoint saved on a 2x2 mesh restores on
+4x1, on one device or on another process count (Orbax reshards). The resume position,
+global step and dropout RNG state travel in the checkpoint's JSON item, as in archives.
+
+JAX only: Orbax saves ``jax.Array``s. TensorFlow models keep the ``.keras`` archives.
+
+Example:
+    >>> sharded_name(2, 50)
+    'ckpt-3-50.orbax'
+    >>> callback = tfdist.callbacks.checkpoint("ckpt/", sharded=True)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import keras
+
+from tfdist.checkpoint.archive import CorruptCheckpoint
+from tfdist.checkpoint.names import checkpoint_name
+from tfdist.position import Position
+
+__all__ = [
+    "SUFFIX",
+    "sharded_name",
+    "parse_sharded_name",
+    "sharded_entries",
+    "stale_writes",
+    "check_sharded_target",
+    "ShardedWriter",
+    "read_sharded",
+    "variable_table",
+]
+
+SUFFIX = ".orbax"
+FORMAT_VERSION = "tfdist-sharded/1"
+# Orbax's name for a checkpoint being written (renamed to the final name once finished).
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+_NAME_RE = re.compile(r"^ckpt-(\d+)(?:-(\d+))?\.orbax$")
+
+
+def sharded_name(epoch: int, batch: int = 0) -> str:
+    """The directory name of the sharded checkpoint ``batch`` batches into ``epoch``.
+
+    Example:
+        >>> sharded_name(1), sharded_name(2, 50)
+        ('ckpt-1.orbax', 'ckpt-3-50.orbax')
+    """
+    return checkpoint_name(epoch, batch).removesuffix(".keras") + SUFFIX
+
+
+def parse_sharded_name(name: str) -> Position | None:
+    """The position a sharded checkpoint's name stands for, or None for other names.
+
+    Example:
+        >>> parse_sharded_name("ckpt-3-50.orbax")
+        Position(epoch=2, batch=50)
+        >>> parse_sharded_name("ckpt-3.orbax.orbax-checkpoint-tmp") is None
+        True
+    """
+    match = _NAME_RE.match(name)
+    if not match:
+        return None
+    epoch, batch = int(match.group(1)), match.group(2)
+    if batch is None:
+        return Position(epoch, 0)
+    if epoch < 1 or int(batch) < 1:
+        return None
+    return Position(epoch - 1, int(batch))
+
+
+def sharded_entries(checkpoint_dir: str) -> list[tuple[Position, str]]:
+    """Finished sharded checkpoints (and anything else with their name), oldest first.
+
+    Example:
+        >>> sharded_entries("/no/such/dir")
+        []
+    """
+    try:
+        names = os.listdir(checkpoint_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in names:
+        position = parse_sharded_name(name)
+        if position is not None:
+            found.append((position, os.path.join(checkpoint_dir, name)))
+    return sorted(found)
+
+
+def stale_writes(checkpoint_dir: str) -> list[str]:
+    """Orbax's temporary directories: writes that never finished (a killed job's).
+
+    Example:
+        >>> stale_writes("/no/such/dir")
+        []
+    """
+    try:
+        names = os.listdir(checkpoint_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        os.path.join(checkpoint_dir, name)
+        for name in names
+        if _ORBAX_TMP in name and name.startswith("ckpt-")
+    )
+
+
+def check_sharded_target(checkpoint_dir: str, where: str) -> None:
+    """Sharded checkpoints need the JAX backend, ``orbax-checkpoint`` and a local path.
+
+    Raises:
+        ValueError: another Keras backend, or ``checkpoint_dir`` is a URL.
+        ImportError: ``orbax-checkpoint`` is not installed.
+
+    Example:
+        >>> check_sharded_target("ckpt/", "tfdist.callbacks.checkpoint")  # doctest: +SKIP
+    """
+    backend = keras.backend.backend()
+    if backend != "jax":
+        raise ValueError(
+            f"{where}: sharded=True needs the JAX backend (Orbax saves jax.Array shards). "
+            f"Received: sharded=True with KERAS_BACKEND={backend!r}. Use sharded=False "
+            "(.keras archives) on TensorFlow, or set KERAS_BACKEND=jax."
+        )
+    if "://" in checkpoint_dir:
+        raise ValueError(
+            f"{where}: sharded checkpoints need a local (or mounted) directory. Received: "
+            f"checkpoint_dir={checkpoint_dir!r}. Mount the bucket (gcsfuse, s3fs-fuse) and "
+            "pass its path, or use sharded=False (archives go through fsspec URLs)."
+        )
+    _orbax(where)
+
+
+def _orbax(where: str = "tfdist.checkpoint.sharded"):
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as err:
+        raise ImportError(
+            f"{where}: sharded checkpoints need orbax-checkpoint, which is not installed "
+            f"({err}). Install it with: pip install 'tfdist[jax]' (or pip install "
+            "orbax-checkpoint)."
+        ) from None
+    return ocp
+
+
+def variable_table(model) -> list[list]:
+    """``[path, shape, dtype]`` of every saved variable: the model's, then the optimizer's.
+
+    Written into each checkpoint, so that a restore tells a model that does not fit (another
+    architecture or optimizer: other shapes, dtypes or count) from a damaged checkpoint.
+    """
+    return [[v.path, list(v.shape), str(v.dtype)] for v in _saved_variables(model)]
+
+
+def _saved_variables(model) -> list:
+    return [*model.weights, *model.optimizer.variables]
+
+
+class ShardedWriter:
+    """Writes sharded checkpoints in the background, one at a time.
+
+    ``save`` returns once the arrays are copied off the devices (the previous write is
+    finished first); ``wait`` blocks until the last write is finished and renamed.
+
+    Example:
+        >>> writer = ShardedWriter()                          # doctest: +SKIP
+        >>> writer.save(model, "ckpt/ckpt-1.orbax", {"epoch": 1, ...})  # doctest: +SKIP
+        >>> writer.wait()                                     # doctest: +SKIP
+    """
+
+    def __init__(self):
+        ocp = _orbax()
+        self._ocp = ocp
+        self._checkpointer = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+
+    def save(self, model, path: str, meta: dict) -> None:
+        ocp = self._ocp
+        self._checkpointer.wait_until_finished()
+        variables = _saved_variables(model)
+        state = {"variables": [v.value for v in variables]}
+        meta = dict(meta, format=FORMAT_VERSION, variables=variable_table(model))
+        self._checkpointer.save(
+            path,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+            ),
+            force=True,  # a save at a position already on disk replaces it, as archives do
+        )
+
+    def wait(self) -> None:
+        self._checkpointer.wait_until_finished()
+
+    def close(self) -> None:
+        self._checkpointer.close()
+
+
+def read_sharded(path: str, model) -> dict:
+    """Reads a sharded checkpoint onto ``model``'s devices: ``{"resume": meta, "arrays": [...]}``.
+
+    Each array is restored with the sharding of the model's variable (another mesh or
+    process count than the one that saved it reshards). Nothing is assigned yet.
+
+    Raises:
+        CorruptCheckpoint: the checkpoint does not read back (missing, truncated or
+            garbled files, not a directory).
+        ValueError: it reads back but was written for another model or optimizer.
+
+    Example:
+        >>> read_sharded("ckpt/ckpt-2.orbax", model)["resume"]["epoch"]  # doctest: +SKIP
+        2
+    """
+    ocp = _orbax()
+    import jax
+
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise CorruptCheckpoint("not a directory")
+    checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+    try:
+        meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+            raise CorruptCheckpoint(f"its metadata is not tfdist's ({str(meta)[:80]})")
+    except CorruptCheckpoint:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure to read is the checkpoint's
+        raise CorruptCheckpoint(f"{type(err).__name__}: {err}") from None
+    expected = variable_table(model)
+    saved = meta.get("variables") or []
+    # Matched by order, shape and dtype, as .keras archives are, not by path: the same
+    # model built again in one process has other layer names ("dense_1"); a match by
+    # path skipping what differs is how keras#23251 restored the wrong weights.
+    if [row[1:] for row in saved] != [row[1:] for row in expected]:
+        raise ValueError(_does_not_fit(path, saved, expected))
+    variables = _saved_variables(model)
+    target = {
+        "variables": [
+            jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=v.value.sharding)
+            for v in variables
+        ]
+    }
+    try:
+        restored = checkpointer.restore(
+            path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+        )["state"]["variables"]
+    except Exception as err:  # noqa: BLE001 - the table matched: the files are damaged
+        raise CorruptCheckpoint(f"{type(err).__name__}: {str(err)[:300]}") from None
+    return {"resume": meta, "arrays": list(restored), "sharded": True}
+
+
+def assign_sharded(model, info: dict) -> None:
+    """Assigns the arrays ``read_sharded`` returned to ``model``'s variables."""
+    for variable, value in zip(_saved_variables(model), info["arrays"], strict=True):
+        variable.assign(value)
+
+
+def _does_not_fit(path: str, saved: list, expected: list) -> str:
+    differences = [
+        f"#{i} {mine[0]} {mine[1:]} vs saved {theirs[0]} {theirs[1:]}"
+        for i, (mine, theirs) in enumerate(zip(expected, saved, strict=False))  # counts may differ
+        if mine[1:] != theirs[1:]
+    ]
+    return (
+        f"make_or_restore: sharded checkpoint {path!r} reads back but does not fit the model "
+        f"build_fn returns (another architecture or optimizer): {differences[:5]} "
+        f"({len(saved)} variables saved, {len(expected)} in the model). Restore with the "
+        "build_fn that wrote it, or pass a new checkpoint_dir; nothing was deleted."
+    )
+
+
+def remove_tree(path: str) -> None:
+    """Removes a sharded checkpoint (or a stale write); gone already is fine."""
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ += ["assign_sharded", "remove_tree"]

@@ -1,0 +1,273 @@
+"""Sharded, asynchronous checkpoints against archives, on JAX (one process, 4 CPU devices).
+
+* ``stall``: time per training step of a ``fit`` checkpointed every ``--every`` steps,
+  against the same ``fit`` without checkpoints: sharded (``checkpoint(..., sharded=True)``,
+  written in the background) and archive (``.keras``, gathered, staged, fsynced, renamed,
+  training waits). The three sides alternate, ``--rounds`` times; medians.
+* ``save call``: how long training waits inside each save (the rest of a sharded save runs
+  in a background thread, which on a machine with few cores competes with training).
+* ``host memory``: the peak resident memory above the steady state of training while
+  those fits run (sampled every millisecond), as a fraction of the model's state (weights +
+  Adam slots). With one process every shard is this process's, so this says what a save
+  costs on top of training, not the per-process split of a multi-process job.
+* ``restore``: ``make_or_restore`` of the newest sharded checkpoint against
+  ``keras.models.load_model`` of an archive of the same model.
+
+The model: an MLP whose first kernels are sharded over the ``model`` axis of a 2x2 mesh,
+about ``--mb`` MB of weights and optimizer state. Writes ``tools/sharded_measured.json``
+(machine, versions, date, figures) with ``--json``.
+
+    python tools/bench_sharded.py --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+GLOBAL_BATCH = 64
+STEPS = 40  # per measured fit (after one warm-up fit of each kind)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRSS:
+    """The highest resident memory seen while it runs (a sampling thread)."""
+
+    def __enter__(self):
+        self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _layout_map(width_sharded: bool = True):
+    from keras import distribution as kd
+
+    mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices=kd.list_devices())
+    layouts = kd.LayoutMap(mesh)
+    if width_sharded:
+        layouts[".*hidden_.*kernel"] = (None, "model")
+    return layouts
+
+
+def _width_for(megabytes: float) -> int:
+    # Three width x width kernels dominate; Adam keeps two slots: 3 x 4 bytes per weight.
+    return int((megabytes * 2**20 / (3 * 4 * 3)) ** 0.5) // 4 * 4
+
+
+def _builder(width: int):
+    def build():
+        import keras
+
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((width,))]
+        layers += [
+            keras.layers.Dense(width, activation="relu", name=f"hidden_{i}") for i in range(3)
+        ]
+        model = keras.Sequential([*layers, keras.layers.Dense(10, name="logits")])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(True))
+        return model
+
+    return build
+
+
+def _state_mb(model) -> float:
+    return (
+        sum(int(np.prod(v.shape)) * 4 for v in [*model.weights, *model.optimizer.variables]) / 2**20
+    )
+
+
+def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
+    import keras
+
+    import tfdist
+
+    width = _width_for(megabytes)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(GLOBAL_BATCH * STEPS, width)).astype("float32")
+    y = rng.integers(0, 10, len(x))
+    train = tfdist.data.pipeline((x, y), global_batch=GLOBAL_BATCH, seed=0)
+    root = tempfile.mkdtemp(prefix="bench-sharded-")
+    with tfdist.scope(layout_map=_layout_map()):
+        model = _builder(width)()
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:  # after the first steps (and the first save's one-off costs)
+                self.start = time.perf_counter()
+
+        def on_train_end(self, logs=None):
+            self.end = time.perf_counter()
+
+    def run(kind: str) -> tuple[float, float]:
+        directory = os.path.join(root, kind)
+        shutil.rmtree(directory, ignore_errors=True)
+        callbacks = [Clock()]
+        blocked = []
+        if kind != "none":
+            saver = tfdist.callbacks.checkpoint(
+                directory, save_freq=every, max_to_keep=2, sharded=kind == "sharded"
+            )
+            save = saver._save_model  # timed: how long training waits in each save call
+
+            def timed(*args, **kwargs):
+                started = time.perf_counter()
+                save(*args, **kwargs)
+                blocked.append(time.perf_counter() - started)
+
+            saver._save_model = timed
+            callbacks.append(saver)
+        baseline = _rss_mb()
+        with PeakRSS() as rss:
+            model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
+        clock = callbacks[0]
+        waited = statistics.median(blocked) if blocked else 0.0
+        return (clock.end - clock.start) / (STEPS - 5), rss.peak - baseline, waited
+
+    kinds = ["none", "sharded", "archive"]
+    for kind in kinds:  # warm-up: compilation, first saves
+        run(kind)
+    state_mb = _state_mb(model)  # the optimizer's slots exist now
+    times = {k: [] for k in kinds}
+    memory = {k: [] for k in kinds}
+    waits = {k: [] for k in kinds}
+    for _ in range(rounds):
+        for kind in kinds:
+            seconds, extra, waited = run(kind)
+            times[kind].append(seconds)
+            memory[kind].append(extra)
+            waits[kind].append(waited)
+    step = {k: statistics.median(v) for k, v in times.items()}
+
+    restore, load = _restore_vs_load(model, width, root, rounds)
+    shutil.rmtree(root)
+    return {
+        "state_mb": round(state_mb, 1),
+        "every_steps": every,
+        "rounds": rounds,
+        "step_ms": {k: round(v * 1000, 2) for k, v in step.items()},
+        "stall_sharded": round(step["sharded"] / step["none"], 3),
+        "stall_archive": round(step["archive"] / step["none"], 3),
+        "save_call_ms": {k: round(statistics.median(v) * 1000, 1) for k, v in waits.items()},
+        "peak_extra_mb": {k: round(max(v), 1) for k, v in memory.items()},
+        "peak_extra_fraction": {
+            k: round(max(v) / state_mb, 3) for k, v in memory.items() if k != "none"
+        },
+        "restore_s": round(statistics.median(restore), 3),
+        "load_model_s": round(statistics.median(load), 3),
+        "restore_vs_load_model": round(statistics.median(restore) / statistics.median(load), 3),
+    }
+
+
+def _restore_vs_load(model, width: int, root: str, rounds: int) -> tuple[list, list]:
+    """Seconds of make_or_restore of the sharded checkpoint in ``root``, and of
+    keras.models.load_model of an archive of ``model``, ``rounds`` times each."""
+    import keras
+
+    import tfdist
+
+    archive = os.path.join(root, "model.keras")
+    model.save(archive)
+    restore, load = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        with tfdist.scope(layout_map=_layout_map()):
+            restored, _epoch = tfdist.make_or_restore(
+                _builder(width), os.path.join(root, "sharded")
+            )
+        restore.append(time.perf_counter() - started)
+        assert tfdist.resume_state(restored) is not None
+        started = time.perf_counter()
+        with tfdist.scope(layout_map=_layout_map()):
+            keras.models.load_model(archive)
+        load.append(time.perf_counter() - started)
+    return restore, load
+
+
+def machine() -> dict:
+    import importlib.metadata as md
+
+    cpu = platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {p: md.version(p) for p in ("jax", "keras", "orbax-checkpoint")}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        **versions,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def report(result: dict) -> str:
+    """The figures of ``result`` (what ``--json`` writes), one line each."""
+    m, f = result["machine"], result["figures"]
+    return "\n".join(
+        [
+            f"machine: {m['cpu']}, {m['cores']} cores; python {m['python']}, jax {m['jax']}, "
+            f"keras {m['keras']}, orbax-checkpoint {m['orbax-checkpoint']}; {m['date']}",
+            f"model state {f['state_mb']} MB on a 2x2 mesh, a checkpoint every "
+            f"{f['every_steps']} steps, medians of {f['rounds']} rounds",
+            f"step time (ms): none {f['step_ms']['none']}, sharded {f['step_ms']['sharded']}, "
+            f"archive {f['step_ms']['archive']}",
+            f"save stall (step time / without checkpoints): sharded {f['stall_sharded']}x, "
+            f"archive {f['stall_archive']}x (goal <= 1.1)",
+            f"training waits in each save call (ms): sharded {f['save_call_ms']['sharded']}, "
+            f"archive {f['save_call_ms']['archive']}",
+            f"peak host memory above training (fraction of the state): sharded "
+            f"{f['peak_extra_fraction']['sharded']}, archive {f['peak_extra_fraction']['archive']}",
+            f"restore: make_or_restore (sharded) {f['restore_s']} s vs keras.models.load_model "
+            f"{f['load_model_s']} s = {f['restore_vs_load_model']}x (goal <= 1.3)",
+        ]
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mb", type=float, default=60.0, help="weights + optimizer state")
+    parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
+    parser.add_argument("--json", help="write machine and figures to this file")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported (in measure)
+    os.environ.setdefault("TFDIST_CPU_DEVICES", "4")
+    result = {"machine": machine(), "figures": measure(args.rounds, args.mb, args.every)}
+    print(report(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
