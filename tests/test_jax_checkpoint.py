@@ -262,30 +262,54 @@ def test_sharded_kill_9_after_a_step_resumes_from_the_last_finished_write(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["ckpt-2-4.orbax", "ckpt-2-7.orbax", "ckpt-2.orbax"]
 
 
+@pytest.fixture(scope="module")
+def model_parallel_reference(tmp_path_factory):
+    """An uninterrupted run on a 2x2 ModelParallel mesh in one process (global batch 8)."""
+    directory = tmp_path_factory.mktemp("mp-reference")
+    result = result_of(run_job(directory, *MODEL_PARALLEL))
+    assert result["replicas"] == 2 and result["first_kernel"] == "P(None, 'model')"
+    assert result["iterations"] == 16
+    return result
+
+
+MODEL_PARALLEL = ("--model-parallel", "8", "--sharded")
+
+
 @pytest.mark.slow
 @pytest.mark.multiworker
-def test_sharded_two_processes_sigterm_then_kill_9_and_a_one_process_restore(tmp_path, reference):
-    """2 processes x 2 devices, sharded: SIGTERM -> both save after step 6 and exit 75;
-    attempt 1 is killed -9 after step 14; attempt 2 ends with the reference weights. Each
-    process wrote its own shard store. The job's last checkpoint then restores in one
-    process on 4 devices (another process count) to the same weights."""
+def test_sharded_model_parallel_two_processes_survive_sigterm_and_kill_9_in_a_write(
+    tmp_path, model_parallel_reference
+):
+    """2 processes x 2 devices, a 2x2 ModelParallel mesh, sharded checkpoints every 3 steps.
+    Attempt 0: SIGTERM -> both save after step 6 and exit 75. Attempt 1: process 1 is
+    killed -9 right after step 12's save call, while that write runs in the background.
+    Attempt 2 removes that unfinished write, resumes from step 9's checkpoint and ends
+    within 1e-5 of a one-process run. Each process wrote its own shard store; the job's
+    last checkpoint restores on one device to the same weights."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     directory = tmp_path / "ckpt"
     faults = ("--sigterm-at-step", "5", "--sigterm-rank", "1")
-    faults += ("--sigkill-at-step", "14", "--sigkill-rank", "1", "--sigkill-attempt", "1")
-    proc = launch_job(directory, temp, "--sharded", *faults)
+    faults += ("--sigkill-at-step", "12", "--sigkill-rank", "1", "--sigkill-attempt", "1")
+    proc = launch_job(directory, temp, *MODEL_PARALLEL, *faults)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # (importing Orbax gives the root logger a handler: records carry a level prefix)
     assert re.search(r"\[w1\] \S*tfdist: SIGTERM received", proc.stdout + proc.stderr)
-    assert '[w1] {"dying_at_step": 14}' in proc.stdout
+    assert '[w1] {"dying_at_step": 12}' in proc.stdout
+    assert re.search(
+        r"\[w0\] \S*tfdist: removing \S+/ckpt-2-4\.orbax\.orbax-checkpoint-tmp",
+        proc.stdout + proc.stderr,
+    )
     restored = set()
     for worker in ("w0", "w1"):
         preempted, resumed = worker_results(proc, worker)  # the killed attempt printed none
         assert preempted["exit_code"] == RESTART and preempted["iterations"] == 6
         assert "ckpt-1-6.orbax" in preempted["checkpoints"]  # the preemption save, finished
-        assert resumed["replicas"] == 4 and resumed["iterations"] == 16
-        assert max_diff(resumed["weights"], reference["weights"]) <= 1e-5
+        assert resumed["first_kernel"] == "P(None, 'model')"
+        # step 12's write died with process 1 (Orbax commits once every process is done)
+        assert resumed["restored"]["path"] == "ckpt-2-1.orbax", resumed["restored"]
+        assert resumed["iterations"] == 16
+        assert max_diff(resumed["weights"], model_parallel_reference["weights"]) <= 1e-5
         restored.add(json.dumps(resumed["restored"], sort_keys=True))
     assert len(restored) == 1  # both processes restored the same checkpoint
     state = directory / "ckpt-2.orbax" / "state"
@@ -295,6 +319,8 @@ def test_sharded_two_processes_sigterm_then_kill_9_and_a_one_process_restore(tmp
     alone = tmp_path / "alone"
     alone.mkdir()
     os.rename(directory / "ckpt-2.orbax", alone / "ckpt-2.orbax")
-    result = result_of(run_job(alone, "--sharded"))
-    assert result["restored"]["path"] == "ckpt-2.orbax" and result["trained"] == []
-    assert max_diff(result["weights"], reference["weights"]) <= 1e-5
+    command = [sys.executable, str(SCRIPTS / "ckpt_job.py"), "--dir", str(alone), *JOB, "--sharded"]
+    result = result_of(_run(command, 240, TFDIST_CPU_DEVICES="1"))
+    assert result["replicas"] == 1 and result["restored"]["path"] == "ckpt-2.orbax"
+    assert result["trained"] == []
+    assert max_diff(result["weights"], model_parallel_reference["weights"]) <= 1e-5

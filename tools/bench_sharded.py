@@ -10,6 +10,9 @@
   those fits run (sampled every millisecond), as a fraction of the model's state (weights +
   Adam slots). With one process every shard is this process's, so this says what a save
   costs on top of training, not the per-process split of a multi-process job.
+* ``--processes 2``: the same fits in each process of ``tfdist launch -n 2`` (2 devices
+  each): every process's peak resident memory above training, as a fraction of the whole
+  model's state (the archive gathers the whole model in every process).
 * ``restore``: ``make_or_restore`` of the newest sharded checkpoint against
   ``keras.models.load_model`` of an archive of the same model.
 
@@ -17,7 +20,8 @@ The model: an MLP whose first kernels are sharded over the ``model`` axis of a 2
 about ``--mb`` MB of weights and optimizer state. Writes ``tools/sharded_measured.json``
 (machine, versions, date, figures) with ``--json``.
 
-    python tools/bench_sharded.py --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json
+    python tools/bench_sharded.py --rounds 3 --mb 60 --every 10 --processes 2 \
+        --json tools/sharded_measured.json
 """
 
 from __future__ import annotations
@@ -100,9 +104,8 @@ def _state_mb(model) -> float:
     )
 
 
-def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
-    import keras
-
+def _setup(megabytes: float):
+    """(model on a 2x2 mesh, its training pipeline, width) for about ``megabytes`` of state."""
     import tfdist
 
     width = _width_for(megabytes)
@@ -110,9 +113,18 @@ def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
     x = rng.normal(size=(GLOBAL_BATCH * STEPS, width)).astype("float32")
     y = rng.integers(0, 10, len(x))
     train = tfdist.data.pipeline((x, y), global_batch=GLOBAL_BATCH, seed=0)
-    root = tempfile.mkdtemp(prefix="bench-sharded-")
     with tfdist.scope(layout_map=_layout_map()):
         model = _builder(width)()
+    return model, train, width
+
+
+def _fit_once(model, train, kind: str, directory: str, every: int) -> tuple[float, float, float]:
+    """One epoch of ``STEPS`` steps checkpointed as ``kind`` ("none", "sharded", "archive"):
+    (seconds per step after the first 5, peak resident MB above the start, median seconds
+    training waited in a save call)."""
+    import keras
+
+    import tfdist
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -122,30 +134,36 @@ def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
         def on_train_end(self, logs=None):
             self.end = time.perf_counter()
 
-    def run(kind: str) -> tuple[float, float]:
-        directory = os.path.join(root, kind)
-        shutil.rmtree(directory, ignore_errors=True)
-        callbacks = [Clock()]
-        blocked = []
-        if kind != "none":
-            saver = tfdist.callbacks.checkpoint(
-                directory, save_freq=every, max_to_keep=2, sharded=kind == "sharded"
-            )
-            save = saver._save_model  # timed: how long training waits in each save call
+    callbacks = [Clock()]
+    blocked = []
+    if kind != "none":
+        saver = tfdist.callbacks.checkpoint(
+            directory, save_freq=every, max_to_keep=2, sharded=kind == "sharded"
+        )
+        save = saver._save_model  # timed: how long training waits in each save call
 
-            def timed(*args, **kwargs):
-                started = time.perf_counter()
-                save(*args, **kwargs)
-                blocked.append(time.perf_counter() - started)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            save(*args, **kwargs)
+            blocked.append(time.perf_counter() - started)
 
-            saver._save_model = timed
-            callbacks.append(saver)
-        baseline = _rss_mb()
-        with PeakRSS() as rss:
-            model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
-        clock = callbacks[0]
-        waited = statistics.median(blocked) if blocked else 0.0
-        return (clock.end - clock.start) / (STEPS - 5), rss.peak - baseline, waited
+        saver._save_model = timed
+        callbacks.append(saver)
+    baseline = _rss_mb()
+    with PeakRSS() as rss:
+        model.fit(train, epochs=1, verbose=0, callbacks=callbacks)
+    clock = callbacks[0]
+    waited = statistics.median(blocked) if blocked else 0.0
+    return (clock.end - clock.start) / (STEPS - 5), rss.peak - baseline, waited
+
+
+def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
+    """Step time, save-call wait, peak memory and restore time in this process."""
+    model, train, width = _setup(megabytes)
+    root = tempfile.mkdtemp(prefix="bench-sharded-")
+
+    def run(kind: str) -> tuple[float, float, float]:
+        return _fit_once(model, train, kind, os.path.join(root, kind), every)
 
     kinds = ["none", "sharded", "archive"]
     for kind in kinds:  # warm-up: compilation, first saves
@@ -207,6 +225,78 @@ def _restore_vs_load(model, width: int, root: str, rounds: int) -> tuple[list, l
     return restore, load
 
 
+def _local_mb(model) -> float:
+    """MB of distinct state this process holds (its shards; a replicated array once)."""
+    total = 0
+    for variable in [*model.weights, *model.optimizer.variables]:
+        seen = {}
+        for shard in variable.value.addressable_shards:
+            seen[repr(shard.index)] = shard.data.nbytes
+        total += sum(seen.values())
+    return total / 2**20
+
+
+def memory_worker(rounds: int, megabytes: float, every: int, directory: str) -> dict:
+    """One process of a launched job: its peak resident memory above training while it
+    saves sharded and archive checkpoints, and the state it holds."""
+    import jax
+
+    model, train, _width = _setup(megabytes)
+    kinds = ["none", "sharded", "archive"]
+    peaks = {kind: [] for kind in kinds}
+    for repeat in range(rounds + 1):  # the first round is a warm-up
+        for kind in kinds:
+            _, extra, _ = _fit_once(model, train, kind, os.path.join(directory, kind), every)
+            if repeat:
+                peaks[kind].append(extra)
+    return {
+        "rank": jax.process_index(),
+        "state_mb": round(_state_mb(model), 1),
+        "local_mb": round(_local_mb(model), 1),
+        "peak_extra_mb": {kind: round(max(values), 1) for kind, values in peaks.items()},
+    }
+
+
+def measure_processes(processes: int, rounds: int, megabytes: float, every: int) -> dict:
+    """``memory_worker`` in each process of ``tfdist launch -n processes`` (2 devices each)."""
+    import subprocess
+
+    directory = tempfile.mkdtemp(prefix="bench-sharded-mp-")
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", str(processes),
+        "--devices-per-worker", str(4 // processes), os.path.abspath(__file__),
+        "--memory-worker", directory, "--rounds", str(rounds), "--mb", str(megabytes),
+        "--every", str(every),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TFDIST_CPU_DEVICES"}
+    try:
+        proc = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    rows = []
+    for line in proc.stdout.splitlines():
+        text = line.partition(" ")[2]
+        if text.startswith("{") and "peak_extra_mb" in text:
+            rows.append(json.loads(text))
+    if proc.returncode != 0 or len(rows) != processes:
+        raise RuntimeError(
+            f"bench_sharded: the {processes}-process run failed (exit {proc.returncode}): "
+            f"{proc.stderr[-2000:]}"
+        )
+    rows.sort(key=lambda row: row["rank"])
+    state = rows[0]["state_mb"]
+    return {
+        "processes": processes,
+        "per_process": rows,
+        "peak_extra_fraction": {
+            kind: round(max(row["peak_extra_mb"][kind] for row in rows) / state, 3)
+            for kind in ("sharded", "archive")
+        },
+    }
+
+
 def machine() -> dict:
     import importlib.metadata as md
 
@@ -247,8 +337,23 @@ def report(result: dict) -> str:
             f"{f['peak_extra_fraction']['sharded']}, archive {f['peak_extra_fraction']['archive']}",
             f"restore: make_or_restore (sharded) {f['restore_s']} s vs keras.models.load_model "
             f"{f['load_model_s']} s = {f['restore_vs_load_model']}x (goal <= 1.3)",
+            *_processes_lines(f.get("processes")),
         ]
     )
+
+
+def _processes_lines(figures: dict | None) -> list[str]:
+    if not figures:
+        return []
+    rows = figures["per_process"]
+    held = ", ".join(f"{row['local_mb']}" for row in rows)
+    fraction = figures["peak_extra_fraction"]
+    return [
+        f"{figures['processes']} processes x 2 devices, the same model and mesh: each holds "
+        f"{held} MB of the {rows[0]['state_mb']} MB state; peak host memory above training "
+        f"in the worst process, as a fraction of the whole state: sharded "
+        f"{fraction['sharded']}, archive {fraction['archive']} (goal <= 0.5)"
+    ]
 
 
 def main(argv=None) -> int:
@@ -257,10 +362,22 @@ def main(argv=None) -> int:
     parser.add_argument("--mb", type=float, default=60.0, help="weights + optimizer state")
     parser.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     parser.add_argument("--json", help="write machine and figures to this file")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="also measure memory per process with N (2)"
+    )
+    parser.add_argument("--memory-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported (in measure)
+    if args.memory_worker:
+        row = memory_worker(args.rounds, args.mb, args.every, args.memory_worker)
+        print(json.dumps(row), flush=True)
+        return 0
+    if args.processes:  # first: it starts its own processes, before this one holds devices
+        processes = measure_processes(args.processes, args.rounds, args.mb, args.every)
     os.environ.setdefault("TFDIST_CPU_DEVICES", "4")
     result = {"machine": machine(), "figures": measure(args.rounds, args.mb, args.every)}
+    if args.processes:
+        result["figures"]["processes"] = processes
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

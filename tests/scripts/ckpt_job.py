@@ -11,6 +11,7 @@ and can hurt itself on purpose:
     --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
                           with --sigterm-rank R only worker R does
     --sharded             sharded, asynchronous Orbax checkpoints (JAX) instead of archives
+    --model-parallel B    JAX: a 2x2 ModelParallel (first kernel sharded), global batch B
 
 Under ``tfdist launch --max-restarts``, faults fire only in the first attempt
 (``TFDIST_RESTART=0``), so the restarted group runs to the end; ``--sigkill-attempt N``
@@ -61,6 +62,13 @@ parser.add_argument("--hidden2", type=int, default=0, help="a second hidden laye
 parser.add_argument("--report-first-step", action="store_true")
 parser.add_argument("--sharded", action="store_true", help="sharded Orbax checkpoints (JAX)")
 parser.add_argument(
+    "--model-parallel",
+    type=int,
+    default=None,
+    metavar="GLOBAL_BATCH",
+    help="JAX: a 2x2 ModelParallel (first kernel sharded) with this global batch",
+)
+parser.add_argument(
     "--keras-backup",
     action="store_true",
     help="baseline: Keras's own BackupAndRestore instead of tfdist (for the benchmark)",
@@ -91,9 +99,14 @@ global_batch = tfdist.global_batch_size(args.per_replica_batch)
 
 # A seeded, shuffled tfdist.data pipeline: epoch k's order comes from (seed, k), and
 # the checkpoint callback tells it where to resume.
-train = tfdist.data.pipeline(
-    (xi, y), args.per_replica_batch, shuffle=args.examples, seed=1000, cache=True
-)
+if args.model_parallel:
+    train = tfdist.data.pipeline(
+        (xi, y), global_batch=args.model_parallel, shuffle=args.examples, seed=1000, cache=True
+    )
+else:
+    train = tfdist.data.pipeline(
+        (xi, y), args.per_replica_batch, shuffle=args.examples, seed=1000, cache=True
+    )
 
 # Under `tfdist launch --max-restarts`, faults fire only in the first attempt.
 first_attempt = os.environ.get("TFDIST_RESTART", "0") == "0"
@@ -150,7 +163,16 @@ if args.keras_backup:
         model = build_and_compile()
     initial_epoch, restored = 0, None  # BackupAndRestore restores inside fit
 else:
-    model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
+    if args.model_parallel:
+        from keras import distribution as kd
+
+        mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices=kd.list_devices())
+        layouts = kd.LayoutMap(mesh)
+        layouts[".*dense/kernel"] = (None, "model")  # the first Dense: (8, width)
+        with tfdist.scope(layout_map=layouts):
+            model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
+    else:
+        model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
     restored = tfdist.resume_state(model)
 t_restored = time.perf_counter()
 
@@ -234,6 +256,10 @@ print(
     json.dumps(
         {
             "replicas": tfdist.num_replicas(),
+            # how the first kernel lies (JAX): P(None, 'model') under --model-parallel
+            "first_kernel": str(
+                getattr(getattr(model.layers[1].kernel.value, "sharding", None), "spec", None)
+            ),
             "initial_epoch": initial_epoch,
             "restored": None
             if restored is None

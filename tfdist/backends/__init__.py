@@ -109,6 +109,10 @@ class Backend(Protocol):
         """The variables a train step can change after the data ran out (the step counter,
         RNG states), which exact resume puts back; empty where no such step runs."""
 
+    def saves_sharded(self) -> bool:
+        """Whether sharded checkpoints (Orbax, each process its own shards) can be written:
+        the variables are ``jax.Array``s."""
+
     def splits_uneven_batches(self) -> bool:
         """Whether a batch that does not divide evenly between the replicas (a partial
         last batch) can be fed; False: every batch must, and with several processes no

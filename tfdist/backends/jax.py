@@ -347,6 +347,11 @@ def phantom_prone_variables(model) -> list:
     return []
 
 
+def saves_sharded() -> bool:
+    """True: the variables are ``jax.Array``s, which Orbax writes shard by shard."""
+    return True
+
+
 def splits_uneven_batches() -> bool:
     """False: Keras on JAX splits every batch evenly between the devices, and between
     processes only batches of the static size."""

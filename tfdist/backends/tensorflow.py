@@ -623,6 +623,11 @@ def phantom_prone_variables(model) -> list:
     return [model.optimizer.iterations] + [g.state for g in generators.values()]
 
 
+def saves_sharded() -> bool:
+    """False: Orbax writes ``jax.Array``s; TensorFlow models keep ``.keras`` archives."""
+    return False
+
+
 def splits_uneven_batches() -> bool:
     """True: ``tf.distribute`` feeds a partial last batch, however it splits."""
     return True

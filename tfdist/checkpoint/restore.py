@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import keras
 
-from tfdist import distribute, process, saving, storage, validate
+from tfdist import backends, distribute, process, saving, storage, validate
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive, weights_file
 from tfdist.checkpoint.names import (
@@ -275,13 +275,13 @@ def _candidates(directory: str) -> list[tuple]:
     if storage.is_url(directory):
         return found
     sharded = sharded_entries(directory)
-    if sharded and keras.backend.backend() != "jax":
+    if sharded and not backends.get().saves_sharded():
         logger.warning(
             "tfdist: %s holds %d sharded checkpoint(s) (.orbax, written on JAX), which the "
             "%s backend cannot read; they are left alone.",
             directory,
             len(sharded),
-            keras.backend.backend(),
+            backends.name(),
         )
         return found
     # At one position the sharded checkpoint sorts last: it is preferred.

@@ -30,8 +30,7 @@ import os
 import re
 import shutil
 
-import keras
-
+from tfdist import backends
 from tfdist.checkpoint.archive import CorruptCheckpoint
 from tfdist.checkpoint.names import checkpoint_name
 from tfdist.position import Position
@@ -132,18 +131,17 @@ def check_sharded_target(checkpoint_dir: str, where: str) -> None:
     Example:
         >>> check_sharded_target("ckpt/", "tfdist.callbacks.checkpoint")  # doctest: +SKIP
     """
-    backend = keras.backend.backend()
-    if backend != "jax":
-        raise ValueError(
-            f"{where}: sharded=True needs the JAX backend (Orbax saves jax.Array shards). "
-            f"Received: sharded=True with KERAS_BACKEND={backend!r}. Use sharded=False "
-            "(.keras archives) on TensorFlow, or set KERAS_BACKEND=jax."
-        )
     if "://" in checkpoint_dir:
         raise ValueError(
             f"{where}: sharded checkpoints need a local (or mounted) directory. Received: "
             f"checkpoint_dir={checkpoint_dir!r}. Mount the bucket (gcsfuse, s3fs-fuse) and "
             "pass its path, or use sharded=False (archives go through fsspec URLs)."
+        )
+    if not backends.get().saves_sharded():
+        raise ValueError(
+            f"{where}: sharded=True needs the JAX backend (Orbax saves jax.Array shards). "
+            f"Received: sharded=True with KERAS_BACKEND={backends.name()!r}. Use "
+            "sharded=False (.keras archives) on TensorFlow, or set KERAS_BACKEND=jax."
         )
     _orbax(where)
 
