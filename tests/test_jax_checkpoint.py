@@ -264,10 +264,11 @@ def test_sharded_kill_9_after_a_step_resumes_from_the_last_finished_write(tmp_pa
 
 @pytest.fixture(scope="module")
 def model_parallel_reference(tmp_path_factory):
-    """An uninterrupted run on a 2x2 ModelParallel mesh in one process (global batch 8)."""
+    """An uninterrupted run on a 1x4 ModelParallel mesh in one process (global batch 8)."""
     directory = tmp_path_factory.mktemp("mp-reference")
     result = result_of(run_job(directory, *MODEL_PARALLEL))
-    assert result["replicas"] == 2 and result["first_kernel"] == "P(None, 'model')"
+    assert result["replicas"] == 1 and result["first_kernel"] == "P(None, 'model')"
+    assert result["kernel_blocks_here"] == 4  # one block per device
     assert result["iterations"] == 16
     return result
 
@@ -280,12 +281,14 @@ MODEL_PARALLEL = ("--model-parallel", "8", "--sharded")
 def test_sharded_model_parallel_two_processes_survive_sigterm_and_kill_9_in_a_write(
     tmp_path, model_parallel_reference
 ):
-    """2 processes x 2 devices, a 2x2 ModelParallel mesh, sharded checkpoints every 3 steps.
+    """2 processes x 2 devices, a 1x4 ModelParallel mesh, sharded checkpoints every 3 steps.
     Attempt 0: SIGTERM -> both save after step 6 and exit 75. Attempt 1: process 1 is
     killed -9 right after step 12's save call, while that write runs in the background.
     Attempt 2 removes that unfinished write, resumes from step 9's checkpoint and ends
-    within 1e-5 of a one-process run. Each process wrote its own shard store; the job's
-    last checkpoint restores on one device to the same weights."""
+    within 1e-5 of a one-process run. The model axis runs across the processes: each holds
+    half of the sharded kernel (2 of its 4 blocks) and wrote its own shard store; the job's last checkpoint
+    restores on one device to the same weights. The same job with archives is refused at
+    train begin (Keras's save cannot fetch a variable that spans processes)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
     directory = tmp_path / "ckpt"
@@ -306,6 +309,7 @@ def test_sharded_model_parallel_two_processes_survive_sigterm_and_kill_9_in_a_wr
         assert preempted["exit_code"] == RESTART and preempted["iterations"] == 6
         assert "ckpt-1-6.orbax" in preempted["checkpoints"]  # the preemption save, finished
         assert resumed["first_kernel"] == "P(None, 'model')"
+        assert resumed["kernel_blocks_here"] == 2  # of 4: the model axis spans both processes
         # step 12's write died with process 1 (Orbax commits once every process is done)
         assert resumed["restored"]["path"] == "ckpt-2-1.orbax", resumed["restored"]
         assert resumed["iterations"] == 16
@@ -324,3 +328,15 @@ def test_sharded_model_parallel_two_processes_survive_sigterm_and_kill_9_in_a_wr
     assert result["replicas"] == 1 and result["restored"]["path"] == "ckpt-2.orbax"
     assert result["trained"] == []
     assert max_diff(result["weights"], model_parallel_reference["weights"]) <= 1e-5
+
+    # Archives cannot hold that model: said at train begin on every process, naming the fix.
+    archive = tmp_path / "archive"
+    command = [
+        sys.executable, "-m", "tfdist", "launch", "-n", "2", "--devices-per-worker", "2",
+        str(SCRIPTS / "ckpt_job.py"), "--dir", str(archive), *JOB, "--model-parallel", "8",
+    ]  # fmt: skip
+    proc = _run(command, 240, TMPDIR=str(temp))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "span devices of other processes" in output and "Pass sharded=True" in output
+    assert not [n for n in os.listdir(archive) if n.startswith("ckpt-")]

@@ -166,7 +166,9 @@ else:
     if args.model_parallel:
         from keras import distribution as kd
 
-        mesh = kd.DeviceMesh((2, 2), ["batch", "model"], devices=kd.list_devices())
+        # 1x4: the "model" axis runs over every device, across the processes (each holds
+        # half of the sharded kernel); every process feeds the whole global batch.
+        mesh = kd.DeviceMesh((1, 4), ["batch", "model"], devices=kd.list_devices())
         layouts = kd.LayoutMap(mesh)
         layouts[".*dense/kernel"] = (None, "model")  # the first Dense: (8, width)
         with tfdist.scope(layout_map=layouts):
@@ -231,6 +233,19 @@ class Preempt(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def weights_of(model) -> list:
+    """The model's weights as lists; gathered from every process where a variable spans
+    them (a JAX mesh axis across processes: Keras's get_weights cannot fetch those)."""
+    if ON_TF or all(getattr(v.value, "is_fully_addressable", True) for v in model.weights):
+        return [w.tolist() for w in model.get_weights()]
+    from jax.experimental import multihost_utils
+
+    return [
+        np.asarray(multihost_utils.process_allgather(v.value, tiled=True)).tolist()
+        for v in model.weights
+    ]
+
+
 record = Record()
 if args.keras_backup:
     saver = keras.callbacks.BackupAndRestore(args.dir, save_freq=save_freq)
@@ -260,6 +275,14 @@ print(
             "first_kernel": str(
                 getattr(getattr(model.layers[1].kernel.value, "sharding", None), "spec", None)
             ),
+            # distinct blocks of it this process holds (JAX): 1 of 2 with the model axis
+            # across 2 processes
+            "kernel_blocks_here": len(
+                {
+                    repr(s.index)
+                    for s in getattr(model.layers[1].kernel.value, "addressable_shards", [])
+                }
+            ),
             "initial_epoch": initial_epoch,
             "restored": None
             if restored is None
@@ -271,7 +294,7 @@ print(
             },
             "trained": record.steps,
             "iterations": int(model.optimizer.iterations.numpy()),
-            "weights": [w.tolist() for w in model.get_weights()],
+            "weights": weights_of(model),
             "exit_code": exit_code,
             # BackupAndRestore removes its directory when training ends
             "checkpoints": sorted(os.listdir(args.dir)) if os.path.isdir(args.dir) else [],

@@ -142,6 +142,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         # A save that would fail after training (a directory or an immutable file with a
         # checkpoint's name, an unwritable directory) fails now, on every worker, naming it.
         check_save_target(self.checkpoint_dir, _WHERE, writable=self.role.is_chief)
+        self._check_savable()
         if self.role.is_chief:
             storage.makedirs(self.checkpoint_dir)
             saving.remove_stale_staging(self.checkpoint_dir)
@@ -216,6 +217,25 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             key=f"tfdist/preempt/{self._fits}",  # one notice per fit
             timeout=self.preemption_timeout,
         )
+
+    def _check_savable(self) -> None:
+        """An archive holds every variable whole: one that spans other processes' devices
+        (JAX, a mesh axis across processes) cannot be fetched by Keras's save. Said now, on
+        every process, instead of at the first save."""
+        spanning = [
+            v.path
+            for v in [*self.model.weights, *self.model.optimizer.variables]
+            if not getattr(v.value, "is_fully_addressable", True)
+            and not getattr(v.value, "is_fully_replicated", False)  # a copy here: fetchable
+        ]
+        if spanning:
+            raise ValueError(
+                f"{_WHERE}: {len(spanning)} variable(s) span devices of other processes "
+                f"(e.g. {spanning[:3]}), which a .keras archive cannot hold: Keras's save "
+                "fetches each variable whole. Received: sharded=False. Pass sharded=True "
+                "(each process writes its own shards), or lay the model out so that every "
+                "process holds whole variables."
+            )
 
     def _batches_to_skip(self, epoch: int) -> int:
         """Batches of ``epoch`` trained before the restart (only the resumed epoch has any)."""
@@ -378,6 +398,9 @@ class ShardedCheckpoint(ResumableCheckpoint):
     def on_train_end(self, logs=None):
         self._finish_writing()
         super().on_train_end(logs)
+
+    def _check_savable(self) -> None:  # every process writes the shards it holds
+        return
 
     def wait(self) -> None:
         """Blocks until the last checkpoint write has finished (``fit`` ends with this).
