@@ -132,3 +132,28 @@ def test_describe_on_tensorflow_shows_mirrored_variables_whole_on_each_replica()
     assert kernel["layout"] == "mirrored x2"
     assert kernel["bytes_per_device"] == kernel["bytes"] == 8 * 16 * 4
     assert [w.split(" ")[0] for w in result["warnings"]] == ["dense_one/kernel"]
+
+
+@pytest.mark.jax
+@pytest.mark.multiworker
+@pytest.mark.slow
+def test_a_mesh_whose_batch_rows_do_not_follow_the_processes_is_refused():
+    """Under 2 processes x 2 devices, Keras feeds process p the p-th half of each global
+    batch: a 2x2 mesh over list_devices() and a 1x4 mesh are accepted; the same devices in
+    column order, or the batch axis second, would put both halves on each process (measured
+    before this check: trained weights 0.1 away from one process) and are refused."""
+    from conftest import launch_cli
+
+    proc = launch_cli(
+        "-n", "2", "--devices-per-worker", "2", str(SCRIPTS / "mesh_order_job.py"),
+        timeout=240, KERAS_BACKEND="jax",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for worker in ("w0", "w1"):
+        line = next(x for x in proc.stdout.splitlines() if x.startswith(f"[{worker}] {{"))
+        result = last_json_line(line.partition(" ")[2])
+        assert result["listed"] == "accepted" and result["model_only"] == "accepted"
+        for case in ("by_column", "batch_second"):
+            assert "process 0's devices hold rows [0, 1] of the batch axis 'batch'" in result[case]
+            assert "Keras feeds process 0 the rows [0]" in result[case]
+            assert "keras.distribution.list_devices() in its order" in result[case]

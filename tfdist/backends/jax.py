@@ -93,6 +93,46 @@ def _check_layout_map(layout_map, mesh):
         )
 
 
+def _device(name_or_device):
+    """A jax device from a ``keras.distribution`` device name ("cpu:3") or a device."""
+    if not isinstance(name_or_device, str):
+        return name_or_device
+    platform, _, index = name_or_device.partition(":")
+    for device in jax.devices():
+        if device.platform == platform and device.id == int(index):
+            return device
+    raise ConfigError(f"scope: the mesh names device {name_or_device!r}, which jax does not have.")
+
+
+def _check_batch_axis_follows_processes(mesh, axis: str) -> None:
+    """Keras feeds process p the p-th slice of every global batch (or all of it when the
+    batch axis is 1): the devices of process p must hold exactly those batch rows. A mesh
+    built in another order (e.g. its columns across processes) would train on the wrong
+    rows, silently: refused here."""
+    processes = jax.process_count()
+    rows = mesh.shape[mesh.axis_names.index(axis)]
+    if processes == 1 or rows == 1:
+        return
+    grid = np.moveaxis(np.asarray(mesh.devices), mesh.axis_names.index(axis), 0)
+    owners = [{_device(d).process_index for d in np.ravel(grid[row])} for row in range(rows)]
+    for rank in range(processes):
+        held = [row for row in range(rows) if rank in owners[row]]
+        if rows >= processes:
+            expected = list(range(rank * rows // processes, (rank + 1) * rows // processes))
+        else:
+            expected = [rank // (processes // rows)]
+        if held != expected:
+            shape = dict(zip(mesh.axis_names, mesh.shape, strict=True))
+            raise ConfigError(
+                f"scope: on the mesh {shape}, process {rank}'s devices hold rows {held} of "
+                f"the batch axis {axis!r}, but Keras feeds process {rank} the rows "
+                f"{expected} of each global batch, so it would train on the wrong examples. "
+                "Build the DeviceMesh over keras.distribution.list_devices() in its order "
+                "(process by process) with the batch axis first, e.g. DeviceMesh((2, 2), "
+                "['batch', 'model'], devices=keras.distribution.list_devices())."
+            )
+
+
 def distribution(
     *,
     mesh=None,
@@ -125,6 +165,7 @@ def distribution(
     _check_layout_map(layout_map, mesh)
     axis = batch_dim_name or layout_map.device_mesh.axis_names[0]
     validate.one_of(axis, tuple(layout_map.device_mesh.axis_names), "batch_dim_name", "scope")
+    _check_batch_axis_follows_processes(layout_map.device_mesh, axis)
     return layouts.ModelParallel(
         layout_map=layout_map, batch_dim_name=axis, allow_unmatched_keys=allow_unmatched_keys
     )
