@@ -84,6 +84,8 @@ def test_sharded_is_refused_on_tensorflow_with_urls_and_without_orbax(monkeypatc
 
     with pytest.raises(ValueError, match=r"sharded=True needs the JAX backend.*'tensorflow'"):
         tfdist.callbacks.checkpoint(tmp_path, sharded=True)
+    with pytest.raises(ValueError, match=r"sharded=True needs the JAX backend"):
+        tfdist.callbacks.standard(tmp_path, sharded=True)  # passed on to checkpoint
     with pytest.raises(TypeError, match="sharded"):
         tfdist.callbacks.checkpoint(tmp_path, sharded="yes")
     with pytest.raises(ValueError, match=r"local \(or mounted\).*gs://b/run"):

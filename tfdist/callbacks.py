@@ -380,6 +380,7 @@ def standard(
     max_to_keep: int | None = 5,
     print_lr: bool = True,
     tensorboard: bool = True,
+    sharded: bool = False,
 ) -> list[keras.callbacks.Callback]:
     """The callbacks the walkthroughs use: checkpoint, LR decay, warm-up, PrintLR, TensorBoard.
 
@@ -393,7 +394,7 @@ def standard(
         checkpoint_dir: where checkpoints (and ``logs/`` for TensorBoard) go.
         decay: a schedule for ``decay`` (callable or mapping), or None.
         warmup: a ``warmup(...)`` callback, or None.
-        save_freq, max_to_keep: passed to ``checkpoint``.
+        save_freq, max_to_keep, sharded: passed to ``checkpoint``.
         print_lr: include ``PrintLR``.
         tensorboard: include TensorBoard logging.
 
@@ -411,7 +412,7 @@ def standard(
     validate.instance(print_lr, bool, "print_lr", where, "a bool")
     validate.instance(tensorboard, bool, "tensorboard", where, "a bool")
     callbacks: list[keras.callbacks.Callback] = [
-        checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep)
+        checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep, sharded=sharded)
     ]
     if decay is not None:
         callbacks.append(_make_decay(decay))

@@ -121,6 +121,9 @@ class Batches(keras.utils.PyDataset):
 
 def pydataset():
     model = regression()
+    # fit shuffles a PyDataset's batch order with Python's global `random`, drawn in a
+    # background thread: seeded here, as scripts do, so every process draws the same order.
+    keras.utils.set_random_seed(11)
     history = model.fit(Batches(), epochs=EPOCHS, verbose=0)
     return {"weights": weights(model), "loss": losses(history)}
 
