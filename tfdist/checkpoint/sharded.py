@@ -27,12 +27,11 @@ Example:
 from __future__ import annotations
 
 import os
-import re
 import shutil
 
 from tfdist import backends
 from tfdist.checkpoint.archive import CorruptCheckpoint
-from tfdist.checkpoint.names import checkpoint_name
+from tfdist.checkpoint.names import checkpoint_name, parse_checkpoint_name
 from tfdist.position import Position
 
 __all__ = [
@@ -51,7 +50,6 @@ SUFFIX = ".orbax"
 FORMAT_VERSION = "tfdist-sharded/1"
 # Orbax's name for a checkpoint being written (renamed to the final name once finished).
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
-_NAME_RE = re.compile(r"^ckpt-(\d+)(?:-(\d+))?\.orbax$")
 
 
 def sharded_name(epoch: int, batch: int = 0) -> str:
@@ -73,15 +71,17 @@ def parse_sharded_name(name: str) -> Position | None:
         >>> parse_sharded_name("ckpt-3.orbax.orbax-checkpoint-tmp") is None
         True
     """
-    match = _NAME_RE.match(name)
-    if not match:
+    if not name.endswith(SUFFIX):
         return None
-    epoch, batch = int(match.group(1)), match.group(2)
-    if batch is None:
-        return Position(epoch, 0)
-    if epoch < 1 or int(batch) < 1:
-        return None
-    return Position(epoch - 1, int(batch))
+    # The archives' naming rule, with the sharded suffix.
+    return parse_checkpoint_name(name.removesuffix(SUFFIX) + ".keras")
+
+
+def _names(checkpoint_dir: str) -> list[str]:
+    try:
+        return os.listdir(checkpoint_dir)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def sharded_entries(checkpoint_dir: str) -> list[tuple[Position, str]]:
@@ -91,12 +91,8 @@ def sharded_entries(checkpoint_dir: str) -> list[tuple[Position, str]]:
         >>> sharded_entries("/no/such/dir")
         []
     """
-    try:
-        names = os.listdir(checkpoint_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     found = []
-    for name in names:
+    for name in _names(checkpoint_dir):
         position = parse_sharded_name(name)
         if position is not None:
             found.append((position, os.path.join(checkpoint_dir, name)))
@@ -110,13 +106,9 @@ def stale_writes(checkpoint_dir: str) -> list[str]:
         >>> stale_writes("/no/such/dir")
         []
     """
-    try:
-        names = os.listdir(checkpoint_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     return sorted(
         os.path.join(checkpoint_dir, name)
-        for name in names
+        for name in _names(checkpoint_dir)
         if _ORBAX_TMP in name and name.startswith("ckpt-")
     )
 
@@ -204,9 +196,6 @@ class ShardedWriter:
 
     def wait(self) -> None:
         self._checkpointer.wait_until_finished()
-
-    def close(self) -> None:
-        self._checkpointer.close()
 
 
 def read_sharded(path: str, model) -> dict:
