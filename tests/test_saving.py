@@ -81,6 +81,53 @@ def test_atomic_output_chief_renames_worker_writes_nothing_failure_keeps_old(tmp
     assert os.listdir(tmp_path) == ["out.bin"]
 
 
+def _write_slowly(path, chunks: int, chunk: bytes, pause_s: float = 0.02) -> None:
+    import time
+
+    with open(path, "wb") as f:
+        for _ in range(chunks):
+            f.write(chunk)
+            f.flush()
+            time.sleep(pause_s)  # the flusher polls every 5 ms: it sees the file grow
+
+
+def test_atomic_output_flushes_the_chiefs_file_while_it_is_written(tmp_path, monkeypatch):
+    flushed, real = [], os.fdatasync
+    monkeypatch.setattr(
+        saving.os, "fdatasync", lambda fd: (flushed.append(os.fstat(fd).st_size), real(fd))
+    )
+    final = tmp_path / "big.bin"
+    chunk = b"x" * (1 << 20)
+    with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+        _write_slowly(staging, 12, chunk)
+    assert final.read_bytes() == chunk * 12
+    # Flushed as it grew (each flush >= 4 MiB after the last), before the final fsync.
+    assert flushed and flushed == sorted(flushed) and flushed[0] >= 4 << 20
+    assert all(b - a >= 4 << 20 for a, b in zip(flushed, flushed[1:], strict=False))
+
+    flushed.clear()  # another worker's file is removed, never flushed
+    with saving.atomic_output(final, role=saving.WriteRole(False, 1)) as staging:
+        _write_slowly(staging, 6, chunk)
+    assert flushed == [] and final.read_bytes() == chunk * 12
+
+
+def test_atomic_output_a_failed_flush_keeps_the_old_file(tmp_path, monkeypatch):
+    import errno
+
+    def failing(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(saving.os, "fdatasync", failing)
+    final = tmp_path / "big.bin"
+    final.write_text("old")
+    # Linux reports a write-back error to one fsync only: the flusher's must not be lost.
+    with pytest.raises(OSError, match=r"flushing .*big\.bin.* failed .*Input/output error"):
+        with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+            _write_slowly(staging, 6, b"x" * (1 << 20))
+    assert final.read_text() == "old"
+    assert os.listdir(tmp_path) == ["big.bin"]
+
+
 def test_atomic_output_replaces_a_directory(tmp_path):
     final = tmp_path / "export"
     final.mkdir()
