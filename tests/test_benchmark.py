@@ -52,8 +52,8 @@ def _sample_figures() -> dict:
                     "b_s": [1.0, 1.0]},
     }  # fmt: skip
     return {
-        "overhead": {"ratios": [1.0, 1.02], "a_epoch_s": [5.0, 5.1], "b_epoch_s": [5.0, 5.0],
-                     "replicas": 2, "steps_per_epoch": 469},
+        "overhead": {"ratios": [1.0, 1.02, 1.5, 1.01], "a_epoch_s": [5.0, 5.1, 7.5, 5.05],
+                     "b_epoch_s": [5.0] * 4, "replicas": 2, "steps_per_epoch": 117, "repeats": 2},
         "pipeline": {"naive_wall_s": [20.0, 21.0], "pipeline_wall_s": [2.5, 2.8], "epochs": 10,
                      "pipeline_examples_per_s": 230000, "naive_examples_per_s": 30000},
         "input-bound": {"input_bound_ratio": 1.02, "pipeline_step_ms": 10.2,
@@ -95,6 +95,43 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
     # Rows of ~1 s measurements report the median of each group of repeated pairs.
     launcher = {**_summary([1.0, 3.0, 1.2, 1.1], [1.0] * 4), "repeats": 2}
     assert bench.CHILD_ROWS["launcher"].result(launcher, False).ratios == [2.0, 1.15]
+    overhead = bench.CHILD_ROWS["overhead"].result(samples["overhead"], False)
+    assert overhead.ratios == [1.01, 1.255] and overhead.met is False
+
+
+def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path):
+    figures = _tool("docs_figures")
+    mach = _tool("benchmark").machine()
+
+    def run(ratios):
+        rows = [
+            {
+                "name": "save",
+                "a": "A",
+                "b": "B",
+                "goal": "<= 1.2",
+                "met": True,
+                "median": sorted(ratios)[1],
+                "ratios": ratios,
+            }
+        ]
+        return {"machine": mach, "quick": False, "pairs": 3, "rows": rows}  # fmt: skip
+
+    steady, jumpy = run([1.0, 1.1, 1.14]), run([0.8, 1.0, 1.05])  # 0.8 is 20 % off
+    paths = []
+    for i, payload in enumerate([steady, steady, jumpy]):
+        paths.append(tmp_path / f"run{i}.json")
+        paths[-1].write_text(json.dumps(payload))
+    runs = figures.combine_runs(paths)["runs"]
+    assert runs == [steady, steady, jumpy]
+    row = figures.runs_block(runs)[-1]
+    assert row.startswith("| save | 1.1 (1-1.14, n=3) | 1.1 (1-1.14, n=3) | 1 (0.8-1.05, n=3) |")
+    assert row.endswith("| **no** (9%, 9%, 20%) | yes/yes/yes |")
+    assert figures.runs_block(runs[:2])[-1].endswith("| yes (9%, 9%) | yes/yes |")
+    other = {**steady, "rows": [{**steady["rows"][0], "name": "restore"}]}
+    paths[-1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=r"the same rows.*--only"):
+        figures.combine_runs(paths)
 
 
 def test_accumulation_rounds_to_whole_windows_and_validates():

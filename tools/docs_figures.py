@@ -4,7 +4,9 @@ Every figure in docs/ comes from a file a tool wrote, with the machine, the vers
 the date inside it; this tool renders those files into the pages' generated blocks:
 
 * docs/benchmarks.md: ``tools/benchmark_measured.json``
-  (``python tools/benchmark.py --pairs 3 --json tools/benchmark_measured.json``);
+  (``python tools/benchmark.py --pairs 3 --json tools/benchmark_measured.json``) and
+  ``tools/benchmark_runs.json``, runs in a row on one machine
+  (``python tools/docs_figures.py --combine-runs run1.json run2.json run3.json``);
 * docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
   ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``);
 * docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
@@ -32,6 +34,8 @@ import generated_block
 TOOLS = Path(__file__).resolve().parent
 DOCS = TOOLS.parent / "docs"
 BENCHMARK_JSON = TOOLS / "benchmark_measured.json"
+BENCHMARK_RUNS_JSON = TOOLS / "benchmark_runs.json"
+STABLE = 0.15  # a row is stable when its min and max lie within 15 % of its median
 RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
 SHARDED_JSON = TOOLS / "sharded_measured.json"
 
@@ -70,6 +74,62 @@ def benchmarks_block(payload: dict) -> list[str]:
     return lines + ([""] + notes if notes else [])
 
 
+def _spread(row: dict) -> float:
+    """The largest distance of a row's ratios from their median, as a fraction of it.
+
+    Example:
+        >>> round(_spread({"median": 2.0, "ratios": [1.8, 2.0, 2.5]}), 2)
+        0.25
+    """
+    return max(abs(r - row["median"]) for r in row["ratios"]) / row["median"]
+
+
+def runs_block(runs: list[dict]) -> list[str]:
+    """Each row's median and range in every run of ``runs``, and whether it is stable.
+
+    A run is what ``tools/benchmark.py --json`` writes; a row is stable in a run when
+    every ratio lies within ``STABLE`` of that run's median.
+    """
+    names = [row["name"] for row in runs[0]["rows"]]
+    header = " | ".join(f"run {i + 1}" for i in range(len(runs)))
+    lines = [
+        _machine_line(runs[-1]["machine"])
+        + f" {len(runs)} runs in a row, {runs[0]['pairs']} alternated pair(s) per row each.",
+        "",
+        f"| name | {header} | every ratio within ±{STABLE:.0%} of its run's median | goal met |",
+        "|---|" + "---|" * len(runs) + "---|---|",
+    ]
+    met = {True: "yes", False: "no", None: "-"}
+    for name in names:
+        rows = [next(r for r in run["rows"] if r["name"] == name) for run in runs]
+        ok = [r for r in rows if not r.get("error")]
+        stable = len(ok) == len(rows) and all(_spread(r) <= STABLE for r in ok)
+        spreads = ", ".join(f"{_spread(r):.0%}" for r in ok)
+        verdicts = "/".join(met[r.get("met")] for r in rows)
+        cells = " | ".join(_ratio(r) for r in rows)
+        lines.append(
+            f"| {name} | {cells} | {'yes' if stable else '**no**'} ({spreads}) | {verdicts} |"
+        )
+    return lines
+
+
+def combine_runs(paths: list[str]) -> dict:
+    """One payload of several ``tools/benchmark.py --json`` files, in the order given.
+
+    Example:
+        >>> combine_runs(["a.json", "b.json"])["runs"][0]["pairs"]  # doctest: +SKIP
+        3
+    """
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    names = [[row["name"] for row in run["rows"]] for run in runs]
+    if len(runs) < 2 or any(n != names[0] for n in names):
+        raise ValueError(
+            f"combine_runs: needs 2 or more runs of the same rows. Received: {paths} with "
+            f"rows {names}. Run tools/benchmark.py with the same --only and --pairs each time."
+        )
+    return {"runs": runs}
+
+
 def scaling_block() -> list[str]:
     """The scaling model's report (its inputs name their machines and dates)."""
     import scaling_model
@@ -101,6 +161,10 @@ def blocks() -> dict[str, tuple[Path, str]]:
     payload = json.loads(BENCHMARK_JSON.read_text())
     found = {
         "benchmarks": (DOCS / "benchmarks.md", benchmarks_block(payload)),
+        "benchmark runs": (
+            DOCS / "benchmarks.md",
+            runs_block(json.loads(BENCHMARK_RUNS_JSON.read_text())["runs"]),
+        ),
         "scaling model": (DOCS / "scaling.md", scaling_block()),
     }
     seeds = recipe_seeds_block(json.loads(RECIPE_SEEDS_JSON.read_text()))
@@ -125,7 +189,18 @@ def _end(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="replace the blocks in docs/")
+    parser.add_argument(
+        "--combine-runs",
+        nargs="+",
+        metavar="RUN_JSON",
+        help="write these benchmark.py --json runs to tools/benchmark_runs.json, and the "
+        "last one to tools/benchmark_measured.json",
+    )
     args = parser.parse_args(argv)
+    if args.combine_runs:
+        combined = combine_runs(args.combine_runs)
+        BENCHMARK_RUNS_JSON.write_text(json.dumps(combined, indent=2) + "\n")
+        BENCHMARK_JSON.write_text(json.dumps(combined["runs"][-1], indent=2) + "\n")
     status = 0
     for name, (page, block) in blocks().items():
         if args.write:
