@@ -291,7 +291,8 @@ results["split"] = model.evaluate(evaluation, verbose=0, return_dict=True)
 kernel = model.get_weights()[0]
 errors = x[:30] @ kernel - y[:30]
 results["expected"] = {"loss": float(np.mean(errors**2)), "mae": float(np.mean(abs(errors)))}
-for name, count, processes in (("replicas", 31, 1), ("processes", 32 - 2, 2)):
+# 29: a last batch of 5, which 2 processes cannot share; 30 (6: 3 each) they can
+for name, count, processes in (("replicas", 31, 1), ("processes", 29, 2), ("shared", 30, 2)):
     jax_count = tfdist.backends.jax.jax.process_count
     tfdist.backends.jax.jax.process_count = lambda: processes
     try:
@@ -318,3 +319,4 @@ def test_a_partial_last_batch_splits_evenly_or_fails_when_built():
     assert "cannot split that batch between 2 replicas" in result["replicas"]
     assert "drop_remainder=True" in result["replicas"]
     assert "cannot split that batch between 2 processes" in result["processes"]
+    assert "shared" not in result  # built: each process feeds 3 of the last 6

@@ -45,6 +45,10 @@ __all__ = [
     "tf_dataset_graph_def",
     "tf_dataset_inputs",
     "keras_tf_trainer_module",
+    "keras_loss_module",
+    "keras_model_class",
+    "keras_py_dataset_adapter_class",
+    "tf_distributed_dataset_class",
     "keras_tf_optimizer_module",
     "keras_tree",
     "keras_backend_variable_class",
@@ -111,11 +115,17 @@ REQUIRED = {
         "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._experimental_distribute_dataset",
+        "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
+        "tensorflow.python.distribute.input_lib:DistributedDataset."
+        "_create_cloned_datasets_from_dataset",
     ],
     "keras": [
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
         "keras.src.backend.tensorflow.trainer:reduce_per_replica",
+        "keras.src.losses.loss:reduce_values",
+        "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.predict_on_batch",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
@@ -353,6 +363,14 @@ def tf_dataset_graph_def(dataset, **kwargs):
     return dataset._as_serialized_graph(**kwargs)
 
 
+def tf_distributed_dataset_class():
+    """``input_lib.DistributedDataset``: the even-split fix replaces its
+    ``_make_rebatch_fn`` (how a global batch is cut into the replicas' batches)."""
+    from tensorflow.python.distribute import input_lib
+
+    return input_lib.DistributedDataset
+
+
 # --------------------------------------------------------------------------- Keras
 
 
@@ -360,6 +378,26 @@ def keras_tf_trainer_module():
     """``keras.src.backend.tensorflow.trainer``: the symbolic-build and metric-reduction
     fixes replace ``TensorFlowTrainer._maybe_symbolic_build`` and ``reduce_per_replica``."""
     return importlib.import_module("keras.src.backend.tensorflow.trainer")
+
+
+def keras_loss_module():
+    """``keras.src.losses.loss``: the partial-batch fix replaces ``reduce_values``, where
+    every Keras loss divides a replica's sum by its own count."""
+    return importlib.import_module("keras.src.losses.loss")
+
+
+def keras_model_class():
+    """``keras.Model``'s class as Keras defines it (``keras.src.models.model.Model``):
+    the user-save fix wraps its ``save`` and ``save_weights``."""
+    return importlib.import_module("keras.src.models.model").Model
+
+
+def keras_py_dataset_adapter_class():
+    """Keras's adapter of a ``PyDataset``: the shuffle-agreement fix wraps its
+    ``_finite_generator``, where an epoch's order is drawn (no public hook runs then)."""
+    return importlib.import_module(
+        "keras.src.trainers.data_adapters.py_dataset_adapter"
+    ).PyDatasetAdapter
 
 
 def keras_tf_optimizer_module():

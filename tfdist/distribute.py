@@ -76,6 +76,11 @@ def scope(*, sync_batchnorm: bool = False, **options):
             replica, or on JAX, whose statistics are the global batch's already. The saved
             model says ``synchronized=True``, which Keras refuses to load on JAX.
 
+    ``compile(jit_compile=True)`` for a model built inside: on JAX it works; on
+    TensorFlow with several replicas ``fit`` and ``evaluate`` stop before their first
+    step with an error naming ``jit_compile=False`` (Keras would XLA-compile the whole
+    distributed step onto one device), and ``predict`` works.
+
     Example:
         >>> with scope(sync_batchnorm=True):  # doctest: +SKIP
         ...     model = keras.Sequential([keras.Input((8,)), keras.layers.BatchNormalization()])

@@ -81,6 +81,10 @@ _STAGING_RE = re.compile(r"^\.tmp-(\d+)-(.+)$")
 # Numbers the barriers of saves and loads, in call order: every worker makes the same
 # calls in the same order, so the n-th barrier has the same name on every worker.
 _SYNCS = itertools.count(1)
+_PATH_AGREEMENTS = itertools.count(1)
+# Set while this thread is inside ``atomic_output``: a Keras save called there (by
+# tfdist's own writers) is the staging write itself, not a user's call to route.
+_WRITING = threading.local()
 
 
 def sync_workers(what: str, *, timeout: float | None = None, model=None) -> None:
@@ -380,6 +384,7 @@ def atomic_output(final_path: str | os.PathLike, *, role: WriteRole | None = Non
     # The chief's local file is fsynced before its rename: flush it while it is written,
     # so that fsync waits only for the last pages.
     flusher = _WriteBehind(staging) if role.is_chief and not remote else None
+    _WRITING.depth = getattr(_WRITING, "depth", 0) + 1
     try:
         with flusher or contextlib.nullcontext():
             yield staging
@@ -388,7 +393,43 @@ def atomic_output(final_path: str | os.PathLike, *, role: WriteRole | None = Non
         if role.is_chief:
             _land(staging, final)
     finally:
+        _WRITING.depth -= 1
         _remove(own_dir or staging)
+
+
+def is_writing() -> bool:
+    """Whether this thread is writing a staging path of ``atomic_output`` right now.
+
+    Example:
+        >>> is_writing()
+        False
+    """
+    return getattr(_WRITING, "depth", 0) > 0
+
+
+def same_path_as_chief(final: str, what: str, *, timeout: float | None = None) -> bool:
+    """Whether the chief saves to ``final`` too (True on the chief). Every worker must
+    call it, in the same order: the chief publishes its path in the job's store.
+
+    Example:
+        >>> same_path_as_chief("/shared/model.keras", "model.save")  # doctest: +SKIP
+        True
+    """
+    from tfdist import backends, config
+
+    key = f"tfdist/saving/path/{next(_PATH_AGREEMENTS)}"
+    backend = backends.get()
+    if write_role().is_chief:
+        backend.key_value_set(key, final)
+        return True
+    wait = config.BARRIER_TIMEOUT_S if timeout is None else timeout
+    chief = backend.key_value_get(key, wait)
+    if chief is None:
+        raise RuntimeError(
+            f"{what}: the chief did not say where it saves within {wait:.0f} s. Every "
+            "worker must call this save (reading the variables is collective)."
+        )
+    return chief == final
 
 
 def _land(staging: str, final: str) -> None:
@@ -778,4 +819,4 @@ def write_on_every_worker(model, path: str | os.PathLike, write, *, what: str) -
     return final
 
 
-__all__ += ["has_other_workers", "write_on_every_worker"]
+__all__ += ["has_other_workers", "write_on_every_worker", "is_writing", "same_path_as_chief"]

@@ -394,8 +394,8 @@ def saves_sharded() -> bool:
 
 
 def splits_uneven_batches() -> bool:
-    """False: Keras on JAX splits every batch evenly between the devices, and between
-    processes only batches of the static size."""
+    """False: Keras on JAX splits every batch evenly between the devices (and, with
+    ``keras_jax_partial_batch_share``, between the processes)."""
     return False
 
 

@@ -21,7 +21,8 @@ Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime pat
 Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
-``loss_scale``, ``datasets`` (a dataset with a declared length); this module lists them
+``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``, ``datasets`` (a dataset with a
+declared length); this module lists them
 and applies them.
 
 Example:
@@ -44,11 +45,14 @@ from tfdist.compat import (
     jax_fixes,
     jax_inputs,
     jax_watchdog,
+    jit_compile,
     keras_fixes,
     loss_scale,
     on_batch,
+    partial_batches,
     registry,
     tf_fixes,
+    tf_inputs,
 )
 from tfdist.compat.registry import Fix, on_keras_backend, on_tensorflow_backend, targets
 
@@ -255,7 +259,7 @@ FIXES: list[Fix] = [
 
 # Fixes that live with their own module (each exports FIXES).
 FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES + loss_scale.FIXES
-FIXES += jax_watchdog.FIXES
+FIXES += jax_watchdog.FIXES + partial_batches.FIXES + tf_inputs.FIXES + jit_compile.FIXES
 FIXES.append(
     Fix(
         batchnorm.FIX_NAME,

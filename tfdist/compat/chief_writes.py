@@ -58,6 +58,7 @@ __all__ = [
     "fix_backup_and_restore",
     "fix_csv_logger",
     "fix_tensorboard",
+    "fix_user_saves",
 ]
 
 logger = logging.getLogger(__name__)
@@ -423,6 +424,71 @@ def fix_tensorboard() -> None:
     patch(owner, "on_train_end", name, make_end)
 
 
+# ------------------------------------------------------------ the user's own saves
+
+
+def _passes_through(model, filepath, args, kwargs) -> bool:
+    """Calls upstream handles as it does: one worker, tfdist's own staging writes, a
+    refused overwrite (Keras asks the user), sharded weights, a file object."""
+    if _saving().is_writing() or not isinstance(filepath, (str, os.PathLike)):
+        return True
+    if kwargs.get("overwrite", args[0] if args else True) is False:
+        return True
+    if kwargs.get("max_shard_size") is not None or "://" in os.fspath(filepath):
+        return True
+    return not _multi_worker(model)
+
+
+def _user_save(method: str):
+    """``Model.<method>`` called by the user on every worker, routed as ``tfdist.save``."""
+
+    def make(original):
+        def save(self, filepath, *args, **kwargs):
+            if _passes_through(self, filepath, args, kwargs):
+                return original(self, filepath, *args, **kwargs)
+            saving = _saving()
+            final = os.path.abspath(os.fspath(filepath))
+            what = f"Model.{method}({os.path.basename(final)!r})"
+            with _in_scope(self):
+                if saving.same_path_as_chief(final, what):
+                    saving.write_on_every_worker(
+                        self,
+                        final,
+                        lambda staging: original(self, staging, *args, **kwargs),
+                        what=what,
+                    )
+                    return None
+                # A path of this worker's own (the TF tutorial's write_filepath): written
+                # as asked, between the same two meetings as the chief's save.
+                saving.sync_workers(what, model=self)
+                result = original(self, filepath, *args, **kwargs)
+                saving.sync_workers(what, model=self)
+                return result
+
+        return save
+
+    return make
+
+
+def fix_user_saves() -> None:
+    """Makes ``model.save(path)`` and ``model.save_weights(path)`` safe on every worker.
+
+    Keras's guides end with ``model.save(path)``, and a multi-worker script runs on every
+    worker: upstream, two workers write one file at once (measured, 2 TensorFlow workers:
+    ``BadZipFile: Bad CRC-32`` or a missing file on load; ``save_weights``: h5py's
+    ``unable to lock file``; on JAX the processes then fall out of step and the job
+    aborts). The fix asks where the chief saves: when it is the same path, every worker
+    writes (reading the variables may be collective), only the chief's file lands,
+    atomically, and every worker returns once it is complete (``tfdist.save``'s
+    protocol), so a ``load_model`` right after reads the whole file on any worker. A path
+    of a worker's own is written as asked. One worker, a refused overwrite, sharded
+    weights and URLs go to upstream unchanged.
+    """
+    model_class = _private.keras_model_class()
+    patch(model_class, "save", "keras_user_saves_chief_writes", _user_save("save"))
+    patch(model_class, "save_weights", "keras_user_saves_chief_writes", _user_save("save_weights"))
+
+
 # ------------------------------------------------------------------ the fixes
 
 _MC = "keras.src.callbacks.model_checkpoint:ModelCheckpoint."
@@ -486,5 +552,13 @@ FIXES: list[Fix] = [
             "keras.src.callbacks.tensorboard:TensorBoard.set_model",
             "keras.src.callbacks.tensorboard:TensorBoard.on_train_end",
         ),
+    ),
+    Fix(
+        "keras_user_saves_chief_writes",
+        "Keras 3 model.save / save_weights called by every worker of a multi-worker job: "
+        "one file written by all (BadZipFile, h5py lock errors; on JAX the job aborts)",
+        _tensorflow_or_jax,
+        fix_user_saves,
+        targets=targets(_MODEL + "save", _MODEL + "save_weights"),
     ),
 ]

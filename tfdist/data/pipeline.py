@@ -146,8 +146,10 @@ def _drop_remainder(plan: _Plan, count: int | None) -> bool:
 
 def _check_even_partial_batch(plan: _Plan, count: int, partial: int) -> None:
     """A backend that splits every batch evenly (Keras on JAX, the one today): a partial
-    batch must divide between the replicas, and cannot be split between processes."""
-    if plan.num_workers == 1 and partial % plan.replicas == 0:
+    batch must divide between the replicas; between processes only where the fix
+    ``keras_jax_partial_batch_share`` feeds each process its equal part."""
+    shared = "keras_jax_partial_batch_share" in process.state().applied_fixes
+    if partial % plan.replicas == 0 and (plan.num_workers == 1 or shared):
         return  # each replica gets partial / replicas examples
     where = (
         f"between {plan.num_workers} processes"

@@ -1,0 +1,124 @@
+"""A script's own saves on every worker: ``model.save`` / ``save_weights`` then a load.
+
+    tfdist launch -n 2 user_saves_job.py DIR [ROUNDS]     # TensorFlow workers
+    KERAS_BACKEND=jax tfdist launch -n 2 user_saves_job.py DIR [ROUNDS]
+
+Every worker trains the same model, then ROUNDS times: ``model.save(DIR/model.keras)``
+and ``keras.models.load_model`` of it, ``model.save_weights(DIR/w.weights.h5)`` and
+``load_weights`` into a second model, each load on every worker right after the save
+returns (no barrier of the script's own), the weights changed between rounds. With
+``kill`` as third argument the chief saves once, then kills itself -9 inside its next save. Then the
+TensorFlow tutorial's per-worker pattern: each non-chief saves to a path of its own and
+removes it. Each worker prints ``SAVES {"worker": i, "failures": [...], "worst": d}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import keras
+import numpy as np
+
+import tfdist
+
+directory = sys.argv[1]
+rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 20
+kill = sys.argv[3:] == ["kill"]  # the chief kills itself -9 inside its second save
+worker = tfdist.cluster_from_env().rank
+
+
+def build():
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+with tfdist.scope():
+    model, other = build(), build()
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
+model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+failures, worst = [], 0.0
+
+
+def kill_when_staging_appears():
+    """SIGKILL this process once a staging file of model.keras has bytes in it."""
+    import signal
+    import threading
+    import time
+
+    def watch():
+        while True:
+            for name in os.listdir(directory):
+                if name.startswith(".tmp-") and name.endswith("model.keras"):
+                    if os.path.getsize(os.path.join(directory, name)) > 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.001)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+if kill:
+    model.save(os.path.join(directory, "model.keras"))
+    np.savez(os.path.join(directory, f"saved-{worker}.npz"), *model.get_weights())
+    model.set_weights([w + 1.0 for w in model.get_weights()])
+    if tfdist.is_chief():
+        kill_when_staging_appears()
+    model.save(os.path.join(directory, "model.keras"))  # the chief dies in here
+    sys.exit(3)  # never reached by the chief
+
+
+def compare(what, loaded):
+    global worst
+    for a, b in zip(model.get_weights(), loaded, strict=True):
+        difference = float(np.max(np.abs(a - b)))
+        if not difference == 0.0:
+            failures.append(f"{what}: weights differ by {difference}")
+        worst = max(worst, difference) if np.isfinite(difference) else float("inf")
+
+
+for i in range(rounds):
+    model.set_weights([w + 0.01 * (i + 1) for w in model.get_weights()])
+    path = os.path.join(directory, "model.keras")
+    try:
+        model.save(path)
+        compare(f"round {i} load_model", keras.models.load_model(path).get_weights())
+    except Exception as error:
+        failures.append(f"round {i} save/load_model: {type(error).__name__}: {error}"[:300])
+    path = os.path.join(directory, "w.weights.h5")
+    try:
+        model.save_weights(path)
+        other.load_weights(path)
+        compare(f"round {i} load_weights", other.get_weights())
+    except Exception as error:
+        failures.append(f"round {i} save/load_weights: {type(error).__name__}: {error}"[:300])
+
+# The TensorFlow multi-worker tutorial: the chief saves to the real path, the others to
+# a temporary one of their own, which they delete.
+own = directory if worker == 0 else os.path.join(directory, f"workertemp_{worker}")
+try:
+    os.makedirs(own, exist_ok=True)  # as the tutorial's write_filepath does
+    model.save(os.path.join(own, "tutorial.keras"))
+    if worker != 0:
+        assert os.path.exists(os.path.join(own, "tutorial.keras")), "own path not written"
+        shutil.rmtree(own)
+    tfdist.barrier()
+    compare(
+        "tutorial", keras.models.load_model(os.path.join(directory, "tutorial.keras")).get_weights()
+    )
+except Exception as error:
+    failures.append(f"tutorial pattern: {type(error).__name__}: {error}"[:300])
+
+print(
+    "SAVES "
+    + json.dumps(
+        {"worker": worker, "workers": tfdist.num_workers(), "failures": failures, "worst": worst}
+    ),
+    flush=True,
+)

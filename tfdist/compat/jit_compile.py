@@ -1,0 +1,75 @@
+"""``compile(jit_compile=True)`` under a tf.distribute strategy: a clear error before the
+first step instead of a graph-execution traceback.
+
+Keras's TensorFlow trainer XLA-compiles the function that calls ``strategy.run``, so XLA
+places the whole distributed step (every replica's pass, the all-reduce, the update) on
+one device: on 2 devices ``Trying to access resource .../replica_1 located in device
+CPU:1 from device CPU:0`` (keras#19005), on 2 workers ``Collectives are not yet
+implemented for CPU devices``, both deep in a traceback after the data pipeline started.
+``predict`` compiles each replica's step alone and works, so it is left as it is.
+
+Every private name used comes from ``tfdist._private``.
+"""
+
+from __future__ import annotations
+
+from tfdist import _private
+from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+
+__all__ = ["FIXES", "fix_jit_compile_refused"]
+
+
+def _replicas(model) -> int:
+    strategy = _private.keras_model_strategy_or_none(model)
+    return 1 if strategy is None else int(strategy.num_replicas_in_sync)
+
+
+def fix_jit_compile_refused() -> None:
+    """Refuses ``jit_compile=True`` for ``fit``/``evaluate`` on several replicas, naming
+    ``jit_compile=False``, when Keras builds the step function (before the first step).
+
+    With one replica, ``run_eagerly=True``, or ``jit_compile`` False or ``"auto"``
+    (which Keras resolves to False under a strategy), upstream's function is built
+    unchanged.
+    """
+
+    def make(original):
+        def _make_function(self, step_function):
+            replicas = _replicas(self)
+            if self.jit_compile is True and not self.run_eagerly and replicas > 1:
+                strategy = type(_private.keras_model_strategy_or_none(self)).__name__
+                raise ValueError(
+                    f"tfdist: compile(jit_compile=True) cannot train or evaluate under "
+                    f"{strategy} with {replicas} replicas: Keras XLA-compiles the whole "
+                    "distributed step (every replica's pass, the all-reduce and the "
+                    "update) onto one device, which fails (keras#19005; on CPU workers "
+                    "'Collectives are not yet implemented'). Compile with "
+                    "jit_compile=False, or 'auto' (Keras's default, which turns XLA off "
+                    "under a strategy); predict works with jit_compile=True. Received: "
+                    f"jit_compile=True, strategy={strategy}, replicas={replicas}."
+                )
+            return original(self, step_function)
+
+        return _make_function
+
+    patch(
+        _private.keras_tf_trainer_module().TensorFlowTrainer,
+        "_make_function",
+        "keras_jit_compile_refused_under_strategy",
+        make,
+    )
+
+
+FIXES = [
+    Fix(
+        "keras_jit_compile_refused_under_strategy",
+        "Keras 3 compile(jit_compile=True) under a tf.distribute strategy with several "
+        "replicas: fit/evaluate fail after start-up with a graph-execution error",
+        on_keras_backend("tensorflow"),
+        fix_jit_compile_refused,
+        targets=targets(
+            "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
+            "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
+        ),
+    ),
+]

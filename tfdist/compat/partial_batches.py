@@ -1,0 +1,294 @@
+"""A partial last batch on several replicas: each example weighs what it weighs on one
+device (TensorFlow and JAX), and tf.distribute hands no replica an empty share it can avoid.
+
+Real datasets leave a partial last global batch (MNIST's 60000 examples at 128: 96).
+``tf.distribute`` splits it between the replicas unevenly (64 + 24 of 88 on 2 replicas
+when it finds the dataset's batch size: a replica's share is filled first) and hands a
+replica no example at all when the batch is at most one replica's share (56 -> 56 + 0).
+Two upstream defects follow, each fixed here:
+
+* ``keras_partial_batch_loss_weights``: Keras averages each replica's loss over its own
+  examples and scales it by ``1 / num_replicas``, so the gradient is the mean of the
+  replicas' means: with 64 + 24, each of the 24 examples weighs 64/24 times one of the
+  others (measured: the TensorFlow tutorial's model 2.2e-3 away from one device after
+  one epoch of 7000 examples).
+* ``tf_distribute_partial_batch_evenly``: a replica handed no example aborts the process
+  in oneDNN's MaxPool gradient (``Check failed: dtype() == expected_dtype``; an empty
+  batch does so on one device too) and, with a Conv2D + ReLU before it, fails in oneDNN's
+  fused kernels. The fix splits every batch as evenly as it can, so a replica is empty
+  only when the batch has fewer examples than there are replicas (then a model whose
+  kernels cannot take an empty batch still fails there: see docs/data.md).
+
+On JAX a global batch is one array over every device, so one process computes one
+device's loss; with several processes Keras feeds each its part of a ``tf.data`` batch by
+``rebatch(global / processes)`` then ``shard``, which cuts the partial last batch into
+one full part and a short one (40 of 64 -> 32 + 8): the processes then assemble arrays of
+different global shapes and train apart, silently (measured: 2e-2 from one device).
+
+* ``keras_jax_partial_batch_share``: each process takes its equal, contiguous part of
+  every global batch, the partial one too; a batch that cannot be split evenly between
+  the data-parallel replicas stops the job with an error naming its size. The parts are
+  cut from each batch as it comes, so a dataset whose batch size only the data knows
+  (batch then ``map``, ``class_weight``, ``padded_batch``, a generator), which upstream
+  refuses ("The batch size of the input dataset is unknown"), is fed too.
+
+Every private name used comes from ``tfdist._private``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfdist import _private
+from tfdist.compat import jax_inputs
+from tfdist.compat.registry import Fix, on_keras_backend, on_tensorflow_backend, patch, targets
+
+__all__ = [
+    "FIXES",
+    "fix_loss_weights",
+    "fix_even_split",
+    "fix_jax_process_share",
+    "split_evenly",
+    "process_share",
+]
+
+# Keras's reductions that divide a sum by a count or a weight sum (keras.src.losses.loss).
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
+
+
+def _replica_context_of_several():
+    """The replica context when this code runs in one of several replicas, else None."""
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return None
+    return context
+
+
+def _divisor(values, sample_weight, reduction):
+    """What upstream's ``reduce_values`` divides this replica's sum by (count or weights)."""
+    ops = _private.keras_ops()
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        return ops.cast(ops.sum(sample_weight), "float32")
+    return ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")), "float32")
+
+
+def fix_loss_weights() -> None:
+    """Weighs each replica's mean loss by its share of the global batch, for the gradient.
+
+    Upstream, a replica's loss is ``sum_r / d_r / N`` (``d_r`` its example count, or its
+    weight sum for ``mean_with_sample_weight``; ``N`` replicas), and the gradients are
+    summed: right only when every ``d_r`` is equal. One device computes
+    ``sum / sum_r d_r``. The fix all-reduces ``d_r`` (one scalar) and multiplies the
+    gradient of the replica's loss by ``share = d_r * N / sum_r d_r``; the loss *value*
+    is upstream's, so the loss and metric trackers (already weighted by each replica's
+    batch size) are unchanged. When every replica has the same ``d_r`` the share is
+    exactly 1.0 and the result is upstream's, bit for bit. Reductions that do not average
+    (``sum``, ``none``) and a single replica are left as they are.
+    """
+
+    def make(original):
+        def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+            loss = original(values, sample_weight, reduction)
+            context = _replica_context_of_several()
+            shape = tuple(getattr(values, "shape", ()))
+            if context is None or reduction not in _MEAN_REDUCTIONS or shape in ((), (0,)):
+                return loss
+            import tensorflow as tf
+
+            local = _divisor(values, sample_weight, reduction)
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+            share = tf.math.divide_no_nan(local * context.num_replicas_in_sync, total)
+            share = tf.cast(share, loss.dtype)
+            fixed = tf.stop_gradient(loss)
+            return fixed + share * (loss - fixed)
+
+        return reduce_values
+
+    patch(_private.keras_loss_module(), "reduce_values", "keras_partial_batch_loss_weights", make)
+
+
+def split_evenly(dataset, pieces: int):
+    """Each batch of ``dataset`` as ``pieces`` consecutive slices whose sizes differ by at
+    most one (88 in 2 -> 44 + 44; 5 in 4 -> 2 + 1 + 1 + 1), in order.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ds = split_evenly(tf.data.Dataset.range(5).batch(5), 4)
+        >>> [len(piece) for piece in ds]  # doctest: +SKIP
+        [2, 1, 1, 1]
+    """
+    import tensorflow as tf
+
+    def pieces_of(*batch):
+        element = batch[0] if len(batch) == 1 else batch
+        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        sizes = size // pieces + tf.cast(tf.range(pieces, dtype=tf.int64) < size % pieces, tf.int64)
+        starts = tf.cumsum(sizes, exclusive=True)
+
+        def piece(start, length):
+            return tf.nest.map_structure(lambda t: t[start : start + length], element)
+
+        return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(piece)
+
+    return dataset.flat_map(pieces_of)
+
+
+def _splittable(dataset) -> bool:
+    """Every component a dense tensor with a leading (batch) dimension."""
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(dataset.element_spec)
+    return bool(specs) and all(
+        type(spec) is tf.TensorSpec and spec.shape.rank not in (None, 0) for spec in specs
+    )
+
+
+def fix_even_split() -> None:
+    """Splits each global batch between the replicas as evenly as possible.
+
+    Where ``tf.distribute`` finds the dataset's batch size it rebatches with fixed
+    per-replica sizes, so a partial last batch fills the first replicas' shares and
+    leaves the last ones short or empty (56 of 128 on 2 replicas -> 56 + 0), and an empty
+    replica aborts oneDNN's MaxPool gradient; where it does not find it, its legacy
+    rebatch splits by ``ceil(B / N)`` (5 on 4 -> 2 + 2 + 1 + 0). The fix hands each
+    replica ``floor(B / N)`` or one more (``split_evenly``), so a replica is empty only
+    when the batch has fewer examples than there are replicas. Full batches are split
+    exactly as upstream does (``B / N`` each, in order); the sharding between workers
+    that follows is upstream's. Datasets whose elements are not dense batched tensors
+    keep upstream's rebatch.
+    """
+
+    def make(original):
+        def _make_rebatch_fn(self, dataset, num_workers, num_replicas_in_sync):
+            upstream = original(self, dataset, num_workers, num_replicas_in_sync)
+            if not _splittable(dataset):
+                return upstream
+            per_worker = num_replicas_in_sync // num_workers
+
+            def rebatch_fn(dataset, worker_index):
+                return split_evenly(dataset, num_replicas_in_sync).prefetch(per_worker)
+
+            return rebatch_fn
+
+        return _make_rebatch_fn
+
+    patch(
+        _private.tf_distributed_dataset_class(),
+        "_make_rebatch_fn",
+        "tf_distribute_partial_batch_evenly",
+        make,
+    )
+
+
+def process_share(dataset, index: int, parts: int, replicas: int):
+    """Part ``index`` of ``parts`` equal, contiguous parts of every batch of ``dataset``;
+    a batch whose size does not divide by ``replicas`` (or ``parts``) fails with a message
+    naming its size.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ds = process_share(tf.data.Dataset.range(6).batch(6), 1, 2, 2)
+        >>> [p.numpy().tolist() for p in ds]  # doctest: +SKIP
+        [[3, 4, 5]]
+    """
+    import tensorflow as tf
+
+    unit = math.lcm(replicas, parts)
+
+    def part_of(*batch):
+        element = batch[0] if len(batch) == 1 else batch
+        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        message = tf.strings.format(
+            "tfdist: a batch of {} examples cannot be split evenly between "
+            + f"{replicas} data-parallel replicas ({parts} processes feed one part each): "
+            + "Keras on JAX gives every replica the same number of examples. A partial "
+            + f"last batch must be a multiple of {unit}: batch with drop_remainder=True, "
+            + f"or choose a dataset size whose last batch divides by {unit}.",
+            [size],
+        )
+        with tf.control_dependencies([tf.debugging.Assert(tf.equal(size % unit, 0), [message])]):
+            length = size // parts
+        return tf.nest.map_structure(lambda t: t[index * length : (index + 1) * length], element)
+
+    return dataset.map(part_of)
+
+
+def fix_jax_process_share() -> None:
+    """Feeds each JAX process an equal, contiguous part of every global batch.
+
+    Upstream's ``distribute_tf_dataset`` rebatches a ``tf.data.Dataset`` into
+    ``global / processes`` examples and deals the pieces out (``shard``); a partial last
+    batch then becomes one full piece and a short one, and each process builds its global
+    array from its own piece's shape. The fix cuts every batch into the same ``parts``
+    Keras uses (``Distribution.data_shard_id`` of ``min(processes, replicas)``) by
+    slicing it: for full batches these are exactly upstream's pieces, in the same order,
+    and for the partial batch every process gets ``size / parts`` examples. One process,
+    a distribution that does not shard its data, or elements that are not dense batched
+    tensors keep upstream's path.
+    """
+
+    def make(original):
+        def distribute_tf_dataset(self, dataset):
+            share = jax_inputs._share_of(self)
+            if share is None or not _splittable(dataset):
+                return original(self, dataset)
+            import tensorflow as tf
+
+            parts = process_share(dataset, share.index, share.parts, share.replicas)
+            return parts.prefetch(tf.data.AUTOTUNE)
+
+        return distribute_tf_dataset
+
+    patch(
+        _private.keras_distribution_class(),
+        "distribute_tf_dataset",
+        "keras_jax_partial_batch_share",
+        make,
+    )
+
+
+FIXES = [
+    Fix(
+        "keras_partial_batch_loss_weights",
+        "Keras 3 under a tf.distribute strategy averages the replicas' mean losses: a "
+        "partial last batch split unevenly (64 + 24) weighs some examples more than one "
+        "device does",
+        on_keras_backend("tensorflow"),
+        fix_loss_weights,
+        targets=targets(
+            "keras.src.losses.loss:reduce_values",
+            "keras.src.losses.loss:reduce_weighted_values",
+            "keras.src.losses.loss:scale_loss_for_distribution",
+        ),
+    ),
+    Fix(
+        "tf_distribute_partial_batch_evenly",
+        "tf.distribute splits a partial last batch by fixed per-replica sizes (56 of 128 "
+        "-> 56 + 0 on 2 replicas): an empty replica aborts oneDNN's MaxPool gradient",
+        on_tensorflow_backend(),
+        fix_even_split,
+        package="tensorflow",
+        targets=targets(
+            "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
+            "tensorflow.python.distribute.input_lib:DistributedDataset."
+            "_create_cloned_datasets_from_dataset",
+        ),
+    ),
+    Fix(
+        "keras_jax_partial_batch_share",
+        "Keras on JAX, several processes: a partial last tf.data batch is dealt out as one "
+        "full part and a short one (the processes train apart, silently), and a batch "
+        "size only the data knows is refused",
+        on_keras_backend("jax"),
+        fix_jax_process_share,
+        targets=targets(
+            "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
+            "keras.src.distribution.distribution_lib:Distribution.data_shard_id",
+            "keras.src.distribution.distribution_lib:Distribution.num_model_replicas",
+        ),
+    ),
+]
