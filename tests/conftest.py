@@ -23,6 +23,11 @@ from retire_plugin import (  # noqa: F401 - hooks: fixes whose upstream failure 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
+# The one comparison of every equivalence (tests/scripts/equivalence.py), shared with the
+# scripts the tests run as subprocesses.
+sys.path.append(str(SCRIPTS))
+import equivalence  # noqa: E402, F401 - re-exported: `from conftest import equivalence`
+
 # Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
 _CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
 

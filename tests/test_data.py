@@ -21,7 +21,7 @@ from tfdist.cluster import worker_tf_config
 from tfdist.data import sharding
 from tfdist.position import Position
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
 MNIST_DIR = Path(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets").expanduser()
 MNIST_ON_DISK = (MNIST_DIR / "mnist").is_dir()
@@ -499,7 +499,7 @@ def two_devices() -> dict:
 
 
 def _max_difference(a, b) -> float:
-    return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b, strict=True))
+    return equivalence.max_difference(a, b)
 
 
 @pytest.mark.devices

@@ -19,14 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tfdist import launch
 from tfdist.backends import tensorflow as strategy_mod
 from tfdist.config import MultiWorkerTimeouts
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, launch_cli, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 
 FLAGS = ["--validation", "--evaluate", "--predict", "--accumulate", "2"]
 COMPARED = ("weights", "loss", "val_loss", "val_mae", "evaluate", "predict")
@@ -40,13 +39,9 @@ MNIST_ON_DISK = (
 
 
 def assert_same(result: dict, reference: dict) -> None:
-    for key in COMPARED:
-        a, b = reference[key], result[key]
-        if key.endswith("weights"):
-            for u, v in zip(a, b, strict=True):
-                np.testing.assert_allclose(np.array(v), np.array(u), atol=1e-5, rtol=0)
-        else:
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0, err_msg=key)
+    equivalence.assert_close(
+        {key: reference[key] for key in COMPARED}, {key: result[key] for key in COMPARED}, 1e-5
+    )
 
 
 def worker_results(proc: subprocess.CompletedProcess) -> dict[str, dict]:
