@@ -17,10 +17,11 @@ import warnings
 import zipfile
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 
 TOLERANCE = 1e-5
 STEPS = 30  # 3 epochs of 160 examples in global batches of 16
@@ -189,3 +190,46 @@ def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):
         pytest.raises(RuntimeError, match=r"inside strategy.run"),
     ):
         tfdist.loops.average_loss(tf.zeros(3))
+
+
+_SHORT_LAST_BATCH = """
+import json
+import numpy as np
+import tensorflow as tf
+import tfdist
+
+strategy = tfdist.strategy()
+values = np.arange(1, 12, dtype="float32")  # 11 examples: batches of 4, 4 and a short 3
+dataset = tf.data.Dataset.from_tensor_slices(values).batch(4)
+dist = strategy.experimental_distribute_dataset(dataset)
+
+@tf.function
+def step(batch):
+    per_replica = strategy.run(
+        lambda x: (tfdist.loops.average_loss(x), tf.shape(x)[0]), args=(batch,)
+    )
+    loss, sizes = per_replica
+    return (
+        strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+        strategy.experimental_local_results(sizes),
+    )
+
+out = []
+for batch in dist:
+    loss, sizes = step(batch)
+    out.append({"loss": float(loss), "sizes": [int(s) for s in sizes]})
+print(json.dumps({"replicas": strategy.num_replicas_in_sync, "steps": out}))
+"""
+
+
+@pytest.mark.devices
+def test_average_loss_averages_a_short_last_batch_over_its_true_size_on_two_replicas():
+    """The per-example "loss" is the example's value: each step's loss must be the mean of
+    its global batch, the short last one (3 examples, split 2 + 1) included."""
+    result = last_json_line(run_python(_SHORT_LAST_BATCH, TFDIST_CPU_DEVICES="2").stdout)
+    assert result["replicas"] == 2
+    steps = result["steps"]
+    assert [sum(s["sizes"]) for s in steps] == [4, 4, 3]
+    assert sorted(steps[-1]["sizes"]) == [1, 2]  # the short batch is split unevenly
+    means = [np.mean(chunk) for chunk in (range(1, 5), range(5, 9), range(9, 12))]
+    equivalence.assert_close(means, [s["loss"] for s in steps], 1e-6, "average_loss")
