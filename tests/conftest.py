@@ -91,6 +91,21 @@ def last_json_line(text: str):
     raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
 
 
+# MNIST (tensorflow_datasets' prepared copy): one rule for every test that reads it, marked
+# ``@pytest.mark.mnist``. In CI (CI=true) a missing data set fails the test; elsewhere the
+# test skips, always with the reason below.
+MNIST_DIR = Path(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets").expanduser()
+MNIST_ON_DISK = (MNIST_DIR / "mnist").is_dir()
+MNIST_MISSING = f"needs MNIST on disk: no {MNIST_DIR / 'mnist'} (set TFDS_DATA_DIR)"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("mnist") is not None and not MNIST_ON_DISK:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI: {MNIST_MISSING}", pytrace=False)
+        pytest.skip(MNIST_MISSING)
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_cluster(monkeypatch):
     for key in _CLEAR:

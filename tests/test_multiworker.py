@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,12 +29,6 @@ from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, laun
 FLAGS = ["--validation", "--evaluate", "--predict", "--accumulate", "2"]
 COMPARED = ("weights", "loss", "val_loss", "val_mae", "evaluate", "predict")
 COMPARED += ("accumulated_weights", "accumulated_loss")
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
-    .expanduser()
-    .joinpath("mnist")
-    .is_dir()
-)
 
 
 def assert_same(result: dict, reference: dict) -> None:
@@ -209,7 +202,7 @@ def test_a_slurm_step_picks_multi_worker_and_trains_the_same(reference):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_official_tutorial_main_trains_3_epochs_on_both_workers():
     closed = "http://127.0.0.1:9"  # any download attempt fails at once, on loopback
     proc = launch_cli(

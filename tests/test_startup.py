@@ -92,6 +92,7 @@ def _assert_same_weights(a: dict, b: dict) -> None:
 
 @pytest.mark.devices
 @pytest.mark.slow
+@pytest.mark.mnist
 def test_tutorial_order_gives_the_same_weights_on_1_device_2_devices_and_2_workers():
     one = _tutorial()
     two = _tutorial(2)
