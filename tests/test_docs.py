@@ -280,3 +280,24 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     built = {p.parent.name for p in (tmp_path / "site").rglob("index.html")}
     assert {"data", "checkpoints", "multi_worker", "jax", "scaling"} <= built
+
+
+def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
+    """README's "What runs where" names exactly the suites .ci/run's newest-jax session
+    runs (noxfile.py's CI_NEWEST_JAX_TESTS) and that session's jax."""
+    nox_tree = ast.parse((REPO / "noxfile.py").read_text())
+    listed = next(
+        ast.literal_eval(node.value)
+        for node in nox_tree.body
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") == "CI_NEWEST_JAX_TESTS"
+    )
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "CI_NEWEST_JAX_TESTS" in ci and "$NEWEST_JAX_TESTS" in ci
+    session = re.search(r"JAX_SESSION=\"jax\(python='[\d.]+', jax='([\d.]+)'\)\"", ci)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    sentence = re.search(
+        rf"On jax {re.escape(session.group(1))} \(Python [\d.]+\) CI runs only (.+?)\. ", readme
+    )
+    assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
+    assert re.findall(r"tests/test_\w+\.py", sentence.group(1)) == listed
