@@ -65,7 +65,7 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
                 continue
             where = f"{_name(page)}:{line}"
             if marker.group(2):  # run by a test function: it must read this page
-                source = test_function_source(marker.group(2), where)
+                source = source_of_test_function(marker.group(2), where)
                 assert page.name in source, (
                     f"{where}: {marker.group(2)} never reads {page.name} (nor what it calls)"
                 )
@@ -78,7 +78,7 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
                     k += stripped.index(text.rstrip()) + 1
 
 
-def test_function_source(name: str, where: str) -> str:
+def source_of_test_function(name: str, where: str) -> str:
     """The source of test function ``tests/test_x.py::test_f`` and of every module-level
     function, class and constant of its file it uses, transitively; fails (naming
     ``where``) when the file or the function does not exist."""
@@ -120,7 +120,7 @@ def test_every_run_by_and_checked_by_names_a_test_function_that_exists():
         for number, line in enumerate(page.read_text().splitlines(), 1):
             marker = CHECKED_BY.fullmatch(line.strip())  # a line of its own, not prose
             if marker:
-                test_function_source(marker.group(1), f"{_name(page)}:{number}")
+                source_of_test_function(marker.group(1), f"{_name(page)}:{number}")
                 found += 1
     assert found
 
