@@ -9,10 +9,17 @@ The others run on demand (pyenv provides the interpreters here):
     nox -s "jax(jax='0.10.2')"      # each verified jax release, on an interpreter it supports
     nox                             # every pair
 
-Each session installs tfdist with the pinned pair and runs the tests that touch what the
-fixes patch: the upstream failures each fix reproduces (test_compat), the private names
-tfdist relies on (test_private), start-up in any statement order (test_startup) and the
-1-device = N-device equivalence tests (test_distribute, test_callbacks).
+Each compat session installs tfdist with the pinned pair and runs the tests that touch
+what the fixes patch: the upstream failures each fix reproduces (test_compat), the private
+names tfdist relies on (test_private), start-up in any statement order (test_startup),
+tfdist's own callbacks (test_callbacks: learning-rate schedules, checkpoint file names),
+the release range (test_versions), and the 1-device = N-device equivalence suites
+(test_distribute, test_idioms, test_clipping, test_accumulation, test_keras_callbacks,
+test_resume_world_size) with the test of their checks (test_checks_catch_faults).
+
+Each jax session runs every JAX suite (JAX_TESTS). CI's newest-jax session runs only
+CI_NEWEST_JAX_TESTS (.ci/run reads them from here; README.md says which run where); every
+JAX suite runs in CI's main test command on the jax its interpreter installs.
 """
 
 import os
@@ -32,6 +39,12 @@ TESTS = [
     "tests/test_distribute.py",
     "tests/test_callbacks.py",
     "tests/test_versions.py",
+    "tests/test_idioms.py",
+    "tests/test_clipping.py",
+    "tests/test_accumulation.py",
+    "tests/test_keras_callbacks.py",
+    "tests/test_resume_world_size.py",
+    "tests/test_checks_catch_faults.py",
 ]
 
 # jax release -> the interpreter it installs on (jax 0.11+ needs Python 3.12+).
@@ -43,6 +56,18 @@ JAX_TESTS = [
     "tests/test_data_jax.py",
     "tests/test_jax_checkpoint.py",
     "tests/test_sharded.py",
+    "tests/test_jax_inputs.py",
+    "tests/test_jax_faults.py",
+    "tests/test_layouts.py",
+    "tests/test_custom_loops.py",
+    "tests/test_idioms.py",
+]
+# What CI's newest-jax session runs (a subset, to keep CI under its time budget).
+CI_NEWEST_JAX_TESTS = [
+    "tests/test_jax.py",
+    "tests/test_fix_guards.py",
+    "tests/test_private.py",
+    "tests/test_jax_inputs.py",
 ]
 
 nox.options.reuse_existing_virtualenvs = True

@@ -23,6 +23,11 @@ from retire_plugin import (  # noqa: F401 - hooks: fixes whose upstream failure 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
+# The one comparison of every equivalence (tests/scripts/equivalence.py), shared with the
+# scripts the tests run as subprocesses.
+sys.path.append(str(SCRIPTS))
+import equivalence  # noqa: E402, F401 - re-exported: `from conftest import equivalence`
+
 # Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
 _CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
 
@@ -84,6 +89,21 @@ def last_json_line(text: str):
             except ValueError:
                 continue
     raise AssertionError(f"no JSON line in output:\n{text[-3000:]}")
+
+
+# MNIST (tensorflow_datasets' prepared copy): one rule for every test that reads it, marked
+# ``@pytest.mark.mnist``. In CI (CI=true) a missing data set fails the test; elsewhere the
+# test skips, always with the reason below.
+MNIST_DIR = Path(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets").expanduser()
+MNIST_ON_DISK = (MNIST_DIR / "mnist").is_dir()
+MNIST_MISSING = f"needs MNIST on disk: no {MNIST_DIR / 'mnist'} (set TFDS_DATA_DIR)"
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("mnist") is not None and not MNIST_ON_DISK:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI: {MNIST_MISSING}", pytrace=False)
+        pytest.skip(MNIST_MISSING)
 
 
 @pytest.fixture(autouse=True)

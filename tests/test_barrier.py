@@ -43,6 +43,17 @@ def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend):
 
 
 @pytest.mark.multiworker
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend):
+    """Worker 1 reaches the barrier 3 s after the chief (timeout 30 s): both return."""
+    proc = launch_cli("-n", "2", str(SCRIPTS / "barrier_job.py"), "late", KERAS_BACKEND=backend)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
+    assert "ERROR" not in out, out[-3000:]
+    assert "[w0] PASSED 0" in out and "[w1] PASSED 1" in out, out[-3000:]
+
+
+@pytest.mark.multiworker
 @pytest.mark.slow
 def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
     """The other worker finishes; the chief's predict waits for it, then TensorFlow says

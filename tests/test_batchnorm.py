@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import pytest
 
 import tfdist
 from tfdist import batchnorm
 
-from conftest import SCRIPTS, last_json_line, run_python
+from conftest import SCRIPTS, equivalence, last_json_line, run_python
 
 
 def _bn_job(**env) -> dict:
@@ -43,8 +42,7 @@ def tf_job() -> dict:
 
 
 def _max_difference(result: dict, variant: str) -> float:
-    pairs = zip(result["weights"]["one"], result["weights"][variant], strict=True)
-    return max(float(np.max(np.abs(np.array(a) - np.array(b)))) for a, b in pairs)
+    return equivalence.max_difference(result["weights"]["one"], result["weights"][variant])
 
 
 # ----------------------------------------------------------------- unit: the argument

@@ -11,18 +11,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO, child_env
-
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
-    .expanduser()
-    .joinpath("mnist")
-    .is_dir()
-)
 
 
 def test_unknown_row_is_an_error_naming_the_choices():
@@ -142,7 +134,7 @@ def test_accumulation_rounds_to_whole_windows_and_validates():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_quick_rows_run_end_to_end_and_write_the_same_figures_as_json(tmp_path):
     # Two real rows: one in this process (cli), one in a child process (checkpoint-save);
     # every other row's reporting is checked on sample figures above.

@@ -28,7 +28,7 @@ import tfdist
 from tfdist import checkpoint as ckpt
 from tfdist.config import RESTART_EXIT_CODE
 
-from conftest import SCRIPTS, child_env, last_json_line
+from conftest import SCRIPTS, child_env, equivalence, last_json_line
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = X @ np.ones((4, 1), "float32")
@@ -78,9 +78,7 @@ def restore(directory):
 
 
 def assert_same_weights(a, b, atol=1e-6):
-    assert len(a) == len(b)
-    for wa, wb in zip(a, b, strict=True):
-        np.testing.assert_allclose(wa, wb, rtol=0, atol=atol)
+    equivalence.assert_close(a, b, atol)
 
 
 # --------------------------------------------------------------------------- names
@@ -336,9 +334,7 @@ def staging_files(directory):
 
 
 def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 TWO_REPLICAS = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")  # 16 steps/epoch

@@ -6,7 +6,6 @@ code or a backspace. Run as a user runs them: TF_CPP_MIN_LOG_LEVEL unset, output
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -67,7 +66,7 @@ def _noise(command: str, proc) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("TFDS_DATA_DIR"), reason="needs MNIST (TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_every_command_is_quiet_into_a_pipe(tmp_path):
     (tmp_path / "job.py").write_text(SCRIPT)
     runs = {

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, launch_cli
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 
 TOLERANCE = 1e-5
 STEPS = 30  # 3 epochs of 160 examples in global batches of 16
@@ -30,9 +30,7 @@ SIGTERM_AT = 20
 
 
 def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 def run_script(script, directory, *extra, **env):
@@ -60,12 +58,22 @@ def worker_results(proc):
             if "restored" in result:
                 restores.setdefault(name, []).append(result)
             else:
-                found.setdefault(name, []).append(result["distributed"])
+                found.setdefault(name, []).append(result)
     assert sorted(found) == ["w0", "w1"], proc.stdout[-3000:]
     return found, restores
 
 
-def damage_newest_and_resume(script, directory, single, extra, env):
+def check_topology(result: dict, expected: dict) -> None:
+    """``result`` (one process's JSON) ran on what ``expected`` says: ``{"key": value}``,
+    "a.b" for ``result["a"]["b"]`` (replicas, workers, processes, devices)."""
+    for path, value in expected.items():
+        got = result
+        for part in path.split("."):
+            got = got[part]
+        assert got == value, (path, got, value)
+
+
+def damage_newest_and_resume(script, directory, single, extra, env, topology):
     """A newest archive that is a valid zip with a garbage member (a valid CRC) is skipped
     for the previous one, kept as ``*.corrupt``, and the resumed run ends the same."""
     newest = directory / "dist" / "ckpt-3-8.keras"
@@ -73,18 +81,23 @@ def damage_newest_and_resume(script, directory, single, extra, env):
         warnings.simplefilter("ignore")  # zipfile: "Duplicate name" (the last one is read)
         with zipfile.ZipFile(newest, "a") as archive:
             archive.writestr("tfdist/optimizer.npz", b"garbage")
-    resumed = run_script(script, directory, *extra, **env)["distributed"]
+    resumed = run_script(script, directory, *extra, **env)
+    check_topology(resumed, {k: v for k, v in topology.items() if "one_device" not in k})
+    resumed = resumed["distributed"]
     assert resumed["restored_from"] == "ckpt-3-4.keras"  # step 24: the previous one
     assert os.path.exists(str(newest) + ".corrupt")
     full = single["distributed"]
-    assert resumed["losses"] == pytest.approx(full["losses"][24:], abs=1e-5)
+    equivalence.assert_close(full["losses"][24:], resumed["losses"], 1e-5, "losses")
     assert max_diff(resumed["weights"], full["weights"]) <= TOLERANCE
 
 
-def check_loop(script, tmp_path, single_env, launch_args, env, extra=()):
-    """One device vs all devices of one process vs N workers; kill -9, SIGTERM, damage."""
+def check_loop(script, tmp_path, single_env, launch_args, env, topology, extra=()):
+    """One device vs all devices of one process vs N workers; kill -9, SIGTERM, damage.
+    ``topology``: what the single process (``"single"``) and each launched process
+    (``"launched"``) must report it ran on (see ``check_topology``)."""
     single_dir = tmp_path / "single"
     single = run_script(script, single_dir, "--one-device-too", *extra, **single_env, **env)
+    check_topology(single, topology["single"])
     reference = single["one_device"]
     assert reference["step"] == STEPS and reference["restored_from"] is None
     assert max_diff(single["distributed"]["weights"], reference["weights"]) <= TOLERANCE
@@ -107,6 +120,8 @@ def check_loop(script, tmp_path, single_env, launch_args, env, extra=()):
     # worker still winding down with SIGTERM. Both saving at the agreed step is what counts.)
     for worker in ("w0", "w1"):
         (uninterrupted,) = plain[worker]
+        check_topology(uninterrupted, topology["launched"])
+        uninterrupted = uninterrupted["distributed"]
         assert max_diff(uninterrupted["weights"], reference["weights"]) <= TOLERANCE
         assert [(r["attempt"], r["restored"], r["at_step"]) for r in restores[worker]] == [
             (0, None, 0),
@@ -114,10 +129,14 @@ def check_loop(script, tmp_path, single_env, launch_args, env, extra=()):
             (2, "ckpt-3-1.keras", SIGTERM_AT + 1),  # the agreed preemption save
         ]
         (resumed,) = killed[worker]  # attempts 0 and 1 ended before printing
+        check_topology(resumed, topology["launched"])
+        resumed = resumed["distributed"]
         assert resumed["step"] == STEPS
-        assert resumed["losses"] == pytest.approx(uninterrupted["losses"][21:], abs=1e-5)
+        equivalence.assert_close(uninterrupted["losses"][21:], resumed["losses"], 1e-5, "losses")
         assert max_diff(resumed["weights"], uninterrupted["weights"]) <= TOLERANCE
-    damage_newest_and_resume(script, single_dir, single, extra, {**single_env, **env})
+    damage_newest_and_resume(
+        script, single_dir, single, extra, {**single_env, **env}, topology["single"]
+    )
     return single
 
 
@@ -127,7 +146,11 @@ def check_loop(script, tmp_path, single_env, launch_args, env, extra=()):
 def test_tensorflow_loop_matches_one_device_on_two_devices_two_workers_and_after_kill(
     tmp_path,
 ):
-    check_loop("loop_tf.py", tmp_path, {"TFDIST_CPU_DEVICES": "2"}, ["-n", "2"], {})
+    topology = {
+        "single": {"workers": 1, "one_device.replicas": 1, "distributed.replicas": 2},
+        "launched": {"workers": 2, "distributed.replicas": 2},
+    }
+    check_loop("loop_tf.py", tmp_path, {"TFDIST_CPU_DEVICES": "2"}, ["-n", "2"], {}, topology)
 
 
 @pytest.mark.slow
@@ -139,8 +162,16 @@ def test_jax_loop_matches_one_device_on_four_devices_two_processes_and_after_kil
     # With Dropout: its masks come from the global batch's shape under jit (the same on
     # every mesh), and its RNG state is part of the checkpoint.
     devices = {"TFDIST_CPU_DEVICES": "4"}
-    single = check_loop("loop_jax.py", tmp_path, devices, launch, env, ["--dropout"])
-    assert single["devices"] == 4 and single["distributed"]["devices"] == 4
+    topology = {
+        "single": {
+            "processes": 1,
+            "devices": 4,
+            "one_device.devices": 1,
+            "distributed.devices": 4,
+        },
+        "launched": {"processes": 2, "devices": 4, "distributed.devices": 4},
+    }
+    check_loop("loop_jax.py", tmp_path, devices, launch, env, topology, ["--dropout"])
 
 
 def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):
@@ -159,3 +190,46 @@ def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):
         pytest.raises(RuntimeError, match=r"inside strategy.run"),
     ):
         tfdist.loops.average_loss(tf.zeros(3))
+
+
+_SHORT_LAST_BATCH = """
+import json
+import numpy as np
+import tensorflow as tf
+import tfdist
+
+strategy = tfdist.strategy()
+values = np.arange(1, 12, dtype="float32")  # 11 examples: batches of 4, 4 and a short 3
+dataset = tf.data.Dataset.from_tensor_slices(values).batch(4)
+dist = strategy.experimental_distribute_dataset(dataset)
+
+@tf.function
+def step(batch):
+    per_replica = strategy.run(
+        lambda x: (tfdist.loops.average_loss(x), tf.shape(x)[0]), args=(batch,)
+    )
+    loss, sizes = per_replica
+    return (
+        strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+        strategy.experimental_local_results(sizes),
+    )
+
+out = []
+for batch in dist:
+    loss, sizes = step(batch)
+    out.append({"loss": float(loss), "sizes": [int(s) for s in sizes]})
+print(json.dumps({"replicas": strategy.num_replicas_in_sync, "steps": out}))
+"""
+
+
+@pytest.mark.devices
+def test_average_loss_averages_a_short_last_batch_over_its_true_size_on_two_replicas():
+    """The per-example "loss" is the example's value: each step's loss must be the mean of
+    its global batch, the short last one (3 examples, split 2 + 1) included."""
+    result = last_json_line(run_python(_SHORT_LAST_BATCH, TFDIST_CPU_DEVICES="2").stdout)
+    assert result["replicas"] == 2
+    steps = result["steps"]
+    assert [sum(s["sizes"]) for s in steps] == [4, 4, 3]
+    assert sorted(steps[-1]["sizes"]) == [1, 2]  # the short batch is split unevenly
+    means = [np.mean(chunk) for chunk in (range(1, 5), range(5, 9), range(9, 12))]
+    equivalence.assert_close(means, [s["loss"] for s in steps], 1e-6, "average_loss")

@@ -6,7 +6,6 @@ placement, sharding, MNIST loading, and equivalence on 1 and 2 logical devices a
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -21,11 +20,18 @@ from tfdist.cluster import worker_tf_config
 from tfdist.data import sharding
 from tfdist.position import Position
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import (
+    MNIST_DIR,
+    MNIST_ON_DISK,
+    REPO,
+    SCRIPTS,
+    child_env,
+    equivalence,
+    last_json_line,
+    run_python,
+)
 
-MNIST_DIR = Path(os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets").expanduser()
-MNIST_ON_DISK = (MNIST_DIR / "mnist").is_dir()
-needs_mnist = pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (TFDS_DATA_DIR)")
+needs_mnist = pytest.mark.mnist  # the rule: tests/conftest.py
 
 
 @pytest.fixture(autouse=True)
@@ -499,7 +505,7 @@ def two_devices() -> dict:
 
 
 def _max_difference(a, b) -> float:
-    return max(float(np.max(np.abs(np.array(x) - np.array(y)))) for x, y in zip(a, b, strict=True))
+    return equivalence.max_difference(a, b)
 
 
 @pytest.mark.devices

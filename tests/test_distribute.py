@@ -9,7 +9,7 @@ import tfdist
 from tfdist import config
 from tfdist.backends import tensorflow as strategy_mod
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
 
 @pytest.mark.parametrize("bad", [0, -3])
@@ -128,8 +128,7 @@ def test_fit_gives_the_same_weights_on_1_2_and_4_logical_devices():
     # training happened: the loss fell
     assert results[1]["loss"][-1] < results[1]["loss"][0]
     for n in (2, 4):
-        for a, b in zip(results[1]["weights"], results[n]["weights"], strict=True):
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0)
+        equivalence.assert_close(results[1]["weights"], results[n]["weights"], 1e-5, f"{n}")
 
 
 def test_cli_help_does_not_import_tensorflow():
@@ -301,5 +300,4 @@ def test_packing_and_ring_do_not_change_the_trained_weights():
     assert results["packed"]["communication"] == ["ring", 65536]
     assert results["workers"]["communication"] == ["auto", 0]
     for name in ("workers", "packed"):
-        for a, b in zip(results["one"]["weights"], results[name]["weights"], strict=True):
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0)
+        equivalence.assert_close(results["one"]["weights"], results[name]["weights"], 1e-5, name)

@@ -2,12 +2,15 @@
 figures are current, the site builds strictly, and no page speaks of how it was made.
 
 The marker convention (docs/architecture.md, "Writing docs"): the line before each fenced
-block is ``<!-- run by tests/test_x.py -->``, ``<!-- same as tests/scripts/x.py -->``,
-``<!-- run here -->`` (this file runs it) or ``<!-- not run: why -->``.
+block is ``<!-- run by tests/test_x.py::test_function -->``, ``<!-- same as
+tests/scripts/x.py -->``, ``<!-- run here -->`` (this file runs it) or ``<!-- not run: why
+-->``. A claim in prose names the test that checks it with ``<!-- checked by
+tests/test_x.py::test_function -->``; every such name must be a test function that exists.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -20,6 +23,7 @@ from conftest import REPO, child_env, last_json_line
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- (run by (\S+)|same as (\S+)|run here|not run: .+?) -->")
+CHECKED_BY = re.compile(r"<!-- (?:run|checked) by (\S+?) -->")
 
 
 def blocks(page):
@@ -60,11 +64,10 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
             if marker is None:
                 continue
             where = f"{_name(page)}:{line}"
-            if marker.group(2):  # run by a test: it must read this page
-                test = REPO / marker.group(2)
-                assert test.is_file(), f"{where}: no {test}"
-                assert page.name in test.read_text(), (
-                    f"{where}: {test.name} never reads {page.name}"
+            if marker.group(2):  # run by a test function: it must read this page
+                source = source_of_test_function(marker.group(2), where)
+                assert page.name in source, (
+                    f"{where}: {marker.group(2)} never reads {page.name} (nor what it calls)"
                 )
             elif marker.group(3):  # an excerpt: every line, in order, in the script
                 source = (REPO / marker.group(3)).read_text().splitlines()
@@ -73,6 +76,53 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
                     stripped = [s.rstrip() for s in source[k:]]
                     assert text.rstrip() in stripped, f"{where}: {text!r} not in {marker.group(3)}"
                     k += stripped.index(text.rstrip()) + 1
+
+
+def source_of_test_function(name: str, where: str) -> str:
+    """The source of test function ``tests/test_x.py::test_f`` and of every module-level
+    function, class and constant of its file it uses, transitively; fails (naming
+    ``where``) when the file or the function does not exist."""
+    path, _, function = name.partition("::")
+    test = REPO / path
+    assert test.is_file() and path.startswith("tests/"), f"{where}: no test file {path}"
+    assert function.startswith("test_"), f"{where}: {name!r} names no test (file::test_f)"
+    text = test.read_text()
+    tree = ast.parse(text)
+    top = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            top[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            top.update({t.id: node for t in targets if isinstance(t, ast.Name)})
+    assert function in top and isinstance(top[function], ast.FunctionDef), (
+        f"{where}: {path} defines no function {function}"
+    )
+    seen, todo = set(), [function]
+    while todo:
+        node = top[todo.pop()]
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        used |= {
+            a.arg for n in ast.walk(node) if isinstance(n, ast.FunctionDef) for a in n.args.args
+        }  # fixtures: module-level functions named like them
+        todo += [name for name in used if name in top]
+    return "\n".join(
+        ast.get_source_segment(text, node) or "" for node in tree.body if id(node) in seen
+    )
+
+
+def test_every_run_by_and_checked_by_names_a_test_function_that_exists():
+    found = 0
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            marker = CHECKED_BY.fullmatch(line.strip())  # a line of its own, not prose
+            if marker:
+                source_of_test_function(marker.group(1), f"{_name(page)}:{number}")
+                found += 1
+    assert found
 
 
 # What a "run here" block needs that its page defines in prose, and what it must have done.
@@ -230,3 +280,24 @@ def test_the_site_builds_strictly(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     built = {p.parent.name for p in (tmp_path / "site").rglob("index.html")}
     assert {"data", "checkpoints", "multi_worker", "jax", "scaling"} <= built
+
+
+def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
+    """README's "What runs where" names exactly the suites .ci/run's newest-jax session
+    runs (noxfile.py's CI_NEWEST_JAX_TESTS) and that session's jax."""
+    nox_tree = ast.parse((REPO / "noxfile.py").read_text())
+    listed = next(
+        ast.literal_eval(node.value)
+        for node in nox_tree.body
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") == "CI_NEWEST_JAX_TESTS"
+    )
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "CI_NEWEST_JAX_TESTS" in ci and "$NEWEST_JAX_TESTS" in ci
+    session = re.search(r"JAX_SESSION=\"jax\(python='[\d.]+', jax='([\d.]+)'\)\"", ci)
+    readme = " ".join((REPO / "README.md").read_text().split())
+    sentence = re.search(
+        rf"On jax {re.escape(session.group(1))} \(Python [\d.]+\) CI runs only (.+?)\. ", readme
+    )
+    assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
+    assert re.findall(r"tests/test_\w+\.py", sentence.group(1)) == listed

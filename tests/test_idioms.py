@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, last_json_line, launch_cli, run_python
+from conftest import REPO, SCRIPTS, equivalence, last_json_line, launch_cli, run_python
 
 sys.path.insert(0, str(REPO / "tools"))
 import idiom_table  # noqa: E402
@@ -32,6 +32,27 @@ TOLERANCE = idiom_table.TOLERANCE
 EXPECTED = idiom_table.EXPECTED
 
 
+# What each topology's job must report it ran on (its "_topology"): on JAX no idiom is
+# expected to differ, so a cell that silently ran on one device would pass every idiom.
+TOPOLOGY = {
+    "1 device": {"replicas": 1, "workers": 1, "processes": 1, "local_devices": 1},
+    "2 devices": {"replicas": 2, "workers": 1, "processes": 1, "local_devices": 2},
+    "2 workers": {"replicas": 2, "workers": 2, "processes": 2, "local_devices": 1},
+}
+# What a callback idiom's callback must have done on the reference run (a callback that
+# does nothing would give the same numbers on every topology): its values there.
+ACTED = {
+    # min_delta=10: the first epoch without that improvement stops it (patience 1), of 6.
+    "early_stopping": {"epochs_run": [2]},
+    # halved at each of epochs 2, 3 and 4 (min_delta=10, patience 1): 0.05 / 8.
+    "reduce_lr_on_plateau": {"lr": [0.05 / 8]},
+    # SGD(1e6) gives NaN within the first epoch: 1 of 3 epochs run.
+    "terminate_on_nan": {"epochs_run": [1]},
+    # lr * 0.5 at each of the 2 epochs' start.
+    "learning_rate_scheduler": {"lr": [0.05 / 4]},
+}
+
+
 def _values(stdout: str) -> dict:
     for line in reversed(stdout.splitlines()):
         if "IDIOMS " in line:
@@ -39,28 +60,59 @@ def _values(stdout: str) -> dict:
     pytest.fail(f"the idiom job printed no result:\n{stdout[-3000:]}")
 
 
-@functools.cache
-def _run(backend: str, topology: str) -> dict:
-    env = {"KERAS_BACKEND": backend}
+def run_job(backend: str, topology: str, *idioms: str, **env) -> dict:
+    """The job's result as ``topology`` on ``backend`` (``idioms``: those only; ``env``:
+    e.g. ``TFDIST_TEST_FAULT``)."""
+    env = {"KERAS_BACKEND": backend, **env}
     if topology == "2 workers":
-        proc = launch_cli("-n", "2", str(JOB), timeout=900, **env)
+        proc = launch_cli("-n", "2", str(JOB), *idioms, timeout=900, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return _values(proc.stdout)
     if topology == "2 devices":
         env["TFDIST_CPU_DEVICES"] = "2"
-    code = f"import runpy; runpy.run_path({str(JOB)!r}, run_name='__main__')"
+    code = f"import runpy, sys; sys.argv = {[str(JOB), *idioms]!r}; "
+    code += f"runpy.run_path({str(JOB)!r}, run_name='__main__')"
     return _values(run_python(code, timeout=600, **env).stdout)
 
 
-def _difference(reference: dict, cell: dict) -> float:
-    """The largest difference between the two results' numbers (inf if shapes differ)."""
-    worst = 0.0
-    for key, expected in reference["values"].items():
-        got = cell["values"].get(key)
-        if got is None or len(got) != len(expected):
-            return float("inf")
-        worst = max([worst, *(abs(a - b) for a, b in zip(expected, got, strict=True))])
-    return worst
+@functools.cache
+def _run(backend: str, topology: str) -> dict:
+    return run_job(backend, topology)
+
+
+def check_topology(result: dict, topology: str) -> None:
+    """The job ran on what ``topology`` names."""
+    assert result["_topology"] == TOPOLOGY[topology], (topology, result["_topology"])
+
+
+def check_callback_acted(idiom: str, reference: dict) -> None:
+    """A callback idiom's callback changed the reference run as it should."""
+    if idiom in ACTED:
+        equivalence.assert_close(
+            ACTED[idiom],
+            {key: reference["values"][key] for key in ACTED[idiom]},
+            1e-7,
+            f"{idiom}: the callback did not act on the reference run",
+        )
+
+
+def check_cell(idiom: str, backend: str, topology: str, reference: dict, cell: dict) -> None:
+    """``cell`` (the idiom's result on ``topology``) against the 1-device ``reference``."""
+    expected = idiom_table.expected(idiom, backend, topology)
+    if expected is not None and expected[0] == "error":  # a clear error that says what to do
+        assert "error" in cell and expected[2] in cell["error"], cell
+        return
+    assert "error" not in reference, reference.get("trace")
+    assert not reference["nonfinite"] or idiom == "terminate_on_nan", reference
+    assert "error" not in cell, cell.get("trace")
+    if expected is None:
+        tolerance = TOLERANCE.get(idiom, TOLERANCE["default"])
+        equivalence.assert_close(reference["values"], cell["values"], tolerance, idiom)
+    else:  # "differs": not equal by design (reason in EXPECTED); if it becomes equal,
+        # update the list
+        equivalence.assert_differs(
+            reference["values"], cell["values"], TOLERANCE["default"], expected[1]
+        )
 
 
 @pytest.mark.slow
@@ -70,22 +122,18 @@ def _difference(reference: dict, cell: dict) -> float:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("idiom", IDIOMS)
 def test_idiom_matches_one_device(idiom, backend, topology):
-    expected = idiom_table.expected(idiom, backend, topology)
-    cell = _run(backend, topology)[idiom]
-    if expected is not None and expected[0] == "error":  # a clear error that says what to do
-        assert "error" in cell and expected[2] in cell["error"], cell
-        return
-    reference = _run(backend, "1 device")[idiom]
-    assert "error" not in reference, reference.get("trace")
-    assert not reference["nonfinite"] or idiom == "terminate_on_nan", reference
-    if expected is None:
-        assert "error" not in cell, cell.get("trace")
-        tolerance = TOLERANCE.get(idiom, TOLERANCE["default"])
-        assert _difference(reference, cell) <= tolerance
-    else:  # "differs": not equal by design (reason in EXPECTED); if it becomes equal,
-        # update the list
-        assert "error" not in cell, cell.get("trace")
-        assert _difference(reference, cell) > TOLERANCE["default"], expected[1]
+    result, one = _run(backend, topology), _run(backend, "1 device")
+    check_topology(one, "1 device")
+    check_topology(result, topology)
+    if "error" not in one[idiom]:
+        check_callback_acted(idiom, one[idiom])
+    check_cell(idiom, backend, topology, one[idiom], result[idiom])
+
+
+def test_every_callback_idiom_is_checked_for_acting():
+    groups = idiom_table._descriptions()
+    callbacks = {name for name in IDIOMS if groups[name][0] == "callbacks"}
+    assert callbacks and callbacks == set(ACTED), callbacks ^ set(ACTED)
 
 
 def test_every_idiom_is_in_the_job_and_expectations_name_real_cells():
@@ -147,8 +195,7 @@ def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fi
         ).stdout
     )
     assert "merge_call` called while defining a new graph" in upstream["error"]
-    diff = max(abs(a - b) for a, b in zip(one["weights"], fixed["weights"], strict=True))
-    assert diff < 1e-5
+    equivalence.assert_close(one["weights"], fixed["weights"], 1e-5)
 
 
 _OVERFLOW_ON_ONE_REPLICA = """

@@ -6,10 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
 pytestmark = pytest.mark.jax
 TOL = 1e-5
@@ -29,8 +28,7 @@ def _job(mode: str, devices: int | None = None) -> dict:
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
-    for wa, wb in zip(a["weights"], b["weights"], strict=True):
-        np.testing.assert_allclose(np.array(wb), np.array(wa), atol=TOL, rtol=0)
+    equivalence.assert_close(a["weights"], b["weights"], TOL)
 
 
 @pytest.mark.devices

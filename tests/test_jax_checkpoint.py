@@ -17,10 +17,9 @@ import signal
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line
 
 pytestmark = pytest.mark.jax
 
@@ -74,9 +73,7 @@ def worker_results(proc, worker):
 
 
 def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 def staging_files(directory):

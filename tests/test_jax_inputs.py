@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, last_json_line, launch_cli, run_python
+from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, run_python
 
 pytestmark = pytest.mark.jax
 TOL = 1e-5
@@ -80,20 +80,18 @@ def _assert_same(one: dict[str, dict], other: dict[str, dict]) -> None:
     assert KINDS <= set(other), sorted(KINDS - set(other))
     for kind in sorted(KINDS):
         a, b = one[kind], other[kind]
-        for key in ("history", "metrics", "weights", "predictions"):
-            if key not in a:
-                continue
-            if key == "history":
-                assert set(a[key]) == set(b[key]), kind
-                pairs = [(a[key][name], b[key][name]) for name in sorted(a[key])]
-            elif key == "weights":
-                pairs = list(zip(a[key], b[key], strict=True))
-            else:
-                pairs = [(a[key], b[key])]
-            for expected, got in pairs:
-                np.testing.assert_allclose(
-                    np.array(got), np.array(expected), atol=TOL, rtol=0, err_msg=f"{kind} {key}"
-                )
+        keys = [key for key in ("history", "metrics", "weights", "predictions") if key in a]
+        assert keys, kind
+        equivalence.assert_close(
+            {key: a[key] for key in keys}, {key: b.get(key, {}) for key in keys}, TOL, kind
+        )
+
+
+def _assert_topology(results: dict[str, dict], replicas: int, processes: int, devices: int):
+    """The run's "setup" line: the replicas, processes and devices it ran on."""
+    setup = results["setup"]
+    got = (setup["replicas"], setup["processes"], setup["devices"])
+    assert got == (replicas, processes, devices), setup
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +104,9 @@ def one_device():
         "process": 0,
         "applied": ["keras_jax_multi_process_inputs", "keras_jax_multi_process_predict"],
         "share": None,
+        "replicas": 1,
+        "processes": 1,
+        "devices": 1,
     }
     loss = results["numpy"]["history"]["loss"]
     assert loss[-1] < loss[0]  # it trained
@@ -120,6 +121,7 @@ def one_device():
 @pytest.mark.slow
 def test_four_devices_in_one_process_match_one_device(one_device):
     four = _one_process(4)
+    _assert_topology(four, replicas=4, processes=1, devices=4)
     assert four["setup"]["share"] is None  # one process: upstream's inputs
     _assert_same(one_device, four)
 
@@ -132,6 +134,7 @@ def test_two_processes_match_one_device_for_every_input_kind(one_device):
     fails with the counts on every process."""
     results = _two_processes()
     for process in (0, 1):
+        _assert_topology(results[process], replicas=4, processes=2, devices=4)
         # Process p feeds part p of 2 of every batch, which 4 replicas split.
         assert results[process]["setup"]["share"] == [process, 2, 4]
         _assert_same(one_device, results[process])

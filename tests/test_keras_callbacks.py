@@ -28,7 +28,7 @@ import pytest
 from tfdist import _private, compat, saving
 from tfdist.compat import chief_writes, registry
 
-from conftest import SCRIPTS, child_env, last_json_line, launch_cli
+from conftest import SCRIPTS, child_env, equivalence, last_json_line, launch_cli
 
 TOL = 1e-5
 JOB = str(SCRIPTS / "keras_callbacks_job.py")
@@ -77,9 +77,7 @@ def normalized(files: dict) -> dict:
 
 
 def max_diff(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 def assert_like_one_process(results: dict[int, dict], reference: dict, variant: str) -> None:

@@ -27,7 +27,7 @@ from tfdist.config import ConfigError
 from tfdist.launch import LaunchOptions, Outcome, network, supervise
 from tfdist.launch.supervise import Phase
 
-from conftest import REPO, child_env
+from conftest import REPO, child_env, launch_cli
 
 # Every worker script starts with this: who am I, and a line the tests can wait for.
 HEADER = """\
@@ -776,3 +776,27 @@ def test_firewall_print_admits_the_job_hosts_only(capsys):
     assert "tcp dport { 23456, 23457 } reject with tcp reset" in rules
     assert main(["launch", "-n", "2", "--firewall", "print", "t.py"]) == 2
     assert "--firewall print needs fixed ports" in capsys.readouterr().err
+
+
+def test_a_module_target_runs_as_python_m_in_every_worker(tmp_path):
+    """The README's ``tfdist launch -n 2 -m mypkg.train``: each worker runs the module as
+    ``__main__`` with its own arguments and its own task."""
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        "import json, os, sys\n"
+        "task = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "print(json.dumps({'name': __name__, 'argv': sys.argv[1:], 'task': task}))\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    proc = launch_cli("-n", "2", "-m", "mypkg.train", "--epochs", "3", PYTHONPATH=path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = {}
+    for line in proc.stdout.splitlines():
+        prefix, _, rest = line.partition(" ")
+        if rest.startswith("{"):
+            found[prefix] = json.loads(rest)
+    assert found == {
+        f"[w{i}]": {"name": "__main__", "argv": ["--epochs", "3"], "task": i} for i in (0, 1)
+    }, proc.stdout[-3000:]

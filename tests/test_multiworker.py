@@ -17,36 +17,24 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tfdist import launch
 from tfdist.backends import tensorflow as strategy_mod
 from tfdist.config import MultiWorkerTimeouts
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, launch_cli, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 
 FLAGS = ["--validation", "--evaluate", "--predict", "--accumulate", "2"]
 COMPARED = ("weights", "loss", "val_loss", "val_mae", "evaluate", "predict")
 COMPARED += ("accumulated_weights", "accumulated_loss")
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
-    .expanduser()
-    .joinpath("mnist")
-    .is_dir()
-)
 
 
 def assert_same(result: dict, reference: dict) -> None:
-    for key in COMPARED:
-        a, b = reference[key], result[key]
-        if key.endswith("weights"):
-            for u, v in zip(a, b, strict=True):
-                np.testing.assert_allclose(np.array(v), np.array(u), atol=1e-5, rtol=0)
-        else:
-            np.testing.assert_allclose(np.array(b), np.array(a), atol=1e-5, rtol=0, err_msg=key)
+    equivalence.assert_close(
+        {key: reference[key] for key in COMPARED}, {key: result[key] for key in COMPARED}, 1e-5
+    )
 
 
 def worker_results(proc: subprocess.CompletedProcess) -> dict[str, dict]:
@@ -214,7 +202,7 @@ def test_a_slurm_step_picks_multi_worker_and_trains_the_same(reference):
 
 @pytest.mark.multiworker
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_official_tutorial_main_trains_3_epochs_on_both_workers():
     closed = "http://127.0.0.1:9"  # any download attempt fails at once, on loopback
     proc = launch_cli(

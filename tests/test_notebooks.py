@@ -24,12 +24,6 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
-    .expanduser()
-    .joinpath("mnist")
-    .is_dir()
-)
 
 # Small values that keep each notebook to a minute or two on 2 CPU cores.
 OVERRIDES = {
@@ -104,7 +98,7 @@ def _execute(path: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 @pytest.mark.parametrize(
     "path",
     [pytest.param(p, marks=[pytest.mark.jax] if "jax" in p.stem else []) for p in NOTEBOOKS],

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from conftest import REPO, child_env
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not os.environ.get("TFDS_DATA_DIR"), reason="needs MNIST (TFDS_DATA_DIR)"),
+    pytest.mark.mnist,
 ]
 
 RESULT = re.compile(r"replicas=(\d+) global_batch=(\d+) accuracy=([0-9.]+)")

@@ -22,13 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import slurm_cluster
 
 from tfdist import cluster, config, process, startup
 
-from conftest import REPO, SCRIPTS, child_env
+from conftest import REPO, SCRIPTS, child_env, equivalence
 
 TRAIN = SCRIPTS / "slurm_train.py"
 DOCS = REPO / "docs" / "multi_worker.md"
@@ -162,9 +161,7 @@ def first_steps(text: str) -> list[dict]:
 
 
 def max_diff(a, b) -> float:
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 def one_process(script: Path, workdir: Path, *args: str, **env) -> dict:

@@ -10,10 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
 
 def test_import_tfdist_installs_hooks_without_importing_tensorflow():
@@ -88,12 +87,12 @@ def _tutorial(n_devices: int | None = None) -> dict:
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
-    for wa, wb in zip(a["weights"], b["weights"], strict=True):
-        np.testing.assert_allclose(np.array(wb), np.array(wa), atol=1e-5, rtol=0)
+    equivalence.assert_close(a["weights"], b["weights"], 1e-5)
 
 
 @pytest.mark.devices
 @pytest.mark.slow
+@pytest.mark.mnist
 def test_tutorial_order_gives_the_same_weights_on_1_device_2_devices_and_2_workers():
     one = _tutorial()
     two = _tutorial(2)

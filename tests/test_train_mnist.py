@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,13 +16,6 @@ from tfdist.config import ConfigError
 from tfdist.examples import job, mnist
 
 from conftest import child_env
-
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets"))
-    .expanduser()
-    .joinpath("mnist")
-    .is_dir()
-)
 
 
 def parse(*argv):
@@ -156,7 +148,7 @@ def _job(tmp_path, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
     ckpt = tmp_path / "run" / "ckpt"
     job = subprocess.Popen(
@@ -225,7 +217,7 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
 
 @pytest.mark.jax
 @pytest.mark.slow
-@pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (set TFDS_DATA_DIR)")
+@pytest.mark.mnist
 def test_backend_jax_trains_the_same_job(tmp_path):
     argv = _job(tmp_path, "--backend", "jax")
     argv[argv.index("2")] = "1"  # one epoch: this checks the backend, not the accuracy

@@ -9,7 +9,6 @@ metrics give the one-device values.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
@@ -18,13 +17,11 @@ import tensorflow as tf
 
 from tfdist.compat import sharding, tf_fixes
 
-from conftest import SCRIPTS, launch_cli
-
-TFDS_DIR = Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser()
+from conftest import MNIST_DIR, SCRIPTS, launch_cli
 
 
 def launch(*argv: str, **env) -> subprocess.CompletedProcess:
-    return launch_cli("-n", "2", *argv, timeout=400, TFDS_DATA_DIR=str(TFDS_DIR), **env)
+    return launch_cli("-n", "2", *argv, timeout=400, TFDS_DATA_DIR=str(MNIST_DIR), **env)
 
 
 def results(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -97,6 +94,7 @@ def assert_each_worker_sees_its_share(workers: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.mnist
 def test_tutorial_pipeline_on_tfds_mnist_is_sharded_by_data_across_workers(tmp_path):
     proc = launch(str(SCRIPTS / "mw_user_sharding.py"), "mnist", str(tmp_path))
     workers = results(proc)

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+import equivalence
 import numpy as np
 
 import tfdist
@@ -44,9 +45,7 @@ def optimizer_state(model):
 
 
 def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b, strict=True)
-    )
+    return equivalence.max_difference(a, b)
 
 
 def save(out):

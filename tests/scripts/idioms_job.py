@@ -10,20 +10,33 @@ numpy generator: no framework RNG decides them), trains with the same GLOBAL bat
 returns the numbers one device would give: final weights, plus what the idiom decides
 (epochs run, learning rate, predictions, losses). Prints one JSON line on the chief:
 ``{idiom: {"values": {...}} or {"error": "Type: message"}}``. ``IDIOMS`` is the list
-tests/test_idioms.py and the README's idiom table are made from.
+tests/test_idioms.py and the README's idiom table are made from. ``_topology`` reports
+what the job ran on (replicas, workers, processes, this process's devices).
+
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py) injects a fault the tests must catch:
+``nan`` (a NaN in the reported weights), ``one_device`` (runs on one device whatever
+``TFDIST_CPU_DEVICES`` says), ``inert_callback`` (the callback idioms' callbacks do nothing).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import traceback
+from pathlib import Path
 
-import keras
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
 
 BATCH = 16  # the global batch everywhere
 N = 64
@@ -81,7 +94,15 @@ def classifier(optimizer=None):
 
 
 def weights(model) -> list[float]:
-    return [float(v) for w in model.get_weights() for v in np.ravel(w)]
+    values = [float(v) for w in model.get_weights() for v in np.ravel(w)]
+    if faults.active("nan"):
+        values[0] = float("nan")
+    return values
+
+
+def callback(made):
+    """The callback the idiom uses (one that does nothing under the inert_callback fault)."""
+    return keras.callbacks.Callback() if faults.active("inert_callback") else made
 
 
 def losses(history) -> list[float]:
@@ -238,7 +259,7 @@ def early_stopping():
     model = regression(lambda: keras.optimizers.SGD(0.2))
     stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1)
     history = model.fit(
-        X, Y, batch_size=BATCH, epochs=6, shuffle=False, verbose=0, callbacks=[stop]
+        X, Y, batch_size=BATCH, epochs=6, shuffle=False, verbose=0, callbacks=[callback(stop)]
     )
     return {"weights": weights(model), "epochs_run": [len(history.history["loss"])]}
 
@@ -248,7 +269,9 @@ def reduce_lr_on_plateau():
     plateau = keras.callbacks.ReduceLROnPlateau(
         monitor="loss", min_delta=10.0, patience=1, factor=0.5
     )
-    model.fit(X, Y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[plateau])
+    model.fit(
+        X, Y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[callback(plateau)]
+    )
     return {
         "weights": weights(model),
         "lr": [float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))],
@@ -264,7 +287,7 @@ def terminate_on_nan():
         epochs=3,
         shuffle=False,
         verbose=0,
-        callbacks=[keras.callbacks.TerminateOnNaN()],
+        callbacks=[callback(keras.callbacks.TerminateOnNaN())],
     )
     return {"epochs_run": [len(history.history["loss"])]}
 
@@ -272,7 +295,15 @@ def terminate_on_nan():
 def learning_rate_scheduler():
     model = regression()
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)
-    model.fit(X, Y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=[schedule])
+    model.fit(
+        X,
+        Y,
+        batch_size=BATCH,
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback(schedule)],
+    )
     return {
         "weights": weights(model),
         "lr": [float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))],
@@ -549,6 +580,26 @@ IDIOMS = {
 }
 
 
+def topology() -> dict:
+    """What this run trained on: replicas, workers, processes and this process's devices."""
+    if BACKEND == "jax":
+        import jax
+
+        processes, local = jax.process_count(), jax.local_device_count()
+    else:
+        processes = tfdist.num_workers()
+        try:
+            local = len(tfdist.strategy().extended.worker_devices)
+        except RuntimeError:  # the default strategy: one device
+            local = 1
+    return {
+        "replicas": tfdist.num_replicas(),
+        "workers": tfdist.num_workers(),
+        "processes": processes,
+        "local_devices": local,
+    }
+
+
 def run(names) -> dict:
     results = {}
     for name in names:
@@ -568,6 +619,6 @@ def run(names) -> dict:
 if __name__ == "__main__":
     chosen = sys.argv[1:] or list(IDIOMS)
     out = run(chosen)
-    out["_topology"] = {"replicas": tfdist.num_replicas(), "workers": tfdist.num_workers()}
+    out["_topology"] = topology()
     if tfdist.is_chief():
         print("IDIOMS " + json.dumps(out), flush=True)

@@ -14,6 +14,7 @@ import json
 import random
 import sys
 
+import jax
 import keras
 import numpy as np
 import tensorflow as tf
@@ -132,6 +133,10 @@ def main(mode):
         "setup",
         applied=[name for name in compat.applied() if name in fixes],
         share=None if share is None else [share.index, share.parts, share.replicas],
+        # what it runs on: data-parallel replicas, processes, devices (every process's)
+        replicas=tfdist.num_replicas(),
+        processes=jax.process_count(),
+        devices=jax.device_count(),
     )
     model = build()
     initial = model.get_weights()

@@ -37,6 +37,7 @@ import shutil
 import signal
 import tempfile
 
+import equivalence
 import numpy as np
 import tensorflow as tf
 
@@ -236,9 +237,7 @@ def loads(path, final):
             return json.load(f)
     else:
         return os.path.getsize(path) > 0
-    return max(
-        float(np.max(np.abs(a - np.asarray(b)))) for a, b in zip(weights, final, strict=True)
-    )
+    return equivalence.max_difference(final, weights)
 
 
 def inspect(variant, result):

@@ -24,6 +24,7 @@ import json
 import os
 import sys
 
+import equivalence
 import numpy as np
 import tensorflow as tf
 
@@ -81,8 +82,8 @@ def failure(fn):
 
 
 def max_diff(a, b):
-    flat = [np.ravel(np.asarray(v, dtype=float)) for v in (a, b)]
-    return float(np.max(np.abs(flat[0] - flat[1])))
+    """Raveled (evaluate's scalars and lists), through the one comparison."""
+    return equivalence.max_difference(*(np.ravel(np.asarray(v, dtype=float)) for v in (a, b)))
 
 
 errors = {"unfixed": failure(lambda: train(in_scope()))}
@@ -108,15 +109,12 @@ ref_history = train(reference, validation_data=(x_val, y_val))
 ref_accumulating = build(accumulate=2)
 train(ref_accumulating)
 diffs = {
-    "weights": max(
-        max_diff(a, b) for a, b in zip(model.get_weights(), reference.get_weights(), strict=True)
-    ),
-    "history": max(max_diff(history.history[k], ref_history.history[k]) for k in history.history),
+    "weights": equivalence.max_difference(reference.get_weights(), model.get_weights()),
+    "history": equivalence.max_difference(ref_history, history),
     "evaluate": max_diff(evaluated, reference.evaluate(x_val, y_val, batch_size=32, verbose=0)),
     "predict": max_diff(predicted, reference.predict(x_val, batch_size=32, verbose=0)),
-    "accumulated_weights": max(
-        max_diff(a, b)
-        for a, b in zip(accumulating.get_weights(), ref_accumulating.get_weights(), strict=True)
+    "accumulated_weights": equivalence.max_difference(
+        ref_accumulating.get_weights(), accumulating.get_weights()
     ),
 }
 print(

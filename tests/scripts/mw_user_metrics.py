@@ -13,6 +13,7 @@ difference from the one-device run in history, evaluation and weights.
 
 import json
 
+import equivalence
 import numpy as np
 import tensorflow as tf
 
@@ -122,8 +123,9 @@ def run(model):
     return history.history, logs, model.get_weights()
 
 
-def max_diff(a, b):
-    return float(np.max(np.abs(np.ravel(np.asarray(a, float)) - np.ravel(np.asarray(b, float)))))
+def raveled(logs: dict) -> dict:
+    """Each logged value as a 1-d array (a scalar and a 1-element list compare alike)."""
+    return {k: np.ravel(np.asarray(v, dtype=float)) for k, v in logs.items()}
 
 
 def compare(kind):
@@ -140,10 +142,13 @@ def compare(kind):
         # compute_loss() returns the loss scaled by 1/replicas under any strategy (for
         # the gradient), so a custom train_step's tracker records it scaled, upstream
         # too on one machine: compared as a ratio, the rest as values.
-        "history": max(max_diff(history[k], ref_history[k]) for k in ref_history if k != "loss"),
+        "history": equivalence.max_difference(
+            {k: v for k, v in ref_history.items() if k != "loss"},
+            {k: v for k, v in history.items() if k != "loss"},
+        ),
         "loss_ratio": float(np.mean(np.array(history["loss"]) / np.array(ref_history["loss"]))),
-        "evaluate": max(max_diff(logs[k], ref_logs[k]) for k in ref_logs),
-        "weights": max(max_diff(a, b) for a, b in zip(weights, ref_weights, strict=True)),
+        "evaluate": equivalence.max_difference(raveled(ref_logs), raveled(logs)),
+        "weights": equivalence.max_difference(ref_weights, weights),
         "tp": ref_logs.get("tp"),
     }
 

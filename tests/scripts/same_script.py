@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+import equivalence
 import numpy as np
 
 import tfdist
@@ -83,10 +84,7 @@ print(
             "workers": tfdist.num_workers(),
             "chief": tfdist.is_chief(),
             "steps": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
-            "loaded_diff": max(
-                float(np.max(np.abs(a - b)))
-                for a, b in zip(loaded.get_weights(), weights, strict=True)
-            ),
+            "loaded_diff": equivalence.max_difference(weights, loaded.get_weights()),
             "weights": [w.tolist() for w in weights],
         }
     ),

@@ -15,12 +15,16 @@ import os
 import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import keras
 import numpy as np
 from keras import distribution as kd
 
 import tfdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import equivalence  # noqa: E402
 
 EPOCHS, GLOBAL_BATCH, EXAMPLES = 2, 32, 256  # 8 steps an epoch, 16 in all
 rng = np.random.default_rng(0)
@@ -91,9 +95,7 @@ def fit(directory, shape=(2, 2), stop=None, max_to_keep=5, build_fn=build):
 
 
 def diff(a, b):
-    return max(
-        float(np.max(np.abs(p - q))) for p, q in zip(a.get_weights(), b.get_weights(), strict=True)
-    )
+    return equivalence.max_difference(a.get_weights(), b.get_weights())
 
 
 def names(directory):

@@ -13,6 +13,7 @@ SavedModel on TensorFlow); no staging object is left behind. Both Keras backends
 import json
 import tempfile
 
+import equivalence
 import fsspec
 import keras
 import numpy as np
@@ -71,10 +72,7 @@ reference, _ = fit(tempfile.mkdtemp(prefix="storage-job-"))
 fit(URL, StopAfter(13))  # checkpoints at steps 5 and 10 (epoch 1, batch 2)
 after_stop = names()
 resumed_model, resumed = fit(URL)
-diff = max(
-    float(np.max(np.abs(a - b)))
-    for a, b in zip(resumed_model.get_weights(), reference.get_weights(), strict=True)
-)
+diff = equivalence.max_difference(reference.get_weights(), resumed_model.get_weights())
 after_resume = names()
 
 # Damage the newest: truncate it in the store; the next restore falls back.
@@ -88,17 +86,15 @@ saved = tfdist.save(reference, "memory://bucket/models/model.keras")
 loaded = tfdist.load(saved)
 tfdist.save(reference, "memory://bucket/models/model.weights.h5")
 into = tfdist.load("memory://bucket/models/model.weights.h5", model=build())
-round_trip = max(
-    float(np.max(np.abs(a - b)))
-    for m in (loaded, into)
-    for a, b in zip(m.get_weights(), reference.get_weights(), strict=True)
+round_trip = equivalence.max_difference(
+    [reference.get_weights()] * 2, [loaded.get_weights(), into.get_weights()]
 )
 served_diff = None
 if keras.backend.backend() == "tensorflow":  # a SavedModel directory lands file by file
     tfdist.save(reference, "memory://bucket/models/export/1")
     served = tfdist.load("memory://bucket/models/export/1")
     expected = reference.predict(x[:4], verbose=0)
-    served_diff = float(np.max(np.abs(np.asarray(served.serve(x[:4])) - expected)))
+    served_diff = equivalence.max_difference(expected, served.serve(x[:4]))
 print(
     json.dumps(
         {

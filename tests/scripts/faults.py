@@ -1,0 +1,31 @@
+"""Faults the test jobs can inject, to show that the tests' checks catch them.
+
+``TFDIST_TEST_FAULT`` (read here only, never by tfdist itself) names one fault:
+
+- ``nan``: the job reports a NaN in a model's weights;
+- ``one_device``: the job drops ``TFDIST_CPU_DEVICES`` and runs on one device while the
+  test asked for more;
+- ``inert_callback``: Keras callbacks under test are replaced by ones that do nothing;
+- ``late_resume``: a resumed run starts one optimizer step (and one batch) after the
+  checkpoint it restored.
+
+tests/test_checks_catch_faults.py runs the jobs with each fault and shows the matching
+check fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+KNOWN = ("nan", "one_device", "inert_callback", "late_resume")
+VARIABLE = "TFDIST_TEST_FAULT"
+
+
+def active(name: str) -> bool:
+    """Whether fault ``name`` is injected in this process."""
+    if name not in KNOWN:
+        raise ValueError(f"unknown fault {name!r}; known: {KNOWN}")
+    chosen = os.environ.get(VARIABLE, "")
+    if chosen and chosen not in KNOWN:
+        raise ValueError(f"{VARIABLE}={chosen!r} is not one of {KNOWN}")
+    return chosen == name

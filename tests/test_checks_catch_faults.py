@@ -1,0 +1,170 @@
+"""The tests of the tests: each check of an equivalence fails when its promise breaks.
+
+The comparison every equivalence goes through (tests/scripts/equivalence.py) is checked
+on its own: a NaN, an inf, a missing key, a changed shape. Then the test jobs run with an
+injected fault (``TFDIST_TEST_FAULT``, tests/scripts/faults.py, read only by the jobs)
+and the very checks the equivalence tests use must fail on it, while the same checks
+pass without it:
+
+- ``nan``: a NaN in a cell's weights fails the idiom matrix's comparison;
+- ``one_device``: a "2 devices" cell run on one device fails its topology check (its
+  numbers alone would pass: on JAX no idiom is expected to differ);
+- ``inert_callback``: a callback that does nothing fails the callback-acted check;
+- ``late_resume``: a checkpoint resumed one step late fails the resume test's check.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import test_idioms
+import test_resume_world_size as world_size
+
+from conftest import REPO, SCRIPTS, equivalence
+
+NotEquivalent = equivalence.NotEquivalent
+CALLBACKS = sorted(test_idioms.ACTED)
+BACKEND = "jax"  # the backend where no idiom is expected to differ between topologies
+IDIOM = "numpy_batch_size"
+
+
+# ------------------------------------------------------------------ the comparison
+
+
+def test_a_nan_after_a_smaller_difference_is_not_dropped():
+    # The hole: max([0.0, nan]) is 0.0 in Python.
+    assert max([0.0, float("nan")]) == 0.0
+    with pytest.raises(NotEquivalent, match=r"w: 1 non-finite value\(s\) in the result"):
+        equivalence.assert_close({"w": [1.0, 2.0]}, {"w": [1.0, float("nan")]}, 1e-5)
+    with pytest.raises(NotEquivalent, match="in the reference"):
+        equivalence.max_difference([np.array([np.inf])], [np.array([1.0])])
+    with pytest.raises(NotEquivalent, match="non-finite"):  # NaN on both sides is no match
+        equivalence.max_difference({"a": float("nan")}, {"a": float("nan")})
+    with pytest.raises(NotEquivalent, match="non-finite"):  # nor a reason to "differ"
+        equivalence.assert_differs({"a": [0.0]}, {"a": [float("nan")]}, 1e-5)
+
+
+def test_a_missing_key_or_a_changed_shape_fails():
+    with pytest.raises(NotEquivalent, match=r"only in the reference \['b'\]"):
+        equivalence.differences({"a": [1.0], "b": [2.0]}, {"a": [1.0]})
+    with pytest.raises(NotEquivalent, match=r"only in the result \['c'\]"):
+        equivalence.differences({"a": [1.0]}, {"a": [1.0], "c": [1.0]})
+    with pytest.raises(NotEquivalent, match=r"shape \(3,\), the reference's \(2,\)"):
+        equivalence.differences({"a": [1.0, 2.0]}, {"a": [1.0, 2.0, 3.0]})
+    weights = [np.zeros((2, 3)), np.zeros(3), np.zeros(1)]  # a model's, one array each
+    with pytest.raises(NotEquivalent, match=r"only in the reference \['\[2\]'\]"):
+        equivalence.differences(weights, weights[:2])
+    with pytest.raises(NotEquivalent, match="nothing to compare"):
+        equivalence.differences({}, {})
+
+
+def test_the_worst_key_and_its_difference_are_reported():
+    class History:  # a keras.callbacks.History's shape
+        history = {"loss": [1.0, 0.5], "val_loss": [2.0, 1.0]}
+
+    other = {"loss": [1.0, 0.5], "val_loss": [2.0, 1.25]}
+    assert equivalence.worst(History(), other) == ("val_loss", 0.25)
+    nested = {"weights": [np.ones((2, 2)), np.ones(2)], "lr": 0.1}
+    changed = {"weights": [np.ones((2, 2)), np.array([1.0, 1.5])], "lr": 0.1}
+    assert equivalence.worst(nested, changed) == ("weights[1]", 0.5)
+    with pytest.raises(NotEquivalent, match=r"weights\[1\] differs by 0.5 > 0.001"):
+        equivalence.assert_close(nested, changed, 1e-3, "cell")
+    assert equivalence.assert_differs(nested, changed, 1e-3) == 0.5
+    with pytest.raises(NotEquivalent, match="expected a difference"):
+        equivalence.assert_differs(nested, nested, 1e-3)
+
+
+def test_differences_a_job_printed_fail_when_one_is_missing_or_not_finite():
+    assert equivalence.assert_within({"a": 1e-7, "b": 0.0}, 1e-5) == "a"
+    with pytest.raises(NotEquivalent, match="b differs by 0.1"):
+        equivalence.assert_within({"a": 0.0, "b": 0.1}, 1e-5)
+    for bad in (float("nan"), float("inf"), None):
+        with pytest.raises(NotEquivalent, match="not a finite number"):
+            equivalence.assert_within({"a": 0.0, "b": bad}, 1e-5)
+    with pytest.raises(NotEquivalent, match="no differences"):
+        equivalence.assert_within({}, 1e-5)
+
+
+def test_tfdist_itself_reads_no_test_fault():
+    found = subprocess.run(
+        ["grep", "-rl", "TFDIST_TEST_FAULT", str(REPO / "tfdist")], capture_output=True, text=True
+    )
+    assert found.returncode == 1 and not found.stdout, found.stdout
+    assert "TFDIST_TEST_FAULT" in (SCRIPTS / "faults.py").read_text()
+
+
+# ------------------------------------------------------------------ injected faults
+
+
+@pytest.fixture(scope="module")
+def idiom_runs() -> dict[str, dict]:
+    """The idiom job on JAX: a clean reference, and a run per fault (2 at a time)."""
+    jobs = {
+        "reference": ("1 device", [IDIOM, *CALLBACKS], {}),
+        "nan": ("2 devices", [IDIOM], {"TFDIST_TEST_FAULT": "nan"}),
+        "one_device": ("2 devices", [IDIOM], {"TFDIST_TEST_FAULT": "one_device"}),
+        "inert_callback": ("1 device", CALLBACKS, {"TFDIST_TEST_FAULT": "inert_callback"}),
+    }
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(test_idioms.run_job, BACKEND, topology, *idioms, **env)
+            for name, (topology, idioms, env) in jobs.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+def test_a_nan_in_a_cells_weights_fails_the_idiom_comparison(idiom_runs):
+    reference, cell = idiom_runs["reference"], idiom_runs["nan"]
+    test_idioms.check_topology(reference, "1 device")
+    test_idioms.check_topology(cell, "2 devices")  # it did run on 2 devices
+    with pytest.raises(NotEquivalent, match=r"weights: 1 non-finite value\(s\) in the result"):
+        test_idioms.check_cell(IDIOM, BACKEND, "2 devices", reference[IDIOM], cell[IDIOM])
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+def test_a_cell_run_on_one_device_fails_the_topology_check(idiom_runs):
+    reference, cell = idiom_runs["reference"], idiom_runs["one_device"]
+    # Its numbers pass (one device gives one device's numbers): only the topology tells.
+    test_idioms.check_cell(IDIOM, BACKEND, "2 devices", reference[IDIOM], cell[IDIOM])
+    with pytest.raises(AssertionError, match="2 devices"):
+        test_idioms.check_topology(cell, "2 devices")
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+@pytest.mark.parametrize("idiom", CALLBACKS)
+def test_an_inert_callback_fails_the_callback_acted_check(idiom_runs, idiom):
+    test_idioms.check_callback_acted(idiom, idiom_runs["reference"][idiom])
+    inert = idiom_runs["inert_callback"][idiom]
+    with pytest.raises(NotEquivalent, match="the callback did not act"):
+        test_idioms.check_callback_acted(idiom, inert)
+
+
+@pytest.mark.devices
+def test_a_checkpoint_resumed_one_step_late_fails_the_resume_check(tmp_path):
+    run = world_size.run_job
+    reference = run(tmp_path / "reference", "1")
+    died = run(tmp_path / "died", "1", "--die-after-step", str(world_size.DIE_AFTER))
+    world_size.check_died(died, "1")
+    shutil.copytree(tmp_path / "died", tmp_path / "late")
+    world_size.check_resumed(run(tmp_path / "died", "1"), "1", reference)  # without the fault
+    late = run(tmp_path / "late", "1", TFDIST_TEST_FAULT="late_resume")
+    assert late["resumed_step"] == 10 and late["steps"] == 24  # the counts look right
+    with pytest.raises(NotEquivalent, match="differs by"):
+        world_size.check_resumed(late, "1", reference)
+
+
+def test_the_mnist_rule_is_only_conftests():
+    """Every test that reads MNIST says so with @pytest.mark.mnist (tests/conftest.py
+    skips it, or fails it in CI); no test file guards MNIST its own way."""
+    for path in sorted((REPO / "tests").glob("test_*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            guard = "skipif" in line or "pytest.skip(" in line
+            assert not (guard and ("MNIST" in line or "TFDS" in line)), f"{path.name}:{number}"
