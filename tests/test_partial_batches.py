@@ -21,22 +21,15 @@ from __future__ import annotations
 
 import functools
 import json
-import math
-import os
 import re
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, SCRIPTS, launch_cli, run_python
+from conftest import REPO, SCRIPTS, equivalence, launch_cli, run_python
 
 JOB = SCRIPTS / "partial_batch_job.py"
 TOLERANCE = 1e-5
 FIXES = "keras_partial_batch_loss_weights,tf_distribute_partial_batch_evenly"
-MNIST_ON_DISK = (
-    Path(os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser() / "mnist"
-).is_dir()
-needs_mnist = pytest.mark.skipif(not MNIST_ON_DISK, reason="needs MNIST on disk (TFDS_DATA_DIR)")
 TOPOLOGIES = {
     "2 devices": {"replicas": 2, "workers": 1},
     "2 workers": {"replicas": 2, "workers": 2},
@@ -93,24 +86,6 @@ def _matrix(backend: str, topology: str) -> dict:
     return _run(topology, *(JAX_CASES if backend == "jax" else ()), backend=backend)
 
 
-def _worst(reference: dict, cell: dict) -> tuple[float, str]:
-    """The largest difference between two cases' numbers and where; inf for a missing key,
-    a length change or a non-finite number on either side."""
-    worst, where = 0.0, ""
-    for key, expected in reference.items():
-        got = cell.get(key)
-        expected = expected if isinstance(expected, list) else [expected]
-        got = got if isinstance(got, list) else [got]
-        if len(got) != len(expected):
-            return math.inf, f"{key}: {len(expected)} values, got {len(got)}"
-        for a, b in zip(expected, got, strict=True):
-            if b is None or not (math.isfinite(a) and math.isfinite(b)):
-                return math.inf, f"{key}: non-finite {a} / {b}"
-            if abs(a - b) > worst:
-                worst, where = abs(a - b), key
-    return worst, where
-
-
 def _assert_equal_to_one_device(reference: dict, cell: dict, errors: tuple = ()) -> None:
     """Every case equal to one device; those whose name starts with one of ``errors``
     must instead fail with ``ODD_ERROR``."""
@@ -125,9 +100,10 @@ def _assert_equal_to_one_device(reference: dict, cell: dict, errors: tuple = ())
         if "error" in got:
             failures.append(f"{name}: {got['error']}")
             continue
-        worst, where = _worst(expected["values"], got["values"])
-        if not worst <= TOLERANCE:
-            failures.append(f"{name}: {worst:.3g} at {where}")
+        try:
+            equivalence.assert_close(expected["values"], got["values"], TOLERANCE, name)
+        except equivalence.NotEquivalent as difference:
+            failures.append(str(difference))
     assert not failures, "\n".join(failures)
 
 
@@ -161,7 +137,7 @@ def _tutorial(topology: str, backend: str = "tensorflow") -> dict:
     }
 
 
-@needs_mnist
+@pytest.mark.mnist
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.multiworker
@@ -178,7 +154,7 @@ def test_mnist_tutorial_at_every_size_matches_one_device(backend, topology):
     _assert_equal_to_one_device(reference, cell)
 
 
-@needs_mnist
+@pytest.mark.mnist
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure(
@@ -187,8 +163,8 @@ def test_mnist_tutorial_at_every_size_matches_one_device(backend, topology):
 def test_tutorial_upstream_failures_without_the_fixes():
     reference = _tutorial("1 device")["cases"]["tutorial 7000"]["values"]
     unfixed = _run("2 devices", "--tutorial", "7000", TFDIST_COMPAT_EXCLUDE=FIXES)
-    worst, _ = _worst(reference, unfixed["cases"]["tutorial 7000"]["values"])
-    assert worst > 1e-4, f"upstream now weighs a 64 + 24 split right ({worst:.3g})"
+    # upstream weighs the 64 + 24 split wrong (if this fails, upstream got it right)
+    equivalence.assert_differs(reference, unfixed["cases"]["tutorial 7000"]["values"], 1e-4)
     # 56 of 128 -> 56 + 0: oneDNN's MaxPool gradient aborts the process on the empty share
     proc = _run(
         "2 devices",
@@ -217,8 +193,8 @@ def test_jax_processes_upstream_failure_without_the_fix():
     )
     got = unfixed["cases"]["last 12 tf.data"]
     assert "values" in got, got
-    worst, _ = _worst(reference, got["values"])
-    assert worst > 1e-4, f"upstream now feeds a partial batch evenly ({worst:.3g})"
+    # upstream feeds 8 + 4 (if this fails, upstream now feeds a partial batch evenly)
+    equivalence.assert_differs(reference, got["values"], 1e-4)
     for name in cases[1:]:
         error = unfixed["cases"][name].get("error", "")
         assert "batch size of the input dataset is unknown" in error, unfixed["cases"][name]

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 
+import equivalence
 import keras
 import numpy as np
 
@@ -75,12 +76,14 @@ if kill:
 
 
 def compare(what, loaded):
+    """The loaded weights must be the saved ones exactly (tests/scripts/equivalence.py)."""
     global worst
-    for a, b in zip(model.get_weights(), loaded, strict=True):
-        difference = float(np.max(np.abs(a - b)))
-        if not difference == 0.0:
-            failures.append(f"{what}: weights differ by {difference}")
-        worst = max(worst, difference) if np.isfinite(difference) else float("inf")
+    try:
+        difference = equivalence.assert_close(model.get_weights(), loaded, 0.0, what)
+        worst = difference if difference > worst else worst
+    except equivalence.NotEquivalent as error:
+        failures.append(str(error))
+        worst = float("inf")
 
 
 for i in range(rounds):
