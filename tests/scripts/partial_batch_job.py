@@ -41,7 +41,7 @@ def data(examples: int, seed: int = 0):
 
 
 def build(conv: bool):
-    """The same starting weights on every topology, from a numpy generator."""
+    """The same starting weights on every topology (``seeded_classifier``)."""
     with tfdist.scope():
         if conv:  # the tutorials' layers
             layers = [
@@ -52,15 +52,21 @@ def build(conv: bool):
         else:
             layers = [keras.layers.Flatten(), keras.layers.Dense(8, activation="tanh")]
         model = keras.Sequential([keras.Input((6, 6, 1)), *layers, keras.layers.Dense(3)])
-        local = np.random.default_rng(42)
-        model.set_weights(
-            [local.normal(scale=0.3, size=w.shape).astype(w.dtype) for w in model.get_weights()]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.1),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+        return seeded_classifier(model, seed=42, scale=0.3)
+
+
+def seeded_classifier(model, *, seed: int, scale: float):
+    """``model`` with weights drawn from a numpy generator (no framework RNG decides
+    them), compiled as the tutorials' classifier."""
+    local = np.random.default_rng(seed)
+    model.set_weights(
+        [local.normal(scale=scale, size=w.shape).astype(w.dtype) for w in model.get_weights()]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -239,15 +245,7 @@ def tutorial(examples: int, dtype: str) -> dict:
                 keras.layers.Dense(10),
             ]
         )
-        local = np.random.default_rng(7)
-        model.set_weights(
-            [local.normal(scale=0.1, size=w.shape).astype(w.dtype) for w in model.get_weights()]
-        )
-        model.compile(
-            keras.optimizers.SGD(0.1),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+        seeded_classifier(model, seed=7, scale=0.1)
     history = model.fit(ds, epochs=1, verbose=0)
     keras.config.set_floatx("float32")
     values = {f"weight {i}": w.ravel().tolist() for i, w in enumerate(model.get_weights())}
