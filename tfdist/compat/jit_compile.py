@@ -28,9 +28,16 @@ def fix_jit_compile_refused() -> None:
     """Refuses ``jit_compile=True`` for ``fit``/``evaluate`` on several replicas, naming
     ``jit_compile=False``, when Keras builds the step function (before the first step).
 
-    With one replica, ``run_eagerly=True``, or ``jit_compile`` False or ``"auto"``
-    (which Keras resolves to False under a strategy), upstream's function is built
-    unchanged.
+    Upstream's ``_make_function`` wraps the function that calls ``strategy.run`` in
+    ``tf.function(jit_compile=True)``: XLA then owns the whole distributed step and puts
+    it on one device, which cannot reach the other replicas' variables (or, across
+    workers, run CPU collectives), so the first step fails inside the graph after the
+    input pipeline and the workers have started. Refusing it where Keras builds that
+    function turns this into one error, raised on every worker at the same point, that
+    says what to pass instead. With one replica, ``run_eagerly=True``, or
+    ``jit_compile`` False or ``"auto"`` (which Keras resolves to False under a
+    strategy), upstream's function is built unchanged; ``predict`` builds its function
+    elsewhere (each replica's step alone) and is not touched.
     """
 
     def make(original):

@@ -15,9 +15,9 @@ Two upstream defects follow, each fixed here:
 * ``tf_distribute_partial_batch_evenly``: a replica handed no example aborts the process
   in oneDNN's MaxPool gradient (``Check failed: dtype() == expected_dtype``; an empty
   batch does so on one device too) and, with a Conv2D + ReLU before it, fails in oneDNN's
-  fused kernels. The fix splits every batch as evenly as it can, so a replica is empty
-  only when the batch has fewer examples than there are replicas (then a model whose
-  kernels cannot take an empty batch still fails there: see docs/data.md).
+  fused kernels. The fix cuts every batch into ``ceil(B / N)``-sized slices (TF's own
+  legacy rebatch), so on 2 replicas a replica is empty only for a batch of 1 (then a
+  model whose kernels cannot take an empty batch still fails there: see docs/data.md).
 
 On JAX a global batch is one array over every device, so one process computes one
 device's loss; with several processes Keras feeds each its part of a ``tf.data`` batch by
@@ -112,29 +112,17 @@ def fix_loss_weights() -> None:
 
 
 def split_evenly(dataset, pieces: int):
-    """Each batch of ``dataset`` as ``pieces`` consecutive slices whose sizes differ by at
-    most one (88 in 2 -> 44 + 44; 5 in 4 -> 2 + 1 + 1 + 1), in order.
+    """Each batch of ``dataset`` as ``pieces`` consecutive slices of ``ceil(size /
+    pieces)`` examples, the last ones shorter (88 in 2 -> 44 + 44, 89 -> 45 + 44): TF's own
+    legacy rebatch, which its auto-sharding between workers knows.
 
     Example:
         >>> import tensorflow as tf
-        >>> ds = split_evenly(tf.data.Dataset.range(5).batch(5), 4)
+        >>> ds = split_evenly(tf.data.Dataset.range(5).batch(5), 2)
         >>> [len(piece) for piece in ds]  # doctest: +SKIP
-        [2, 1, 1, 1]
+        [3, 2]
     """
-    import tensorflow as tf
-
-    def pieces_of(*batch):
-        element = batch[0] if len(batch) == 1 else batch
-        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
-        sizes = size // pieces + tf.cast(tf.range(pieces, dtype=tf.int64) < size % pieces, tf.int64)
-        starts = tf.cumsum(sizes, exclusive=True)
-
-        def piece(start, length):
-            return tf.nest.map_structure(lambda t: t[start : start + length], element)
-
-        return tf.data.Dataset.from_tensor_slices((starts, sizes)).map(piece)
-
-    return dataset.flat_map(pieces_of)
+    return _private.tf_legacy_rebatch(dataset, pieces)
 
 
 def _splittable(dataset) -> bool:
@@ -153,13 +141,13 @@ def fix_even_split() -> None:
     Where ``tf.distribute`` finds the dataset's batch size it rebatches with fixed
     per-replica sizes, so a partial last batch fills the first replicas' shares and
     leaves the last ones short or empty (56 of 128 on 2 replicas -> 56 + 0), and an empty
-    replica aborts oneDNN's MaxPool gradient; where it does not find it, its legacy
-    rebatch splits by ``ceil(B / N)`` (5 on 4 -> 2 + 2 + 1 + 0). The fix hands each
-    replica ``floor(B / N)`` or one more (``split_evenly``), so a replica is empty only
-    when the batch has fewer examples than there are replicas. Full batches are split
-    exactly as upstream does (``B / N`` each, in order); the sharding between workers
-    that follows is upstream's. Datasets whose elements are not dense batched tensors
-    keep upstream's rebatch.
+    replica aborts oneDNN's MaxPool gradient. Where it does not find the batch size it
+    uses its legacy rebatch, which cuts every batch into ``N`` slices of ``ceil(B / N)``
+    (56 -> 28 + 28; on 2 replicas a slice is empty only for a batch of 1; on 4, 5 ->
+    2 + 2 + 1 + 0). The fix takes that path always (``split_evenly``): full batches are
+    cut exactly as before (``B / N`` each, in order), and the sharding between workers
+    that follows is upstream's, which knows this rebatch. Datasets whose elements are not
+    dense batched tensors keep upstream's choice.
     """
 
     def make(original):
@@ -238,8 +226,11 @@ def fix_jax_process_share() -> None:
                 return original(self, dataset)
             import tensorflow as tf
 
+            from tfdist.compat.datasets import keep_epoch_length
+
             parts = process_share(dataset, share.index, share.parts, share.replicas)
-            return parts.prefetch(tf.data.AUTOTUNE)
+            # A length the dataset declared (tfdist.data.pipeline's) stays declared.
+            return keep_epoch_length(dataset, parts.prefetch(tf.data.AUTOTUNE))
 
         return distribute_tf_dataset
 
