@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, child_env
+from conftest import REPO, child_env, last_json_line, run_python
 
 
 def test_unknown_row_is_an_error_naming_the_choices():
@@ -215,3 +215,43 @@ def test_bench_comm_names_its_variants():
     with pytest.raises(ValueError, match=r"unknown variant. Received: name='x'"):
         bc.measure("x")
     assert {"ring", "pack-64k", "pack-256k"} <= set(bc.VARIANTS)
+
+
+_KERAS_ITERATORS = """
+import json
+import keras, numpy as np, tensorflow as tf
+
+made, seen = [], []
+original = tf.data.Dataset.__iter__
+def counted(self):
+    made.append(1)
+    return original(self)
+tf.data.Dataset.__iter__ = counted
+
+def dataset():
+    ds = tf.data.Dataset.range(8).shuffle(8, seed=1)
+    return ds
+
+def record(x):
+    seen.append(int(x))
+    return x
+ds = dataset().map(lambda x: tf.py_function(record, [x], tf.int64)).map(
+    lambda x: (tf.reshape(tf.cast(x, tf.float32), (1,)), tf.reshape(tf.cast(x, tf.float32), (1,))))
+model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(ds.batch(8), epochs=3, verbose=0)
+fit_orders = [seen[i * 8:(i + 1) * 8] for i in range(3)]
+made_by_fit = len(made)
+fresh = dataset()
+orders = [[int(x) for x in fresh] for _ in range(6)]
+print(json.dumps({"made": made_by_fit, "fit": fit_orders, "fresh": orders}))
+"""
+
+
+def test_keras_makes_two_iterators_per_epoch_and_the_unused_one_takes_a_shuffle_order():
+    # docs/benchmarks.md, "The first step of an epoch": what tools/bench_epoch_start.py
+    # counts, and why tfdist does not remove the unused iterator.
+    result = last_json_line(run_python(_KERAS_ITERATORS, timeout=240).stdout)
+    assert result["made"] == 6  # 3 epochs, two each
+    assert result["fit"] == [result["fresh"][0], result["fresh"][2], result["fresh"][4]]
+    assert result["fresh"][1] != result["fresh"][2]  # so the unused order is skipped

@@ -12,7 +12,9 @@ the date inside it; this tool renders those files into the pages' generated bloc
 * docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
   --json tools/recipe_seeds_measured.json``);
 * docs/checkpoints.md: ``tools/sharded_measured.json`` (``python tools/bench_sharded.py
-  --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json``).
+  --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json``) and
+  ``tools/epoch_start_measured.json`` (``python tools/bench_epoch_start.py --json
+  tools/epoch_start_measured.json``).
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -38,6 +40,7 @@ BENCHMARK_RUNS_JSON = TOOLS / "benchmark_runs.json"
 STABLE = 0.15  # a row is stable when its min and max lie within 15 % of its median
 RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
 SHARDED_JSON = TOOLS / "sharded_measured.json"
+EPOCH_START_JSON = TOOLS / "epoch_start_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -156,6 +159,14 @@ def sharded_block(payload: dict) -> list[str]:
     return [f"- {line}" for line in bench_sharded.report(payload).splitlines()]
 
 
+def epoch_start_block(payload: dict) -> list[str]:
+    """The first step of an epoch (what ``tools/bench_epoch_start.py`` writes)."""
+    import bench_epoch_start
+
+    lines = bench_epoch_start.report(payload).splitlines()
+    return [_machine_line(payload["machine"]), "", *(f"- {line}" for line in lines)]
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -172,6 +183,8 @@ def blocks() -> dict[str, tuple[Path, str]]:
     found["recipe seeds (README)"] = (DOCS.parent / "README.md", seeds)
     sharded = sharded_block(json.loads(SHARDED_JSON.read_text()))
     found["sharded checkpoints"] = (DOCS / "checkpoints.md", sharded)
+    epoch_start = epoch_start_block(json.loads(EPOCH_START_JSON.read_text()))
+    found["epoch start"] = (DOCS / "benchmarks.md", epoch_start)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()
