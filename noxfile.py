@@ -68,6 +68,10 @@ CI_NEWEST_JAX_TESTS = [
     "tests/test_fix_guards.py",
     "tests/test_private.py",
     "tests/test_jax_inputs.py",
+    "tests/test_data_jax.py",
+    "tests/test_sharded.py",
+    "tests/test_jax_faults.py",
+    "tests/test_layouts.py",
 ]
 
 nox.options.reuse_existing_virtualenvs = True
