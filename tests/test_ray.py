@@ -47,14 +47,14 @@ WORKER_LINE = re.compile(
 )
 
 
-def docs_code(section: str, language: str = "python") -> str:
-    """The first ``language`` code block of ``section`` in docs/multi_worker.md."""
+def docs_code(section: str, index: int = 0, language: str = "python") -> str:
+    """The ``index``-th ``language`` code block of ``section`` in docs/multi_worker.md."""
     text = DOCS.read_text()
     start = text.index(f"\n## {section}\n")
     end = text.find("\n## ", start + 1)
-    match = re.search(rf"```{language}\n(.*?)```", text[start:end], re.S)
-    assert match, f"docs/multi_worker.md: no {language} block in the {section!r} section"
-    return match.group(1)
+    blocks = re.findall(rf"```{language}\n(.*?)```", text[start:end], re.S)
+    assert len(blocks) > index, f"docs/multi_worker.md: no {language} block {index} in {section!r}"
+    return blocks[index]
 
 
 def _namespace_pids(inode: int) -> list[int]:
@@ -155,18 +155,30 @@ def ray_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_train(tmp_path_factory) -> Path:
-    """The documented Ray Train script, written where drivers and workers import it."""
+    """The documented TensorflowTrainer script."""
     path = tmp_path_factory.mktemp("script") / "ray_train.py"
-    path.write_text(docs_code("Ray Train"))
+    path.write_text(docs_code("Ray Train", 0))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_train_jax(tmp_path_factory) -> Path:
+    """The documented JaxTrainer script."""
+    path = tmp_path_factory.mktemp("script") / "ray_train_jax.py"
+    path.write_text(docs_code("Ray Train", 1))
     return path
 
 
 @pytest.fixture(scope="module")
 def one_device(ray_train, tmp_path_factory) -> dict:
-    """The documented loop in one process without Ray: its final weights."""
-    directory = tmp_path_factory.mktemp("one_device")
+    """The documented TensorFlow loop in one process without Ray: its final weights."""
+    return reference(ray_train, tmp_path_factory.mktemp("one_device"))
+
+
+def reference(script: Path, directory: Path) -> dict:
+    """``script``'s loop in one process without Ray (tests/scripts/ray_reference.py)."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "ray_reference.py"), str(ray_train), str(directory)],
+        [sys.executable, str(SCRIPTS / "ray_reference.py"), str(script), str(directory)],
         env=child_env(PYTHONPATH=str(SCRIPTS)),
         capture_output=True,
         text=True,
@@ -273,4 +285,21 @@ def test_worker_killed_mid_training_resumes_exactly(ray_cluster, ray_train, one_
     assert result["metrics"]["epoch"] == 3
     equivalence.assert_close(
         one_device, archive_weights(Path(result["checkpoint"]) / "ckpt-3.keras"), TOLERANCE
+    )
+
+
+def test_jax_trainer_equals_one_process(ray_cluster, ray_train_jax, tmp_path):
+    """JaxTrainer, 2 CPU workers joined by tfdist from KERAS_DISTRIBUTION_*: one process's
+    model (the reference runs the same loop on JAX alone)."""
+    proc = ray_cluster.driver(ray_train_jax, str(tmp_path / "ray"))
+    lines = collect(proc)
+    one_process = reference(ray_train_jax, tmp_path / "one_process")
+    result = finish(proc, lines)
+    workers = worker_lines(lines)
+    assert sorted((w["worker"], w["workers"], w["replicas"], w["step"]) for w in workers) == [
+        (0, 2, 2, 0),
+        (1, 2, 2, 0),
+    ], "".join(lines)[-4000:]
+    equivalence.assert_close(
+        one_process, archive_weights(Path(result["checkpoint"]) / "ckpt-3.keras"), TOLERANCE
     )
