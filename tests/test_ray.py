@@ -2,8 +2,8 @@
 
 The module starts one Ray cluster (tests/scripts/ray_cluster.py) inside a private network
 namespace whose only interface is loopback, so no port Ray or TensorFlow opens exists
-outside it; Ray's temporary files, its token and the runs' storage live under pytest's
-tmp_path. Every test runs what docs/multi_worker.md's "Ray Train" section tells users to
+outside it; Ray's token and the runs' storage live under pytest's tmp_path, its temporary
+files (sockets: short paths) in a /tmp folder removed at the end. Every test runs what docs/multi_worker.md's "Ray Train" section tells users to
 run (the code block is read from the page) and compares the model with one process
 running the same loop without Ray (tests/scripts/ray_reference.py):
 
@@ -21,20 +21,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import zipfile
 from pathlib import Path
 
+import h5py
 import pytest
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
-
-pytest.importorskip("ray", reason="the ray extra: pip install -e '.[ray]'")
-h5py = pytest.importorskip("h5py")
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
@@ -55,6 +55,52 @@ def docs_code(section: str, index: int = 0, language: str = "python") -> str:
     blocks = re.findall(rf"```{language}\n(.*?)```", text[start:end], re.S)
     assert len(blocks) > index, f"docs/multi_worker.md: no {language} block {index} in {section!r}"
     return blocks[index]
+
+
+# ------------------------------------------------------------------ without a cluster
+
+
+def test_ray_sets_legacy_keras_which_keras_3_alone_cannot_import():
+    """Ray's TensorflowTrainer sets TF_USE_LEGACY_KERAS=1 in every worker. The worker
+    imported TensorFlow before (Ray's own module imports it), so its ``tf.keras`` stays
+    Keras 3; a process it starts inherits the variable, and there, without tf_keras,
+    ``tf.keras`` fails to import."""
+    code = """
+import os, subprocess, sys, importlib.util
+from ray.train.tensorflow import config
+import tensorflow as tf
+config._setup_tensorflow_environment(["127.0.0.1:1", "127.0.0.1:2"], 1)
+print("legacy", os.environ["TF_USE_LEGACY_KERAS"], importlib.util.find_spec("tf_keras"))
+print("worker", tf.keras.layers.Dense.__module__, flush=True)
+child = "import tensorflow as tf; tf.keras.layers.Dense"
+sys.exit(subprocess.run([sys.executable, "-c", child]).returncode)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=240
+    )
+    out = proc.stdout + proc.stderr[-3000:]
+    assert "legacy 1 None" in proc.stdout, out
+    assert "worker keras.src.layers" in proc.stdout, out
+    assert proc.returncode != 0 and "ImportError: Keras cannot be imported" in proc.stderr, out
+
+
+def test_onednn_banner_twice_is_tensorflows_own():
+    """The oneDNN banner a Ray worker shows twice: ``import tensorflow`` alone prints it
+    (if at all) from one process, whatever TF_CPP_MIN_LOG_LEVEL says: not Ray, not tfdist."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tensorflow"],
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    banners = [line for line in proc.stderr.splitlines() if "oneDNN custom operations" in line]
+    pids = {line.split()[2] for line in banners}  # glog's "I0000 00:00:TIME PID file:line]"
+    assert proc.returncode == 0 and len(pids) <= 1, proc.stderr[-3000:]
+    print(f"{len(banners)} banner line(s) from {len(pids)} process(es)")
+
+
+# ------------------------------------------------------------------ the cluster
 
 
 def _namespace_pids(inode: int) -> list[int]:
@@ -81,16 +127,19 @@ class RayCluster:
         except NamespaceUnavailable as err:
             pytest.fail(f"Ray's tests run in a private network namespace: {err}", pytrace=False)
         self.root = root
+        # Ray's sockets live in its temporary folder, and a Unix socket's path must stay
+        # under 108 bytes: pytest's tmp_path (longer under xdist) is too deep for it.
+        self.ray_dir = tempfile.mkdtemp(prefix="tfdist-ray-", dir="/tmp")
         self.env = child_env(
             HOME=root,  # Ray writes its token to ~/.ray/auth_token
-            RAY_TMPDIR=root / "tmp",
+            RAY_TMPDIR=self.ray_dir,
             RAY_AUTH_MODE="token",
             RAY_DEDUP_LOGS="0",  # every worker's lines reach the driver
             RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # the node's address is loopback
             PYTHONPATH=os.pathsep.join([str(SCRIPTS), str(REPO)]),
         )
         self.head = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "ray_cluster.py"), str(root / "ray"), "4"],
+            [sys.executable, str(SCRIPTS / "ray_cluster.py"), self.ray_dir, "4"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(root / "head.log", "w"),  # noqa: SIM115 - closed with the process
@@ -143,6 +192,7 @@ class RayCluster:
                     pass
             time.sleep(0.5)
         self.net.close()
+        shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -236,10 +286,9 @@ def worker_lines(lines: list[str]) -> list[dict]:
     return [dict(zip(keys, values, strict=True)) for values in sorted(found)]
 
 
-def test_tensorflow_trainer_equals_one_device(ray_cluster, ray_train, one_device, tmp_path):
-    proc = ray_cluster.driver(ray_train, str(tmp_path))
-    lines = collect(proc)
-    result = finish(proc, lines)
+def assert_two_workers_equal(reference: dict, result: dict, lines: list[str]) -> None:
+    """Both workers started from step 0 as 1 of 2 workers, 2 replicas, and the run's last
+    checkpoint equals ``reference``."""
     workers = worker_lines(lines)
     assert sorted((w["worker"], w["workers"], w["replicas"], w["step"]) for w in workers) == [
         (0, 2, 2, 0),
@@ -247,8 +296,14 @@ def test_tensorflow_trainer_equals_one_device(ray_cluster, ray_train, one_device
     ], "".join(lines)[-4000:]
     assert result["metrics"]["epoch"] == 3
     equivalence.assert_close(
-        one_device, archive_weights(Path(result["checkpoint"]) / "ckpt-3.keras"), TOLERANCE
+        reference, archive_weights(Path(result["checkpoint"]) / "ckpt-3.keras"), TOLERANCE
     )
+
+
+def test_tensorflow_trainer_equals_one_device(ray_cluster, ray_train, one_device, tmp_path):
+    proc = ray_cluster.driver(ray_train, str(tmp_path))
+    lines = collect(proc)
+    assert_two_workers_equal(one_device, finish(proc, lines), lines)
 
 
 def wait_for_file(
@@ -288,18 +343,11 @@ def test_worker_killed_mid_training_resumes_exactly(ray_cluster, ray_train, one_
     )
 
 
+@pytest.mark.jax
 def test_jax_trainer_equals_one_process(ray_cluster, ray_train_jax, tmp_path):
     """JaxTrainer, 2 CPU workers joined by tfdist from KERAS_DISTRIBUTION_*: one process's
     model (the reference runs the same loop on JAX alone)."""
     proc = ray_cluster.driver(ray_train_jax, str(tmp_path / "ray"))
     lines = collect(proc)
     one_process = reference(ray_train_jax, tmp_path / "one_process")
-    result = finish(proc, lines)
-    workers = worker_lines(lines)
-    assert sorted((w["worker"], w["workers"], w["replicas"], w["step"]) for w in workers) == [
-        (0, 2, 2, 0),
-        (1, 2, 2, 0),
-    ], "".join(lines)[-4000:]
-    equivalence.assert_close(
-        one_process, archive_weights(Path(result["checkpoint"]) / "ckpt-3.keras"), TOLERANCE
-    )
+    assert_two_workers_equal(one_process, finish(proc, lines), lines)
