@@ -55,8 +55,11 @@ setup(
         # Checkpoint directories and save/load paths as URLs (tfdist.storage); add gcsfs
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
+        # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run
+        # tfdist scripts; the test extra installs it so tests/test_ray.py runs in CI.
+        "ray": ["ray[train]>=2.60,<3"],
         "test": [
-            "tfdist[jax,notebooks,docs,remote]",
+            "tfdist[jax,notebooks,docs,remote,ray]",
             "pytest>=7",
             "pytest-timeout",
             "pytest-xdist",
