@@ -19,8 +19,9 @@ changed any more: ``tfdist.scope()`` then fails with an error that says so.
 
 Under the JAX backend nothing here touches TensorFlow: ``TFDIST_CPU_DEVICES`` becomes
 ``JAX_NUM_CPU_DEVICES`` before jax is imported, and a multi-process job (TF_CONFIG or
-``KERAS_DISTRIBUTION_*``, as ``tfdist launch`` sets) calls ``jax.distributed.initialize``
-right after jax is imported, once, with tfdist's timeouts (jax's own default is minutes).
+``KERAS_DISTRIBUTION_*``, as ``tfdist launch`` sets; ``JAX_COORDINATOR_ADDRESS`` /
+``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, as a Kubeflow TrainJob's pods get) calls
+``jax.distributed.initialize`` right after jax is imported, once, with tfdist's timeouts (jax's own default is minutes).
 
 Example:
     >>> from tfdist import startup
@@ -231,6 +232,10 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
         initialization_timeout=int(register),
         heartbeat_timeout_seconds=max(int(timeouts.heartbeat), 1),
         shutdown_timeout_seconds=int(timeouts.shutdown),
+        # Every parameter is given: jax's own detection would only look again, and in a
+        # Kubernetes pod (KUBERNETES_SERVICE_HOST) its K8sCluster queries the API server
+        # for the pod and its Job, which needs RBAC the pod may not have.
+        cluster_detection_method="deactivate",
     )
     joined.set()
     process.state().jax_initialized = True
