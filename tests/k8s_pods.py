@@ -314,17 +314,23 @@ class Cluster:
     def pod(self, name: str) -> Pod:
         return next(p for p in self.pods if p.name == name)
 
-    def kill(self, name: str) -> int:
-        """``kill -9`` of the pod's process (an OOM kill, a crash); returns its pid."""
+    def signal(self, name: str, signum: int) -> int:
+        """Sends ``signum`` to the pod's process (SIGTERM: what kubelet sends a container
+        it stops, on preemption or eviction; SIGKILL: an OOM kill); returns its pid."""
         pid = self.pod(name).proc.pid
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         return pid
 
     def wait_done(self, timeout: float, backoff_limit: int | None = None) -> dict[str, int]:
-        """Waits until every pod succeeded, or the job failed (training-operator's
-        ``PastBackoffLimit``: the pods' restarts together exceed ``backoff_limit``), or
-        ``timeout``; returns each pod's last exit code."""
+        """Waits until every pod succeeded, or the job failed, or ``timeout``; returns each
+        pod's last exit code.
+
+        The job fails as training-operator's ``PastBackoffLimit``
+        (``pkg/controller.v1/common/job.go``) decides: the restart counts of the
+        containers of all its OnFailure/Always pods, summed, reach ``backoff_limit``
+        (``runPolicy.backoffLimit``; any restart when it is 0). None: no limit.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self.lock:
@@ -332,7 +338,7 @@ class Cluster:
                 restarts = sum(p.restarts for p in self.pods)
             if done:
                 break
-            if backoff_limit is not None and restarts > backoff_limit:
+            if backoff_limit is not None and restarts >= max(backoff_limit, 1):
                 self.stop()
                 raise RuntimeError(f"the job failed: {restarts} restarts > {backoff_limit}"
                                    f"{self.log_tails()}")  # fmt: skip

@@ -5,10 +5,11 @@ verbatim): from them tests/k8s_pods.py builds each pod's environment as the oper
 would (a TFJob's ``TF_CONFIG`` with service DNS names; a TrainJob's ``JAX_*`` variables
 and ``JOB_COMPLETION_INDEX``), and runs each pod in its own network, UTS and mount
 namespaces (its host name, its /etc/hosts with the job's DNS names). Each job runs
-tests/scripts/slurm_train.py and ends with the weights of one process. A worker killed
-with ``kill -9`` is restarted as kubelet restarts it (``restartPolicy: OnFailure``),
-the other worker fails through the heartbeat and is restarted too, and the job resumes
-from its checkpoints to the weights of an uninterrupted run.
+tests/scripts/slurm_train.py and ends with the weights of one process. Then a worker
+gets SIGTERM (every worker saves after one agreed step and exits 75) and, in the
+restarted job, ``kill -9`` (the other worker's collectives abort when it comes back);
+kubelet restarts the pods each time (``restartPolicy: OnFailure``, with its back-off),
+and the job resumes from its checkpoints to the weights of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -172,12 +174,13 @@ def test_trainjob_pods_on_jax_train_like_one_process(root_and_ip, reference, tmp
     pods = k8s_pods.trainjob_pods(trainjob)
     assert [p.name for p in pods] == ["mnist-jax-node-0-0", "mnist-jax-node-0-1"]
     assert "TF_CONFIG" not in pods[1].env and pods[1].env["KERAS_BACKEND"] == "jax"
-    cluster, found = run_job(pods, tmp_path, backoff_limit=0)
+    cluster, found = run_job(pods, tmp_path, backoff_limit=None)
     assert sorted(found) == [0, 1], cluster.log_tails()
     for result in found.values():
         assert (result["backend"], result["workers"], result["replicas"]) == ("jax", 2, 2)
         assert result["iterations"] == 64
         equivalence.assert_close(reference("jax")["weights"], result["weights"], TOLERANCE)
+    assert [p.restarts for p in pods] == [0, 0], cluster.log_tails()
     # tfdist gave jax every parameter: jax's own Kubernetes detection never ran
     assert "Kubernetes environment detected" not in cluster.log_tails(100_000)
 
@@ -191,42 +194,64 @@ def first_steps(text: str) -> list[dict]:
     ]
 
 
-def test_tfjob_worker_killed_9_restarts_onfailure_and_resumes_exactly(
+def _wait(probe, timeout: float, what: str, cluster: k8s_pods.Cluster):
+    """Polls ``probe()`` until it is true; fails naming ``what`` with the pods' logs."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s{cluster.log_tails()}"
+        time.sleep(0.1)
+
+
+def _epoch_checkpoints(ckpt: Path, since: float) -> list[Path]:
+    return [p for p in ckpt.glob("ckpt-*.keras") if p.stat().st_mtime > since]
+
+
+def _preempt_then_kill(cluster: k8s_pods.Cluster, ckpt: Path, limit: int) -> dict[str, int]:
+    """SIGTERM to worker 1 early in the first epoch; once the restarted job wrote an epoch
+    checkpoint, ``kill -9`` of worker 1; then waits for the job's end."""
+    pods = cluster.pods
+    _wait(lambda: all(first_steps(cluster.log(p.name)) for p in pods), 240, "first steps", cluster)
+    time.sleep(1.0)
+    cluster.signal("mnist-worker-1", signal.SIGTERM)  # a preempted or evicted pod's container
+    _wait(lambda: all(len(p.exit_codes) >= 1 and p.proc.poll() is None and p.restarts >= 1
+                      for p in pods), 120, "restart after the preemption", cluster)  # fmt: skip
+    restarted = time.time()
+    _wait(lambda: _epoch_checkpoints(ckpt, restarted), 240, "epoch checkpoint", cluster)
+    cluster.signal("mnist-worker-1", signal.SIGKILL)  # an OOM kill, a crash
+    return cluster.wait_done(300, limit)
+
+
+def test_tfjob_preempted_then_killed_9_restarts_onfailure_and_resumes_exactly(
     root_and_ip, reference, tmp_path
 ):
-    """``kill -9`` of worker 1 mid-training (after its first epoch's checkpoint)."""
+    """Worker 1 gets SIGTERM (both save after one agreed step and exit 75), then, in the
+    restarted job, ``kill -9``; kubelet restarts the pods (``OnFailure``) each time."""
     tfjob = manifest("tfjob.yaml", "TFJob")
     pods = k8s_pods.tfjob_pods(tfjob)
-    ckpt = tmp_path / "ckpt"
-    args = ("--step-sleep", "0.15", "--report-first-step")
-    in_pods(pods, ckpt, "--results", str(tmp_path / "results"), *args)
-    limit = tfjob["spec"]["runPolicy"]["backoffLimit"]
+    ckpt, results = tmp_path / "ckpt", tmp_path / "results"
+    in_pods(pods, ckpt, "--results", str(results), "--step-sleep", "0.15", "--report-first-step")
+    start = time.monotonic()
     with k8s_pods.running(pods, host_env(), tmp_path) as cluster:
         cluster.start_all()
-        deadline = time.monotonic() + 240
-        while not all(first_steps(cluster.log(p.name)) for p in pods):
-            assert time.monotonic() < deadline, f"no first step in 240 s{cluster.log_tails()}"
-            assert all(p.proc.poll() is None for p in pods), cluster.log_tails()
-            time.sleep(0.2)
-        time.sleep(4.0)  # past the first epoch's checkpoint (16 steps of >= 0.15 s)
-        assert all(p.proc.poll() is None for p in pods), "the job ended before the kill"
-        cluster.kill("mnist-worker-1")
-        killed = time.monotonic()
-        codes = cluster.wait_done(300, limit)
-        took = time.monotonic() - killed
+        codes = _preempt_then_kill(cluster, ckpt, tfjob["spec"]["runPolicy"]["backoffLimit"])
+    took = time.monotonic() - start
+    exits = [(p.name, p.exit_codes) for p in pods]
     assert set(codes.values()) == {0}, cluster.log_tails()
-    # kubelet restarted the killed worker, and the other one, which lost it (OnFailure).
-    assert pods[1].exit_codes[0] == -9 and all(p.restarts >= 1 for p in pods), [
-        (p.name, p.exit_codes) for p in pods
-    ]
-    found = last_results(tmp_path / "results")
-    assert sorted(found) == [0, 1], cluster.log_tails()
-    restored = {r["restored_step"] for r in found.values()}
-    assert len(restored) == 1 and 0 < restored.pop() < 64, found
-    for result in found.values():
+    # kubelet restarted both pods after each failure: the killed one, and the one that lost it
+    assert pods[1].exit_codes == [75, -9, 0] and pods[0].exit_codes[0] == 75, exits
+    assert pods[0].exit_codes[1] not in (0, 75) and pods[0].exit_codes[-1] == 0, exits
+    preempted = [json.loads((results / f"0-{rank}.json").read_text()) for rank in (0, 1)]
+    step = preempted[0]["iterations"]
+    assert [r["exit_code"] for r in preempted] == [75, 75] and 0 < step < 64, preempted
+    assert preempted[1]["iterations"] == step  # both saved after the same step
+    final = last_results(results)
+    assert sorted(final) == [0, 1], cluster.log_tails()
+    restored = {r["restored_step"] for r in final.values()}
+    assert len(restored) == 1 and step < min(restored) < 64, (step, restored)  # an epoch's
+    for result in final.values():
         assert (result["workers"], result["iterations"], result["exit_code"]) == (2, 64, 0)
         equivalence.assert_close(reference("tensorflow")["weights"], result["weights"], TOLERANCE)
     print(
-        f"\nkubernetes: kill -9 of worker 1 to the job's end {took:.1f} s; exits "
-        f"{[(p.name, p.exit_codes) for p in pods]}; resumed from step {found[0]['restored_step']}"
+        f"\nkubernetes: preempted after step {step}, killed after the checkpoint of step "
+        f"{min(restored)}; exits {exits}; the job took {took:.1f} s"
     )
