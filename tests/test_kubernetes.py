@@ -144,6 +144,19 @@ def run_job(pods, tmp_path, backoff_limit: int, *args: str, before=None, timeout
     return cluster, last_results(tmp_path / "results")
 
 
+def assert_like_one_process(cluster: k8s_pods.Cluster, found: dict, alone: dict) -> None:
+    """Both pods trained every step as 2 workers (processes), to ``alone``'s weights,
+    and none was restarted."""
+    assert sorted(found) == [0, 1], cluster.log_tails()
+    for result in found.values():
+        assert (result["backend"], result["workers"], result["replicas"]) == (
+            alone["backend"], 2, 2,
+        )  # fmt: skip
+        assert result["iterations"] == 64
+        equivalence.assert_close(alone["weights"], result["weights"], TOLERANCE)
+    assert [p.restarts for p in cluster.pods] == [0, 0], cluster.log_tails()
+
+
 def test_tfjob_pods_train_like_one_process(root_and_ip, reference, tmp_path):
     tfjob = manifest("tfjob.yaml", "TFJob")
     pods = k8s_pods.tfjob_pods(tfjob)
@@ -160,12 +173,7 @@ def test_tfjob_pods_train_like_one_process(root_and_ip, reference, tmp_path):
         engine_in(c, pods[1])))  # fmt: skip
     assert (engines[0]["name"], engines[0]["read"]["HOSTNAME"]) == ("tfjob", "mnist-worker-1")
     assert engines[0]["read"]["TF_CONFIG"]["task"] == "worker:1"
-    assert sorted(found) == [0, 1], cluster.log_tails()
-    for result in found.values():
-        assert (result["backend"], result["workers"], result["replicas"]) == ("tensorflow", 2, 2)
-        assert result["iterations"] == 64
-        equivalence.assert_close(reference("tensorflow")["weights"], result["weights"], TOLERANCE)
-    assert [p.restarts for p in pods] == [0, 0], cluster.log_tails()
+    assert_like_one_process(cluster, found, reference("tensorflow"))
 
 
 @pytest.mark.jax
@@ -174,13 +182,14 @@ def test_trainjob_pods_on_jax_train_like_one_process(root_and_ip, reference, tmp
     pods = k8s_pods.trainjob_pods(trainjob)
     assert [p.name for p in pods] == ["mnist-jax-node-0-0", "mnist-jax-node-0-1"]
     assert "TF_CONFIG" not in pods[1].env and pods[1].env["KERAS_BACKEND"] == "jax"
-    cluster, found = run_job(pods, tmp_path, backoff_limit=None)
-    assert sorted(found) == [0, 1], cluster.log_tails()
-    for result in found.values():
-        assert (result["backend"], result["workers"], result["replicas"]) == ("jax", 2, 2)
-        assert result["iterations"] == 64
-        equivalence.assert_close(reference("jax")["weights"], result["weights"], TOLERANCE)
-    assert [p.restarts for p in pods] == [0, 0], cluster.log_tails()
+    engines = []
+    cluster, found = run_job(pods, tmp_path, None, before=lambda c: engines.append(
+        engine_in(c, pods[1])))  # fmt: skip
+    read = engines[0]["read"]
+    assert (engines[0]["name"], read["JAX_PROCESS_ID"], read["HOSTNAME"]) == (
+        "trainjob", "1", "mnist-jax-node-0-1",
+    )  # fmt: skip
+    assert_like_one_process(cluster, found, reference("jax"))
     # tfdist gave jax every parameter: jax's own Kubernetes detection never ran
     assert "Kubernetes environment detected" not in cluster.log_tails(100_000)
 
