@@ -25,10 +25,11 @@ their processes); needs root and iproute2.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
-import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -384,6 +385,7 @@ class Cluster:
             except RuntimeError as err:
                 errors.append(str(err))
         self.created.clear()
+        self.supervisors.clear()
         if errors:
             raise RuntimeError(f"could not remove the pods' namespaces: {errors}")
 
@@ -400,12 +402,11 @@ def running(pods: Sequence[Pod], host_env: Mapping[str, str], workdir: Path | No
     own = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="tfdist-pods-")) if own else workdir
     cluster = Cluster(pods, workdir, host_env)
+    atexit.register(cluster.remove)  # also when the session ends without this finally
     try:
         cluster.build()
         yield cluster
     finally:
         cluster.remove()
-
-
-def shell_quote(argv: Sequence[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
