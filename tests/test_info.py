@@ -54,14 +54,21 @@ def test_info_text_explains_the_one_cpu_device():
 
 @pytest.mark.jax
 @pytest.mark.devices
-def test_info_under_jax_reports_the_mesh():
+def test_info_under_jax_reports_the_mesh_and_never_joins_the_job():
+    """In process 1 of a TrainJob whose coordinator is not there: describing the process
+    must not register with it (that would wait, or take a running process's place)."""
     proc = run_python(
         "import sys; from tfdist.cli import main; sys.exit(main(['info']))",
         KERAS_BACKEND="jax",
         TFDIST_CPU_DEVICES="4",
+        JAX_COORDINATOR_ADDRESS="127.0.0.1:9",  # nothing listens there
+        JAX_NUM_PROCESSES="2",
+        JAX_PROCESS_ID="1",
+        TFDIST_REGISTER_TIMEOUT="600",  # joining would outlast run_python's timeout
     )
     assert "backend:       jax" in proc.stdout and "mesh {'batch': 4}" in proc.stdout
     assert "replicas=4" in proc.stdout
+    assert "cluster:       JAX_COORDINATOR  2 worker(s), this is worker:1" in proc.stdout
 
 
 K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "HOSTNAME": "mnist-worker-1"}

@@ -153,9 +153,12 @@ def _wrap_ensure(original):
 
 
 def auto_strategy(enabled: bool) -> None:
-    """Whether the first op of a multi-worker process creates its strategy (default True).
+    """Whether a multi-worker process joins its job when its framework starts (default
+    True): TensorFlow's first op creates the strategy; ``import jax`` joins jax's
+    distributed runtime.
 
-    ``tfdist info`` turns it off: describing the process must never start a server.
+    ``tfdist info`` turns it off: describing the process must never start a server, nor
+    register with a running job's coordinator in place of the process that holds its id.
     """
     process.state().auto_strategy = bool(enabled)
 
@@ -199,7 +202,7 @@ def _on_jax_import(jax) -> None:
         except RuntimeError:
             pass  # started already: tfdist.scope() says so with a clear error
     info = cluster.cluster_from_env()
-    if info.is_multi_worker:
+    if info.is_multi_worker and process.state().auto_strategy:
         _initialize_jax_processes(jax, info)
 
 
