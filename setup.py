@@ -65,6 +65,7 @@ setup(
             "pytest-xdist",
             "ruff",
             "keras-hub",
+            "pyyaml",  # tests/test_kubernetes.py reads the manifests in docs/k8s/
         ],
         # The sessions that test other release pairs of the verified range (noxfile.py).
         "dev": ["tfdist[test]", "nox"],

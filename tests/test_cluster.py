@@ -103,3 +103,43 @@ def test_tf_config_wins_over_slurm():
 def test_worker_tf_config_rejects_bad_input(addresses, index):
     with pytest.raises(ValueError, match="worker_tf_config"):
         worker_tf_config(addresses, index)
+
+
+# What Kubeflow Trainer's JAX runtime gives pod 1 of a 2-node TrainJob (tests/k8s_pods.py).
+TRAINJOB_POD_1 = {
+    "JAX_COORDINATOR_ADDRESS": "job-node-0-0.job:6666",
+    "JAX_NUM_PROCESSES": "2",
+    "JAX_PROCESS_ID": "1",
+    "JOB_COMPLETION_INDEX": "1",
+}
+
+
+def test_jax_coordinator_variables_of_a_trainjob_are_a_cluster():
+    info = cluster_from_env(TRAINJOB_POD_1)
+    assert (info.source, info.num_workers, info.rank, info.is_chief) == (
+        "JAX_COORDINATOR", 2, 1, False
+    )  # fmt: skip
+    assert info.addresses == ("job-node-0-0.job:6666",)  # jax's coordinator
+    # the Indexed Job's completion index stands in for a missing JAX_PROCESS_ID
+    env = {**TRAINJOB_POD_1, "JAX_PROCESS_ID": "", "JOB_COMPLETION_INDEX": "0"}
+    assert cluster_from_env(env).is_chief
+    # one process is not a cluster; TF_CONFIG and Keras's variables win
+    assert cluster_from_env({**TRAINJOB_POD_1, "JAX_NUM_PROCESSES": "1"}).source == "none"
+    env = {**TRAINJOB_POD_1, "TF_CONFIG": worker_tf_config(TWO, 0)}
+    assert cluster_from_env(env).source == "TF_CONFIG"
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"JAX_NUM_PROCESSES": "two"}, r"JAX_NUM_PROCESSES must be an integer\. Received: "),
+        ({"JAX_COORDINATOR_ADDRESS": "nohost"}, r"must be the coordinator's host:port"),
+        ({"JAX_COORDINATOR_ADDRESS": ""}, r"JAX_COORDINATOR_ADDRESS=''"),
+        ({"JAX_PROCESS_ID": "2"}, r"JAX_PROCESS_ID must be in \[0, JAX_NUM_PROCESSES\)"),
+        ({"JAX_PROCESS_ID": "", "JOB_COMPLETION_INDEX": ""}, r"JAX_PROCESS_ID \(or JOB_COMP"),
+        ({"JAX_PROCESS_ID": "x"}, r"JAX_PROCESS_ID must be an integer.*TrainJob"),
+    ],
+)
+def test_bad_jax_coordinator_variables_are_named_and_echoed(change, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        cluster_from_env({**TRAINJOB_POD_1, **change})

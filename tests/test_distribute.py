@@ -41,6 +41,14 @@ def test_multi_worker_without_cluster_says_how_to_start_workers():
         strategy_mod.plan("multi_worker", environ={})
 
 
+def test_a_jax_trainjob_on_tensorflow_says_it_needs_every_address():
+    env = {"JAX_COORDINATOR_ADDRESS": "job-node-0-0.job:6666", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "0"}  # fmt: skip
+    with pytest.raises(ValueError, match=r"coordinator only.*Received: JAX_COORDINATOR_ADDR.*"
+                       r"KERAS_BACKEND=jax, or as a TFJob"):  # fmt: skip
+        strategy_mod.plan("auto", environ=env)
+
+
 def test_bad_cpu_devices_env_is_named():
     with pytest.raises(config.ConfigError, match="TFDIST_CPU_DEVICES"):
         config.cpu_devices(environ={"TFDIST_CPU_DEVICES": "0"})

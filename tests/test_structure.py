@@ -17,7 +17,7 @@ MAX_FUNCTION_LINES = 60
 LAYERS = [
     {"validate", "position", "quiet"},
     {"config", "storage"},  # storage: local paths and fsspec URLs, for saving and checkpoints
-    {"cluster", "process", "_private", "launch", "versions", "watchdog"},
+    {"cluster", "engines", "process", "_private", "launch", "versions", "watchdog"},
     {"compat", "batchnorm"},
     {"backends", "layouts"},  # layouts: the checked ModelParallel the JAX backend sets
     {"distribute", "saving"},

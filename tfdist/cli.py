@@ -32,7 +32,11 @@ def _quiet_tensorflow() -> None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist import info, quiet
+    from tfdist import info, quiet, startup
+
+    # It describes, never joins: under JAX, importing jax in a job's process (a TrainJob
+    # pod, a launched worker) would otherwise register with the job's coordinator.
+    startup.auto_strategy(False)
 
     with quiet.filtered_stderr():  # TensorFlow's C++ start-up lines, too
         report = info.report()

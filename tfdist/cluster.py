@@ -1,4 +1,4 @@
-"""Who is in the cluster and who is chief, read from TF_CONFIG or SLURM, without TensorFlow.
+"""Who is in the cluster and who is chief, read from TF_CONFIG, JAX's or SLURM's variables.
 
 Everything here is a pure function of an environment mapping, so the command line,
 the launcher and the tests can use it without paying TensorFlow's import time.
@@ -39,8 +39,8 @@ class ClusterInfo:
     """The cluster this process belongs to.
 
     Attributes:
-        source: where it came from: ``"TF_CONFIG"``, ``"KERAS_DISTRIBUTION"``, ``"SLURM"``
-            or ``"none"``.
+        source: where it came from: ``"TF_CONFIG"``, ``"KERAS_DISTRIBUTION"``,
+            ``"JAX_COORDINATOR"`` (Kubeflow Trainer's JAX runtime), ``"SLURM"`` or ``"none"``.
         cluster: job name -> task addresses (``host:port``). Empty for SLURM, whose
             addresses TensorFlow's ``SlurmClusterResolver`` resolves later.
         task_type: this process's job (``"worker"``, ``"chief"``, ...), or None.
@@ -178,24 +178,30 @@ def parse_tf_config(value: str | Mapping) -> ClusterInfo:
     return ClusterInfo("TF_CONFIG", jobs, task_type, task_index, max(num_workers, 1))
 
 
-def _positive_env_int(env: Mapping[str, str], name: str) -> int | None:
-    text = env.get(name)
-    if text is None or text == "":
+_SRUN = "SLURM's srun; unset it if this is not a SLURM job step"
+_TRAINJOB = "Kubeflow Trainer's JAX runtime in a TrainJob's pods; unset it if this is not one"
+
+
+def _positive_env_int(env: Mapping[str, str], name: str, set_by: str = _SRUN) -> int | None:
+    text = (env.get(name) or "").strip()
+    if not text:
         return None
     try:
         return int(text)
     except ValueError:
         raise ConfigError(
-            f"{name} must be an integer. Received: {name}={text!r}. "
-            "It is set by SLURM's srun; unset it if this is not a SLURM job step."
+            f"{name} must be an integer. Received: {name}={text!r}. It is set by {set_by}."
         ) from None
 
 
 def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
-    """The cluster described by the environment: TF_CONFIG, Keras's variables, then SLURM.
+    """The cluster described by the environment: TF_CONFIG, Keras's, JAX's, then SLURM's.
 
     Keras's are ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` / ``_NUM_PROCESSES`` /
-    ``_PROCESS_ID`` (the JAX backend's ``keras.distribution.initialize``).
+    ``_PROCESS_ID`` (the JAX backend's ``keras.distribution.initialize``). JAX's are
+    ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID`` (else the
+    Indexed Job's ``JOB_COMPLETION_INDEX``), which Kubeflow Trainer's JAX runtime sets in
+    each pod of a TrainJob.
 
     SLURM counts only inside an ``srun`` step with more than one task
     (``SLURM_STEP_NUM_TASKS`` > 1): a batch script that runs one Python process is
@@ -212,6 +218,9 @@ def cluster_from_env(environ: Mapping[str, str] | None = None) -> ClusterInfo:
     keras_processes = _positive_env_int(env, "KERAS_DISTRIBUTION_NUM_PROCESSES")
     if keras_processes and keras_processes > 1:
         return _keras_distribution(env, keras_processes)
+    jax_processes = _positive_env_int(env, "JAX_NUM_PROCESSES", _TRAINJOB)
+    if jax_processes and jax_processes > 1:
+        return _jax_coordinator(env, jax_processes)
     ntasks = _positive_env_int(env, "SLURM_STEP_NUM_TASKS")
     if ntasks and ntasks > 1:
         procid = _positive_env_int(env, "SLURM_PROCID") or 0
@@ -233,6 +242,35 @@ def _keras_distribution(env: Mapping[str, str], num_processes: int) -> ClusterIn
         )
     return ClusterInfo(
         "KERAS_DISTRIBUTION", {"worker": tuple(addresses)}, "worker", process_id, num_processes
+    )
+
+
+def _jax_coordinator(env: Mapping[str, str], num_processes: int) -> ClusterInfo:
+    """The cluster of JAX's own variables, as a Kubeflow TrainJob on JAX gives them.
+
+    The process id is ``JAX_PROCESS_ID``, else ``JOB_COMPLETION_INDEX`` (the pod's index in
+    its Indexed Job, which Kubernetes sets in every such pod).
+    """
+    address = env.get("JAX_COORDINATOR_ADDRESS", "").strip()
+    source = "JAX_PROCESS_ID" if env.get("JAX_PROCESS_ID", "").strip() else "JOB_COMPLETION_INDEX"
+    process_id = _positive_env_int(env, source, _TRAINJOB)
+    host, _, port = address.rpartition(":")
+    problems = []
+    if not host or not port.isdigit():
+        problems.append("JAX_COORDINATOR_ADDRESS must be the coordinator's host:port")
+    if process_id is None:
+        problems.append("JAX_PROCESS_ID (or JOB_COMPLETION_INDEX) must give this process's id")
+    elif not 0 <= process_id < num_processes:
+        problems.append(f"{source} must be in [0, JAX_NUM_PROCESSES)")
+    if problems:
+        raise ConfigError(
+            f"{'; '.join(problems)}. Received: JAX_COORDINATOR_ADDRESS={address!r}, "
+            f"JAX_NUM_PROCESSES={num_processes}, JAX_PROCESS_ID={env.get('JAX_PROCESS_ID')!r}, "
+            f"JOB_COMPLETION_INDEX={env.get('JOB_COMPLETION_INDEX')!r}. Set all three (a "
+            "TrainJob's JAX runtime does), or unset JAX_NUM_PROCESSES to train alone."
+        )
+    return ClusterInfo(
+        "JAX_COORDINATOR", {"worker": (address,)}, "worker", process_id, num_processes
     )
 
 

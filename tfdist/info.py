@@ -2,7 +2,8 @@
 
 System (OS, CPU model and cores, memory), versions, the framework's build (CUDA/cuDNN),
 GPUs with their memory, the backend's devices and the distribution ``auto`` would pick,
-the cluster, the environment variables that change tfdist's behaviour, which fixes apply
+the cluster and the engine that started the process (``tfdist.engines``: Ray, a
+Kubeflow TFJob or TrainJob, SLURM, ``tfdist launch``), the environment variables that change tfdist's behaviour, which fixes apply
 and are active, and whether MNIST is on disk. It plans, never creates: no server starts,
 no peer is waited for.
 
@@ -18,9 +19,10 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 
-from tfdist import backends, compat, distribute, versions
+from tfdist import backends, compat, distribute, engines, versions
 
 __all__ = ["report", "render", "ENV_PREFIXES"]
 
@@ -37,6 +39,8 @@ ENV_PREFIXES = (
     "SLURM_STEP_NUM_TASKS",
     "SLURM_PROCID",
     "SLURM_JOB_ID",
+    "JOB_COMPLETION_INDEX",
+    "KUBERNETES_SERVICE_HOST",
 )
 _PACKAGES = ("tensorflow", "keras", "jax", "jaxlib", "tensorflow-datasets", "numpy", "tfdist")
 _GPU_QUERY_TIMEOUT_S = 10.0
@@ -106,6 +110,15 @@ def _mnist(env: Mapping[str, str]) -> dict:
     return {"data_dir": root, "present": os.path.isdir(os.path.join(root, "mnist"))}
 
 
+def _ray_initialized() -> bool:
+    """Whether this process already joined a Ray cluster (ray is never imported here)."""
+    ray = sys.modules.get("ray")
+    try:
+        return bool(ray is not None and ray.is_initialized())
+    except Exception:  # a partly imported or stub module: not a running Ray
+        return False
+
+
 def _fixes() -> list[dict]:
     """Each fix: applied, skipped (a target missing or changed, and why), not needed
     (another backend), excluded, or pending (its package not imported)."""
@@ -147,6 +160,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "devices": described["devices"],
         "strategy": described["strategy"],
         "cluster": described["cluster"],
+        "engine": engines.detect(env, ray_initialized=_ray_initialized()).summary(),
         "fixes": _fixes(),
         "environment": {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)},
         "mnist": _mnist(env),
@@ -164,6 +178,12 @@ def _device_lines(r: dict) -> list[str]:
     else:
         devices = f"{d['local_devices']} local {d['platform']} device(s), mesh {s['mesh']}"
     return [f"GPUs:          {gpus}", f"devices:       {devices}"]
+
+
+def _engine_line(e: dict) -> str:
+    read = ", ".join(f"{k}={v}" for k, v in e["read"].items())
+    within = f"  (within: {', '.join(e['within'])})" if e["within"] else ""
+    return f"{e['title']}{'  ' + read if read else ''}{within}"
 
 
 def render(r: dict) -> str:
@@ -186,6 +206,7 @@ def render(r: dict) -> str:
         *_device_lines(r),
         f"strategy:      {s['kind']}  replicas={s['num_replicas']}  workers={s['num_workers']}",
         f"cluster:       {cluster}",
+        f"engine:        {_engine_line(r['engine'])}",
         *_fix_lines(r["fixes"]),
         f"verified on:   {'; '.join(r['verified'])}",
         f"MNIST:         {'present' if r['mnist']['present'] else 'absent'} in {r['mnist']['data_dir']}",

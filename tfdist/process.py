@@ -47,7 +47,8 @@ class ProcessState:
         multi_worker_timeouts: the ``MultiWorkerTimeouts`` the next (or current)
             MultiWorkerMirroredStrategy uses; None means from the environment.
         auto_strategy: whether a multi-worker process creates its strategy just before
-            TensorFlow's first op (see ``tfdist.startup``); ``tfdist info`` turns it off.
+            TensorFlow's first op, or joins jax's distributed runtime when jax is imported
+            (see ``tfdist.startup``); ``tfdist info`` turns it off.
         jax_initialized: whether tfdist called ``jax.distributed.initialize`` (JAX).
         barriers: unnamed ``tfdist.barrier()`` calls so far (names them in call order).
         version_warnings: packages already warned about as outside the verified range.

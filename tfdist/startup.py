@@ -19,8 +19,9 @@ changed any more: ``tfdist.scope()`` then fails with an error that says so.
 
 Under the JAX backend nothing here touches TensorFlow: ``TFDIST_CPU_DEVICES`` becomes
 ``JAX_NUM_CPU_DEVICES`` before jax is imported, and a multi-process job (TF_CONFIG or
-``KERAS_DISTRIBUTION_*``, as ``tfdist launch`` sets) calls ``jax.distributed.initialize``
-right after jax is imported, once, with tfdist's timeouts (jax's own default is minutes).
+``KERAS_DISTRIBUTION_*``, as ``tfdist launch`` sets; ``JAX_COORDINATOR_ADDRESS`` /
+``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, as a Kubeflow TrainJob's pods get) calls
+``jax.distributed.initialize`` right after jax is imported, once, with tfdist's timeouts (jax's own default is minutes).
 
 Example:
     >>> from tfdist import startup
@@ -152,9 +153,12 @@ def _wrap_ensure(original):
 
 
 def auto_strategy(enabled: bool) -> None:
-    """Whether the first op of a multi-worker process creates its strategy (default True).
+    """Whether a multi-worker process joins its job when its framework starts (default
+    True): TensorFlow's first op creates the strategy; ``import jax`` joins jax's
+    distributed runtime.
 
-    ``tfdist info`` turns it off: describing the process must never start a server.
+    ``tfdist info`` turns it off: describing the process must never start a server, nor
+    register with a running job's coordinator in place of the process that holds its id.
     """
     process.state().auto_strategy = bool(enabled)
 
@@ -198,7 +202,7 @@ def _on_jax_import(jax) -> None:
         except RuntimeError:
             pass  # started already: tfdist.scope() says so with a clear error
     info = cluster.cluster_from_env()
-    if info.is_multi_worker:
+    if info.is_multi_worker and process.state().auto_strategy:
         _initialize_jax_processes(jax, info)
 
 
@@ -231,6 +235,10 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
         initialization_timeout=int(register),
         heartbeat_timeout_seconds=max(int(timeouts.heartbeat), 1),
         shutdown_timeout_seconds=int(timeouts.shutdown),
+        # Every parameter is given: jax's own detection would only look again, and in a
+        # Kubernetes pod (KUBERNETES_SERVICE_HOST) its K8sCluster queries the API server
+        # for the pod and its Job, which needs RBAC the pod may not have.
+        cluster_detection_method="deactivate",
     )
     joined.set()
     process.state().jax_initialized = True

@@ -14,7 +14,8 @@ mid-training; a requeued job runs at full speed);
 the wall-clock times at which Python started the script and trained its first step. The last stdout line is JSON: rank,
 replicas, weights, iterations, where it resumed from, and the exit code (75 after a
 SIGTERM: saved, restart me); ``--results DIR`` also writes it to
-``DIR/ATTEMPT-RANK.json`` (ATTEMPT: ``SLURM_RESTART_COUNT``, 0 at first).
+``DIR/ATTEMPT-RANK.json`` (ATTEMPT: ``SLURM_RESTART_COUNT``, 0 at first; without it, the
+number of results this rank wrote before).
 """
 
 import argparse
@@ -114,9 +115,13 @@ print(json.dumps(result), flush=True)
 if args.results:
     # srun forwards a task's output in chunks of a few KiB, so two tasks' long result
     # lines can interleave in one output file: a file per task and attempt cannot.
-    attempt = os.environ.get("SLURM_RESTART_COUNT", "0")
-    path = os.path.join(args.results, f"{attempt}-{rank}.json")
     os.makedirs(args.results, exist_ok=True)
+    # Elsewhere (a Kubernetes pod restarted with the same environment) the attempt is
+    # how many results this rank already wrote.
+    attempt = os.environ.get("SLURM_RESTART_COUNT") or sum(
+        name.endswith(f"-{rank}.json") for name in os.listdir(args.results)
+    )
+    path = os.path.join(args.results, f"{attempt}-{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)

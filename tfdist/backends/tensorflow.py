@@ -178,6 +178,14 @@ def _multi_worker_plan(info, devices, local, timeouts, comm, env) -> StrategyPla
             f"Received: TF_CONFIG={env.get('TF_CONFIG')!r}. Start the workers with "
             "`tfdist launch -n N script.py`, or set TF_CONFIG for each process."
         )
+    if info.source == "JAX_COORDINATOR":
+        raise ConfigError(
+            "strategy: JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES describe a JAX job (a "
+            "Kubeflow TrainJob's JAX runtime): they name the coordinator only, and "
+            "TensorFlow's workers need every worker's address. Received: "
+            f"JAX_COORDINATOR_ADDRESS={env.get('JAX_COORDINATOR_ADDRESS')!r}. Run it with "
+            "KERAS_BACKEND=jax, or as a TFJob (which sets TF_CONFIG)."
+        )
     if devices is not None:
         raise ConfigError(
             "strategy: devices cannot be chosen for kind='multi_worker': every worker "

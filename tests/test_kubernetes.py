@@ -1,0 +1,266 @@
+"""tfdist in Kubernetes pods as the Kubeflow operators start them, on this machine.
+
+The manifests are the ones docs/multi_worker.md shows (docs/k8s/*.yaml, each shown there
+verbatim): from them tests/k8s_pods.py builds each pod's environment as the operator
+would (a TFJob's ``TF_CONFIG`` with service DNS names; a TrainJob's ``JAX_*`` variables
+and ``JOB_COMPLETION_INDEX``), and runs each pod in its own network, UTS and mount
+namespaces (its host name, its /etc/hosts with the job's DNS names). Each job runs
+tests/scripts/slurm_train.py and ends with the weights of one process. Then a worker
+gets SIGTERM (every worker saves after one agreed step and exits 75) and, in the
+restarted job, ``kill -9`` (the other worker's collectives abort when it comes back);
+kubelet restarts the pods each time (``restartPolicy: OnFailure``, with its back-off),
+and the job resumes from its checkpoints to the weights of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import k8s_pods
+import pytest
+import yaml
+
+from conftest import REPO, SCRIPTS, child_env, equivalence
+
+TRAIN = SCRIPTS / "slurm_train.py"
+DOCS = REPO / "docs" / "multi_worker.md"
+MANIFESTS = REPO / "docs" / "k8s"
+TOLERANCE = 1e-5
+
+pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
+
+
+def manifest(name: str, kind: str) -> dict:
+    """The ``kind`` document of docs/k8s/``name``, which docs/multi_worker.md shows verbatim."""
+    text = (MANIFESTS / name).read_text()
+    assert text.strip() in DOCS.read_text(), f"docs/multi_worker.md does not show docs/k8s/{name}"
+    found = [doc for doc in yaml.safe_load_all(text) if doc and doc.get("kind") == kind]
+    assert len(found) == 1, f"docs/k8s/{name}: no one {kind} document"
+    return found[0]
+
+
+def host_env() -> dict[str, str]:
+    """What a pod's image provides besides the operator's variables: this venv's python
+    on PATH, and the datasets."""
+    env = {"PATH": os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin:/bin"])}
+    env["PATH"] += ":/usr/sbin:/sbin"  # hostname, mount
+    if os.environ.get("TFDS_DATA_DIR"):
+        env["TFDS_DATA_DIR"] = os.environ["TFDS_DATA_DIR"]
+    return env
+
+
+def in_pods(pods: list[k8s_pods.Pod], ckpt: Path, *args: str) -> None:
+    """The containers' commands with this machine's paths: the image's python and
+    /app/train.py, the shared volume at /ckpt; ``args`` appended (the container's args)."""
+    paths = {"python": sys.executable, "/app/train.py": str(TRAIN), "/ckpt": str(ckpt)}
+    for pod in pods:
+        pod.command = [paths.get(word, word) for word in pod.command] + list(args)
+
+
+def one_process(workdir: Path, backend: str) -> dict:
+    """The reference: slurm_train.py alone, outside any pod."""
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--dir", str(workdir / "ckpt"), "--results", str(workdir)],
+        cwd=workdir, env=child_env(KERAS_BACKEND=backend), capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((workdir / "0-0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """``reference(backend)``: one process, uninterrupted (computed once per backend)."""
+    cache = {}
+
+    def get(backend: str) -> dict:
+        if backend not in cache:
+            cache[backend] = one_process(tmp_path_factory.mktemp(f"ref-{backend}"), backend)
+            assert (cache[backend]["replicas"], cache[backend]["iterations"]) == (1, 64)
+        return cache[backend]
+
+    return get
+
+
+@pytest.fixture
+def root_and_ip():
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
+        pytest.fail(
+            "the Kubernetes pod tests need root and iproute2 and util-linux (ip netns, "
+            f"unshare); euid={os.geteuid()}, ip={shutil.which('ip')}, "
+            f"unshare={shutil.which('unshare')}. CI runs them as root."
+        )
+
+
+def last_results(directory: Path) -> dict[int, dict]:
+    """slurm_train.py's ``--results`` files: each rank's last (highest attempt)."""
+    found: dict[int, tuple[int, dict]] = {}
+    for path in directory.glob("*.json"):
+        attempt, rank = (int(n) for n in path.stem.split("-"))
+        if rank not in found or attempt > found[rank][0]:
+            found[rank] = (attempt, json.loads(path.read_text()))
+    return {rank: result for rank, (_, result) in found.items()}
+
+
+def check_dns(cluster: k8s_pods.Cluster) -> None:
+    """Inside every pod: its host name, and every job DNS name resolves to its pod."""
+    names = {name: p.address for p in cluster.pods for name in p.dns_names}
+    code = (
+        "import json, socket, sys; print(json.dumps([socket.gethostname(), "
+        "{n: socket.gethostbyname(n) for n in sys.argv[1:]}]))"
+    )
+    for pod in cluster.pods:
+        proc = cluster.exec(pod, [sys.executable, "-c", code, *names])
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == [pod.hostname, names], proc.stdout
+
+
+def engine_in(cluster: k8s_pods.Cluster, pod: k8s_pods.Pod) -> dict:
+    """What ``tfdist info`` reports as the engine (``tfdist.engines``), read in ``pod``."""
+    code = "import json; from tfdist import engines; print(json.dumps(engines.detect().summary()))"
+    proc = cluster.exec(pod, [sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def run_job(pods, tmp_path, backoff_limit: int, *args: str, before=None, timeout: float = 300):
+    """Starts the pods, waits until all succeeded; returns the cluster's pods and results.
+    ``before(cluster)`` runs once the pods' namespaces exist, before they start."""
+    in_pods(pods, tmp_path / "ckpt", "--results", str(tmp_path / "results"), *args)
+    with k8s_pods.running(pods, host_env(), tmp_path) as cluster:
+        check_dns(cluster)
+        if before is not None:
+            before(cluster)
+        cluster.start_all()
+        codes = cluster.wait_done(timeout, backoff_limit)
+    assert set(codes.values()) == {0}, cluster.log_tails()
+    return cluster, last_results(tmp_path / "results")
+
+
+def assert_like_one_process(cluster: k8s_pods.Cluster, found: dict, alone: dict) -> None:
+    """Both pods trained every step as 2 workers (processes), to ``alone``'s weights,
+    and none was restarted."""
+    assert sorted(found) == [0, 1], cluster.log_tails()
+    for result in found.values():
+        assert (result["backend"], result["workers"], result["replicas"]) == (
+            alone["backend"], 2, 2,
+        )  # fmt: skip
+        assert result["iterations"] == 64
+        equivalence.assert_close(alone["weights"], result["weights"], TOLERANCE)
+    assert [p.restarts for p in cluster.pods] == [0, 0], cluster.log_tails()
+
+
+def test_tfjob_pods_train_like_one_process(root_and_ip, reference, tmp_path):
+    tfjob = manifest("tfjob.yaml", "TFJob")
+    pods = k8s_pods.tfjob_pods(tfjob)
+    assert [p.name for p in pods] == ["mnist-worker-0", "mnist-worker-1"]
+    config = json.loads(pods[1].env["TF_CONFIG"])
+    assert config["cluster"]["worker"] == [
+        "mnist-worker-0.default.svc:2222",
+        "mnist-worker-1.default.svc:2222",
+    ]
+    assert (config["task"], pods[1].restart_policy) == ({"type": "worker", "index": 1}, "OnFailure")
+    engines = []
+    limit = tfjob["spec"]["runPolicy"]["backoffLimit"]
+    cluster, found = run_job(pods, tmp_path, limit, before=lambda c: engines.append(
+        engine_in(c, pods[1])))  # fmt: skip
+    assert (engines[0]["name"], engines[0]["read"]["HOSTNAME"]) == ("tfjob", "mnist-worker-1")
+    assert engines[0]["read"]["TF_CONFIG"]["task"] == "worker:1"
+    assert_like_one_process(cluster, found, reference("tensorflow"))
+
+
+@pytest.mark.jax
+def test_trainjob_pods_on_jax_train_like_one_process(root_and_ip, reference, tmp_path):
+    trainjob = manifest("trainjob-jax.yaml", "TrainJob")
+    pods = k8s_pods.trainjob_pods(trainjob)
+    assert [p.name for p in pods] == ["mnist-jax-node-0-0", "mnist-jax-node-0-1"]
+    assert "TF_CONFIG" not in pods[1].env and pods[1].env["KERAS_BACKEND"] == "jax"
+    engines = []
+    cluster, found = run_job(pods, tmp_path, None, before=lambda c: engines.append(
+        engine_in(c, pods[1])))  # fmt: skip
+    read = engines[0]["read"]
+    assert (engines[0]["name"], read["JAX_PROCESS_ID"], read["HOSTNAME"]) == (
+        "trainjob", "1", "mnist-jax-node-0-1",
+    )  # fmt: skip
+    assert_like_one_process(cluster, found, reference("jax"))
+    # tfdist gave jax every parameter: jax's own Kubernetes detection never ran
+    assert "Kubernetes environment detected" not in cluster.log_tails(100_000)
+
+
+def first_steps(text: str) -> list[dict]:
+    """slurm_train.py's ``--report-first-step`` lines (complete lines only)."""
+    return [
+        json.loads(line)["first_step"]
+        for line in text.splitlines(keepends=True)
+        if line.endswith("\n") and line.startswith('{"first_step"')
+    ]
+
+
+def _wait(probe, timeout: float, what: str, cluster: k8s_pods.Cluster):
+    """Polls ``probe()`` until it is true; fails naming ``what`` with the pods' logs."""
+    deadline = time.monotonic() + timeout
+    while not probe():
+        assert time.monotonic() < deadline, f"no {what} in {timeout:.0f} s{cluster.log_tails()}"
+        time.sleep(0.1)
+
+
+def _epoch_checkpoints(ckpt: Path, since: float) -> list[Path]:
+    return [p for p in ckpt.glob("ckpt-*.keras") if p.stat().st_mtime > since]
+
+
+def _preempt_then_kill(cluster: k8s_pods.Cluster, ckpt: Path, limit: int) -> dict[str, int]:
+    """SIGTERM to worker 1 early in the first epoch; once the restarted job wrote an epoch
+    checkpoint, ``kill -9`` of worker 1; then waits for the job's end."""
+    pods = cluster.pods
+    _wait(lambda: all(first_steps(cluster.log(p.name)) for p in pods), 240, "first steps", cluster)
+    time.sleep(1.0)
+    cluster.signal("mnist-worker-1", signal.SIGTERM)  # a preempted or evicted pod's container
+    _wait(lambda: all(len(p.exit_codes) >= 1 and p.proc.poll() is None and p.restarts >= 1
+                      for p in pods), 120, "restart after the preemption", cluster)  # fmt: skip
+    restarted = time.time()
+    _wait(lambda: _epoch_checkpoints(ckpt, restarted), 240, "epoch checkpoint", cluster)
+    cluster.signal("mnist-worker-1", signal.SIGKILL)  # an OOM kill, a crash
+    return cluster.wait_done(300, limit)
+
+
+def test_tfjob_preempted_then_killed_9_restarts_onfailure_and_resumes_exactly(
+    root_and_ip, reference, tmp_path
+):
+    """Worker 1 gets SIGTERM (both save after one agreed step and exit 75), then, in the
+    restarted job, ``kill -9``; kubelet restarts the pods (``OnFailure``) each time."""
+    tfjob = manifest("tfjob.yaml", "TFJob")
+    pods = k8s_pods.tfjob_pods(tfjob)
+    ckpt, results = tmp_path / "ckpt", tmp_path / "results"
+    in_pods(pods, ckpt, "--results", str(results), "--step-sleep", "0.15", "--report-first-step")
+    start = time.monotonic()
+    with k8s_pods.running(pods, host_env(), tmp_path) as cluster:
+        cluster.start_all()
+        codes = _preempt_then_kill(cluster, ckpt, tfjob["spec"]["runPolicy"]["backoffLimit"])
+    took = time.monotonic() - start
+    exits = [(p.name, p.exit_codes) for p in pods]
+    assert set(codes.values()) == {0}, cluster.log_tails()
+    # kubelet restarted both pods after each failure: the killed one, and the one that lost it
+    assert pods[1].exit_codes == [75, -9, 0] and pods[0].exit_codes[0] == 75, exits
+    assert pods[0].exit_codes[1] not in (0, 75) and pods[0].exit_codes[-1] == 0, exits
+    preempted = [json.loads((results / f"0-{rank}.json").read_text()) for rank in (0, 1)]
+    step = preempted[0]["iterations"]
+    assert [r["exit_code"] for r in preempted] == [75, 75] and 0 < step < 64, preempted
+    assert preempted[1]["iterations"] == step  # both saved after the same step
+    final = last_results(results)
+    assert sorted(final) == [0, 1], cluster.log_tails()
+    restored = {r["restored_step"] for r in final.values()}
+    assert len(restored) == 1 and step < min(restored) < 64, (step, restored)  # an epoch's
+    for result in final.values():
+        assert (result["workers"], result["iterations"], result["exit_code"]) == (2, 64, 0)
+        equivalence.assert_close(reference("tensorflow")["weights"], result["weights"], TOLERANCE)
+    print(
+        f"\nkubernetes: preempted after step {step}, killed after the checkpoint of step "
+        f"{min(restored)}; exits {exits}; the job took {took:.1f} s"
+    )
