@@ -103,17 +103,7 @@ def test_steps_per_execution_matches_one_device(matrix, backend, topology):
     assert reference["topology"] == {**one, "fixed": []}  # one replica: upstream's function
     assert cell["topology"] == {**one, **CELLS[backend, topology]}
     assert len(reference["cases"]) == (len(JAX_CASES) if backend == "jax" else 4)
-    failures = []
-    for name, expected in reference["cases"].items():
-        assert "values" in expected, f"{name} failed on one device: {expected}"
-        got = cell["cases"].get(name, {"error": "missing"})
-        if "error" in got:
-            failures.append(f"{name}: {got['error']}")
-            continue
-        try:
-            equivalence.assert_close(expected["values"], got["values"], TOLERANCE, name)
-        except equivalence.NotEquivalent as difference:
-            failures.append(str(difference))
+    failures = equivalence.case_failures(reference["cases"], cell["cases"], TOLERANCE)
     assert not failures, "\n".join(failures)
 
 
