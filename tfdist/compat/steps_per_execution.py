@@ -72,15 +72,15 @@ def fix_steps_per_execution() -> None:
     def make(original):
         def _make_function(self, step_function):
             function = original(self, step_function)
-            steps = int(self.steps_per_execution or 1)
-            if steps <= 1 or self.run_eagerly or _replicas(self) <= 1:
+            if self.run_eagerly or _replicas(self) <= 1:
                 return function
             import tensorflow as tf
 
             fused = tf.function(function, reduce_retracing=True)
 
             def multi_step_on_iterator(iterator):
-                if not _is_iterator(iterator):
+                steps = int(self.steps_per_execution or 1)  # read per call, as upstream does
+                if steps <= 1 or not _is_iterator(iterator):
                     return function(iterator)
                 batches = take(iterator, steps)
                 if not batches:
