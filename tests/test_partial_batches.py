@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 
 import pytest
 
@@ -89,21 +88,12 @@ def _matrix(backend: str, topology: str) -> dict:
 def _assert_equal_to_one_device(reference: dict, cell: dict, errors: tuple = ()) -> None:
     """Every case equal to one device; those whose name starts with one of ``errors``
     must instead fail with ``ODD_ERROR``."""
-    failures = []
-    for name, expected in reference["cases"].items():
-        assert "values" in expected, f"{name} failed on one device: {expected}"
-        got = cell["cases"].get(name, {"error": "missing"})
-        if name.startswith(errors):
-            if not re.search(ODD_ERROR, got.get("error", "")):
-                failures.append(f"{name}: expected an error matching {ODD_ERROR!r}, got {got}")
-            continue
-        if "error" in got:
-            failures.append(f"{name}: {got['error']}")
-            continue
-        try:
-            equivalence.assert_close(expected["values"], got["values"], TOLERANCE, name)
-        except equivalence.NotEquivalent as difference:
-            failures.append(str(difference))
+    failures = equivalence.case_failures(
+        reference["cases"],
+        cell["cases"],
+        TOLERANCE,
+        expect_error=lambda name: ODD_ERROR if name.startswith(errors) else None,
+    )
     assert not failures, "\n".join(failures)
 
 

@@ -30,8 +30,8 @@ VARIANTS = {
     "pack-64k": ("workers", ["--bytes-per-pack", str(64 * 1024)]),
     "pack-256k": ("workers", ["--bytes-per-pack", str(256 * 1024)]),
     # On a GPU machine add ("nccl", ["--implementation", "nccl"]). steps_per_execution
-    # and jit_compile are not variants: on CPUs both fail under these strategies (see
-    # tools/step_breakdown.py); mw_bench_job.py still takes their flags.
+    # and jit_compile are not variants (see tools/step_breakdown.py); mw_bench_job.py
+    # still takes their flags.
 }
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(VARIANTS):
         try:
             f = measure(name, pairs=args.pairs, steps=args.steps, model=args.model)
-        except RuntimeError as err:  # e.g. keras#19246: steps_per_execution under a strategy
+        except RuntimeError as err:  # a variant that fails on this machine
             last = [line for line in str(err).splitlines() if "Error" in line][-1:]
             print(f"{name:14s} failed: {last}", flush=True)
             figures.append({"name": name, "error": str(err)[-2000:]})

@@ -58,6 +58,9 @@ parser.add_argument(
     "--dir-per-rank", action="store_true", help="misconfiguration: worker R uses DIR-rankR"
 )
 parser.add_argument("--width", type=int, default=16)
+parser.add_argument(
+    "--steps-per-execution", type=int, default=1, help="compile(steps_per_execution=K)"
+)
 parser.add_argument("--hidden2", type=int, default=0, help="a second hidden layer (bigger model)")
 parser.add_argument("--report-first-step", action="store_true")
 parser.add_argument("--sharded", action="store_true", help="sharded Orbax checkpoints (JAX)")
@@ -134,7 +137,11 @@ def build_and_compile():
             keras.layers.Dense(1),
         ]
     )
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss="mse",
+        steps_per_execution=args.steps_per_execution,
+    )
     return model
 
 

@@ -27,6 +27,7 @@ __all__ = [
     "assert_close",
     "assert_differs",
     "assert_within",
+    "case_failures",
     "differences",
     "flatten",
     "max_difference",
@@ -149,3 +150,34 @@ def assert_differs(reference, got, tolerance: float, what: str = "") -> float:
             f"({key or 'value'}) is {value:.3g}"
         )
     return value
+
+
+def case_failures(reference: Mapping, cell: Mapping, tolerance: float, expect_error=None) -> list:
+    """What differs between two job reports' ``cases`` (``{name: {"values": ...}}`` or
+    ``{name: {"error": "..."}}``): each reference case must have run, and each case of
+    ``cell`` must equal it within ``tolerance``, or, where ``expect_error(name)`` gives a
+    regular expression, must have failed with an error matching it.
+
+        >>> case_failures({"a": {"values": 1.0}}, {"a": {"values": 1.5}}, 0.1)
+        ['a: value differs by 0.5 > 0.1']
+    """
+    import re
+
+    failures = []
+    for name, expected in reference.items():
+        if "values" not in expected:
+            failures.append(f"{name} failed in the reference: {expected}")
+            continue
+        got = cell.get(name, {"error": "missing"})
+        pattern = expect_error(name) if expect_error else None
+        if pattern is not None:
+            if not re.search(pattern, got.get("error", "")):
+                failures.append(f"{name}: expected an error matching {pattern!r}, got {got}")
+        elif "error" in got:
+            failures.append(f"{name}: {got['error']}")
+        else:
+            try:
+                assert_close(expected["values"], got["values"], tolerance, name)
+            except NotEquivalent as difference:
+                failures.append(str(difference))
+    return failures

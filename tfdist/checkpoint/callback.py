@@ -173,7 +173,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
     def on_train_batch_end(self, batch, logs=None):
         self._snapshot = [tf.identity(v.value) for v in self._phantom_prone]
         previous = self._step
-        self._step = self._step_at_epoch_begin + batch + 1
+        self._step = self._step_at_epoch_begin + self._done(batch) - self._skip
         if self._watch is not None and self._watch.should_save(self._step):
             self._preempting = True
             self._save_model(epoch=self._fit_epoch, batch=batch, logs=logs)
@@ -288,11 +288,19 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         """The position after ``batch`` of ``epoch`` (None: the epoch's end)."""
         if batch is None:
             return Position(epoch + 1, 0)
-        done = self._skip + batch + 1
+        done = self._done(batch)
         steps = self.params.get("steps") if self.params else None
         if steps and done >= steps:
             return Position(epoch + 1, 0)
         return Position(epoch, done)
+
+    def _done(self, batch: int) -> int:
+        """Batches of the epoch done after ``batch``. With ``steps_per_execution`` K,
+        Keras reports each execution's last index (K - 1, 2K - 1, ...), also for an epoch's
+        last execution when fewer than K batches were left: capped at the epoch's length."""
+        done = self._skip + batch + 1
+        steps = self.params.get("steps") if self.params else None
+        return min(done, steps) if steps else done
 
     # -- ModelCheckpoint's hooks (_private.MODEL_CHECKPOINT_HOOKS)
 

@@ -21,7 +21,8 @@ Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime pat
 Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
-``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``, ``datasets`` (a dataset with a
+``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``,
+``steps_per_execution``, ``datasets`` (a dataset with a
 declared length); this module lists them
 and applies them.
 
@@ -51,6 +52,7 @@ from tfdist.compat import (
     on_batch,
     partial_batches,
     registry,
+    steps_per_execution,
     tf_fixes,
     tf_inputs,
 )
@@ -260,6 +262,7 @@ FIXES: list[Fix] = [
 # Fixes that live with their own module (each exports FIXES).
 FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES + loss_scale.FIXES
 FIXES += jax_watchdog.FIXES + partial_batches.FIXES + tf_inputs.FIXES + jit_compile.FIXES
+FIXES += steps_per_execution.FIXES
 FIXES.append(
     Fix(
         batchnorm.FIX_NAME,

@@ -1,0 +1,179 @@
+"""``compile(steps_per_execution=4)`` on several replicas equals one device with the same K.
+
+``tests/scripts/spe_job.py`` trains, in one process per topology and backend, an MLP on
+numpy arrays and on a ``tf.data`` of unknown length (TensorFlow only), a Conv2D + MaxPooling2D model on a ``tf.data`` and a BatchNormalization
+model with gradient accumulation and ``global_clipnorm``: 6 steps per epoch (K = 4: one
+execution of 4 steps, one of 2; the last batch 8 of 16), validation and evaluation data
+ending with a batch of 12, predict; plus ``tfdist.callbacks.checkpoint(save_freq=3)``.
+Each cell must equal one device within ``TOLERANCE`` (weights, History, every batch-end
+index and logs the callbacks saw, evaluate, predict, the checkpoint files) and reports
+the topology it ran. ``tests/scripts/ckpt_job.py`` with K = 4 on 2 workers is killed -9
+mid-epoch and resumed by ``tfdist launch --max-restarts 1``.
+
+Without ``keras_steps_per_execution_under_strategy`` the first ``fit`` on 2 devices fails
+with the placeholder error of keras#19246.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+
+JOB = SCRIPTS / "spe_job.py"
+FIX = "keras_steps_per_execution_under_strategy"
+TOLERANCE = 1e-5
+TF_KINDS = ["bn", "conv", "mlp"]  # the model kinds whose fit ran the fix's function
+CELLS = {
+    ("tensorflow", "2 devices"): {"replicas": 2, "workers": 1, "fixed": TF_KINDS},
+    ("tensorflow", "2 workers"): {"replicas": 2, "workers": 2, "fixed": TF_KINDS},
+    ("jax", "2 workers"): {"replicas": 2, "workers": 2, "fixed": []},
+}
+# Keras on JAX with several processes takes only tf.data input.
+JAX_CASES = ("conv tf.data", "bn accumulation clipnorm tf.data", "checkpoint save_freq 3")
+
+
+def _report(stdout: str) -> dict:
+    for line in reversed(stdout.splitlines()):
+        if "SPE " in line:  # the launcher prefixes "[w0] "
+            return json.loads(line[line.index("SPE ") + len("SPE ") :])
+    pytest.fail(f"the steps_per_execution job printed no result:\n{stdout[-3000:]}")
+
+
+def _start(backend: str, topology: str, tmp: str, *cases: str, **env) -> subprocess.Popen:
+    """The job on ``topology``, started (the cells run side by side: each mostly waits)."""
+    env.update(KERAS_BACKEND=backend, SPE_CKPT_DIR=f"{tmp}/{backend}-{topology}")
+    if topology == "2 workers":
+        command = [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(JOB), *cases]
+    else:
+        command = [sys.executable, str(JOB), *cases]
+    if topology == "2 devices":
+        env["TFDIST_CPU_DEVICES"] = "2"
+    return subprocess.Popen(
+        command, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the steps_per_execution job timed out:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return _report(stdout)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    """``{(backend, topology): report}`` for one device and every cell, run side by side."""
+    tmp = str(tmp_path_factory.mktemp("spe"))
+    runs = [(backend, "1 device") for backend in ("tensorflow", "jax")] + list(CELLS)
+    procs = {
+        (backend, topology): _start(
+            backend, topology, tmp, *(JAX_CASES if backend == "jax" else ())
+        )
+        for backend, topology in runs
+    }
+    reports = {}
+    try:
+        for key, proc in procs.items():
+            reports[key] = _finish(proc)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+@pytest.mark.multiworker
+@pytest.mark.parametrize("backend, topology", list(CELLS))
+def test_steps_per_execution_matches_one_device(matrix, backend, topology):
+    reference, cell = matrix[backend, "1 device"], matrix[backend, topology]
+    one = {"backend": backend, "replicas": 1, "workers": 1, "steps_per_execution": 4}
+    assert reference["topology"] == {**one, "fixed": []}  # one replica: upstream's function
+    assert cell["topology"] == {**one, **CELLS[backend, topology]}
+    assert len(reference["cases"]) == (len(JAX_CASES) if backend == "jax" else 5)
+    failures = equivalence.case_failures(reference["cases"], cell["cases"], TOLERANCE)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_callbacks_and_checkpoints_see_one_call_per_execution(matrix):
+    """Keras's own K > 1 behaviour, kept: one ``on_*_batch_end`` per execution with the
+    last step's logs and index K - 1, 2K - 1 (7 also for the epoch's 2-step execution);
+    ``save_freq=3`` saves at the end of the execution in which the step passed a multiple
+    of 3 (steps 4 and 10: batch 4 of each epoch), then at each epoch end."""
+    values = matrix["tensorflow", "2 devices"]["cases"]["mlp numpy"]["values"]
+    batches = {kind: [call["batch"] for call in values[f"{kind} batch ends"].values()]
+               for kind in ("train", "test", "predict")}  # fmt: skip
+    # test: 2 validations, then evaluate (92 examples: 6 batches, 2 executions each)
+    assert batches == {"train": [3, 7, 3, 7], "test": [3, 7] * 3, "predict": [3, 7]}
+    assert values["train batch ends"]["3"]["loss"] > 0
+    files = matrix["tensorflow", "2 devices"]["cases"]["checkpoint save_freq 3"]["values"]["files"]
+    assert sorted(files) == ["ckpt-1-4.keras", "ckpt-1.keras", "ckpt-2-4.keras", "ckpt-2.keras"]
+
+
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_steps_per_execution_under_strategy")
+def test_upstream_fails_with_a_placeholder_error(tmp_path):
+    proc = _start("tensorflow", "2 devices", str(tmp_path), "mlp numpy", TFDIST_COMPAT_EXCLUDE=FIX)
+    report = _finish(proc)
+    assert report["topology"]["replicas"] == 2
+    error = report["cases"]["mlp numpy"].get("error", "")
+    assert error.startswith("InvalidArgumentError") and "while/cond/Placeholder" in error, error
+    assert "You must feed a value for placeholder tensor" in error, error
+
+
+KILL_JOB = ("--save-freq", "7", "--epochs", "2", "--per-replica-batch", "2", "--examples", "54")
+KILL_JOB += ("--steps-per-execution", "4")  # 13 steps per epoch: executions of 4, 4, 4, 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_workers_killed_mid_epoch_resume_exactly(tmp_path):
+    """K = 4 on 2 workers; worker 1 is killed -9 after step 25 (epoch 1, batch 12); the
+    launcher restarts both from the step-21 checkpoint (epoch 1, batch 8: saved at the
+    end of the execution in which step 21 = 3 x 7 fell) and the job ends with the weights
+    of a run never interrupted (2 logical devices, one process)."""
+    script = [sys.executable, str(SCRIPTS / "ckpt_job.py"), *KILL_JOB]
+    temp = tmp_path / "tmp"  # where worker 1 stages its discarded copy of each save
+    temp.mkdir()
+    reference = subprocess.Popen(  # side by side with the killed job: each mostly waits
+        [*script, "--dir", str(tmp_path / "reference")], env=child_env(TFDIST_CPU_DEVICES="2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        proc = launch_cli(
+            "-n", "2", "--max-restarts", "1", *script[1:], "--dir", str(tmp_path / "ckpt"),
+            "--sigkill-at-step", "25", "--sigkill-rank", "1", timeout=600, TMPDIR=str(temp),
+        )  # fmt: skip
+        out, err = reference.communicate(timeout=300)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    assert reference.returncode == 0, err[-4000:]
+    reference = last_json_line(out)
+    assert reference["replicas"] == 2 and reference["iterations"] == 26
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert '[w1] {"dying_at_step": 25}' in proc.stdout
+    for worker in ("w0", "w1"):
+        lines = [line for line in proc.stdout.splitlines()
+                 if line.startswith(f"[{worker}] {{") and '"weights"' in line]  # fmt: skip
+        resumed = json.loads(lines[-1].partition(" ")[2])
+        assert resumed["replicas"] == 2 and resumed["exit_code"] == 0
+        assert resumed["restored"] == {"path": "ckpt-2-8.keras", "epoch": 1, "batch": 8, "step": 21}
+        assert [step for *_, step in resumed["trained"]] == [25, 26]
+        assert resumed["iterations"] == 26
+        equivalence.assert_close(reference["weights"], resumed["weights"], TOLERANCE, worker)
