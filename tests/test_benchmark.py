@@ -59,8 +59,12 @@ def _sample_figures() -> dict:
                     "batches_skipped": 0, "restart_extra_s": 0.4},
         "launcher": _summary(**two),
         "multi-worker-step": _summary(**two),
+        "multi-worker-step-k8": {**_summary([1.1, 1.15], [1.0, 1.0]), "steps_per_execution": 8},
         "multi-worker-accumulation": {**_summary([1.1, 1.15], [1.0, 1.0]), "accumulation_steps": 4, "steps": 420,
                                       "warmup": 20, "goal_ratio": 1.2},
+        "multi-worker-accumulation-k8": {**_summary([1.1, 1.15], [1.0, 1.0]), "accumulation_steps": 4,
+                                         "steps": 424, "warmup": 24, "goal_ratio": 1.2,
+                                         "steps_per_execution": 8},
         "checkpoint-save": checkpoint,
         "checkpoint-restore": checkpoint,
     }  # fmt: skip
@@ -84,6 +88,13 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
     assert accumulation(samples["multi-worker-accumulation"], False).met is True  # 1.125 <= 1.2
     slow = {**samples["multi-worker-accumulation"], **_summary([1.5, 1.6], [1.0, 1.0])}
     assert accumulation(slow, False).met is False
+    step = bench.CHILD_ROWS["multi-worker-step-k8"].result
+    assert step(samples["multi-worker-step-k8"], False).met is True  # 1.125 <= 1.2 with K=8
+    assert (
+        bench.CHILD_ROWS["multi-worker-step"].result(samples["multi-worker-step"], False).met
+        is None
+    )
+    assert "steps_per_execution=8" in step(samples["multi-worker-step-k8"], False).notes
     # Rows of ~1 s measurements report the median of each group of repeated pairs.
     launcher = {**_summary([1.0, 3.0, 1.2, 1.1], [1.0] * 4), "repeats": 2}
     assert bench.CHILD_ROWS["launcher"].result(launcher, False).ratios == [2.0, 1.15]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,25 +30,33 @@ if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 
 
-def window_steps(steps: int, warmup: int) -> tuple[int, int]:
-    """(steps, warmup) rounded up to whole windows of ``K`` micro-steps, at least one each.
+def window_steps(steps: int, warmup: int, steps_per_execution: int = 1) -> tuple[int, int]:
+    """(steps, warmup) rounded up to whole windows of ``K`` micro-steps and whole
+    executions of ``steps_per_execution`` steps, at least one each.
 
     Example:
         >>> window_steps(30, 5)
         (32, 8)
+        >>> window_steps(30, 5, steps_per_execution=8)
+        (32, 8)
     """
-    if steps < 1 or warmup < 0:
+    if steps < 1 or warmup < 0 or steps_per_execution < 1:
         raise ValueError(
-            f"bench_accumulation: steps must be >= 1 and warmup >= 0. Received: "
-            f"steps={steps}, warmup={warmup}. Pass e.g. steps=200, warmup=20."
+            f"bench_accumulation: steps and steps_per_execution must be >= 1 and warmup "
+            f">= 0. Received: steps={steps}, warmup={warmup}, steps_per_execution="
+            f"{steps_per_execution}. Pass e.g. steps=200, warmup=20."
         )
-    warmup = max(K, -(-warmup // K) * K)
-    timed = max(K, -(-(steps - warmup) // K) * K) if steps > warmup else K
+    unit = math.lcm(K, steps_per_execution)
+    warmup = max(unit, -(-warmup // unit) * unit)
+    timed = max(unit, -(-(steps - warmup) // unit) * unit) if steps > warmup else unit
     return warmup + timed, warmup
 
 
-def per_micro_step(*, pairs: int = 3, steps: int = 200, warmup: int = 20) -> dict:
-    """Milliseconds per micro-step: 2 workers (A) vs 2 logical devices in one process (B).
+def per_micro_step(
+    *, pairs: int = 3, steps: int = 200, warmup: int = 20, steps_per_execution: int = 1
+) -> dict:
+    """Milliseconds per micro-step: 2 workers (A) vs 2 logical devices in one process (B),
+    both compiled with ``steps_per_execution``.
 
     Example:
         >>> per_micro_step(pairs=1, steps=40)["ratio_median"]  # doctest: +SKIP
@@ -55,8 +64,9 @@ def per_micro_step(*, pairs: int = 3, steps: int = 200, warmup: int = 20) -> dic
     """
     import bench_launcher
 
-    steps, warmup = window_steps(steps, warmup)
+    steps, warmup = window_steps(steps, warmup, steps_per_execution)
     args = ["--job", "--steps", str(steps), "--warmup", str(warmup)]
+    args += ["--steps-per-execution", str(steps_per_execution)]
 
     def measure(run):
         def once() -> float:
@@ -80,6 +90,7 @@ def per_micro_step(*, pairs: int = 3, steps: int = 200, warmup: int = 20) -> dic
         steps=steps,
         warmup=warmup,
         accumulation_steps=K,
+        steps_per_execution=steps_per_execution,
         goal=f"<= {GOAL}",
         goal_ratio=GOAL,
         met=result["ratio_median"] <= GOAL,
@@ -114,7 +125,7 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
     return started, bench_launcher._report(proc.stdout)
 
 
-def job(steps: int, warmup: int, global_batch: int = 128) -> None:
+def job(steps: int, warmup: int, global_batch: int = 128, steps_per_execution: int = 1) -> None:
     """Trains the MLP with accumulation; worker 0 prints ms per micro-step as JSON.
 
     Example:
@@ -142,6 +153,7 @@ def job(steps: int, warmup: int, global_batch: int = 128) -> None:
         model.compile(
             optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=K),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=steps_per_execution,
         )
     rng = np.random.default_rng(0)
     x = rng.random((global_batch * 8, 784), dtype=np.float32)
@@ -158,7 +170,9 @@ def job(steps: int, warmup: int, global_batch: int = 128) -> None:
     marks = {}
 
     class Clock(keras.callbacks.Callback):
-        """Marks the end of the warm-up windows and of the last micro-step."""
+        """Marks the end of the warm-up windows and of the last micro-step (with
+        steps_per_execution, Keras calls it at the last step of each execution, and
+        ``steps`` and ``warmup`` are whole executions)."""
 
         def on_train_batch_end(self, batch, logs=None):
             if batch + 1 == warmup:
@@ -171,6 +185,7 @@ def job(steps: int, warmup: int, global_batch: int = 128) -> None:
     report = {
         "replicas": strategy.num_replicas_in_sync,
         "accumulation_steps": K,
+        "steps_per_execution": steps_per_execution,
         "ms_per_micro_step": ms,
         "updates": int(model.optimizer.iterations.numpy()),
     }
@@ -184,13 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args(argv)
+    spe = args.steps_per_execution
     if args.job:
-        job(*window_steps(args.steps, args.warmup))
+        job(*window_steps(args.steps, args.warmup, spe), steps_per_execution=spe)
         return 0
     if args.pairs < 1:
         parser.error(f"--pairs must be >= 1. Received: --pairs={args.pairs}")
-    print(json.dumps(per_micro_step(pairs=args.pairs, steps=args.steps, warmup=args.warmup)))
+    figures = per_micro_step(
+        pairs=args.pairs, steps=args.steps, warmup=args.warmup, steps_per_execution=spe
+    )
+    print(json.dumps(figures))
     return 0
 
 

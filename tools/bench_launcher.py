@@ -198,14 +198,22 @@ def network(*, pairs: int = 3) -> dict:
     return result
 
 
-def per_step(*, pairs: int = 3, steps: int = 60, warmup: int = 10) -> dict:
-    """Milliseconds per step: 2 workers (A) vs 2 logical devices in one process (B).
+def per_step(
+    *, pairs: int = 3, steps: int = 60, warmup: int = 10, steps_per_execution: int = 1
+) -> dict:
+    """Milliseconds per step: 2 workers (A) vs 2 logical devices in one process (B), both
+    compiled with ``steps_per_execution`` (``steps`` and ``warmup`` should be multiples).
 
     Example:
-        >>> per_step(pairs=1, steps=30)["ratio_median"]  # doctest: +SKIP
-        1.6
+        >>> per_step(pairs=1, steps=32, warmup=8, steps_per_execution=8)["ratio_median"]  # doctest: +SKIP
+        1.2
     """
+    if steps_per_execution < 1:
+        raise ValueError(
+            f"bench_launcher: steps_per_execution must be >= 1. Received: {steps_per_execution}"
+        )
     args = ["--steps", str(steps), "--warmup", str(warmup)]
+    args += ["--steps-per-execution", str(steps_per_execution)]
 
     def measure(run, replicas: int) -> Callable[[], float]:
         def once() -> float:
@@ -217,7 +225,9 @@ def per_step(*, pairs: int = 3, steps: int = 60, warmup: int = 10) -> dict:
         return once
 
     result = _summary(*_alternate(measure(_launcher, 2), measure(_one_process, 2), pairs))
-    result.update(unit="ms/step", steps=steps, warmup=warmup)
+    result.update(
+        unit="ms/step", steps=steps, warmup=warmup, steps_per_execution=steps_per_execution
+    )
     return result
 
 
