@@ -81,6 +81,7 @@ def matrix(tmp_path_factory):
         )
         for backend, topology in runs
     }
+    procs["log reductions"] = _start("tensorflow", "2 workers", tmp, SPE_COUNT_REDUCTIONS="1")
     reports = {}
     try:
         for key, proc in procs.items():
@@ -122,6 +123,18 @@ def test_callbacks_and_checkpoints_see_one_call_per_execution(matrix):
     assert values["train batch ends"]["3"]["loss"] > 0
     files = matrix["tensorflow", "2 devices"]["cases"]["checkpoint save_freq 3"]["values"]["files"]
     assert sorted(files) == ["ckpt-1-4.keras", "ckpt-1.keras", "ckpt-2-4.keras", "ckpt-2.keras"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_logs_are_averaged_across_workers_once_per_execution(matrix):
+    """Keras returns only an execution's last logs for K > 1: 2 workers average them
+    once per call (4 executions in 12 steps), not once per step as with K = 1."""
+    report = matrix["log reductions"]
+    assert (report["topology"]["replicas"], report["topology"]["workers"]) == (2, 2)
+    per_step, per_execution = report["counts"]
+    assert (per_step["steps_per_execution"], per_step["reductions"]) == (1, 12)
+    assert (per_execution["steps_per_execution"], per_execution["reductions"]) == (4, 4)
 
 
 @pytest.mark.devices

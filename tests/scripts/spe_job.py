@@ -70,8 +70,8 @@ def _optimizer(kind: str):
     return keras.optimizers.SGD(0.1)
 
 
-def build(kind: str):
-    """The same starting weights on every topology, compiled with steps_per_execution=K."""
+def build(kind: str, steps_per_execution: int = K):
+    """The same starting weights on every topology, compiled with ``steps_per_execution``."""
     with tfdist.scope():
         layers = _layers(kind)
         model = keras.Sequential([keras.Input((6, 6, 1)), *layers, keras.layers.Dense(3)])
@@ -83,7 +83,7 @@ def build(kind: str):
             _optimizer(kind),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
-            steps_per_execution=K,
+            steps_per_execution=steps_per_execution,
         )
     return model
 
@@ -155,6 +155,42 @@ def checkpoint() -> dict:
     return values
 
 
+def log_reductions(steps_per_execution: int) -> dict:
+    """The cross-replica reductions Keras's ``reduce_per_replica`` makes for the logs in
+    one ``fit`` (2 epochs of 6 steps, no validation), counted as they run."""
+    import traceback as stack
+
+    import tensorflow as tf
+
+    extended = tfdist.strategy().extended
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False)
+    model = build("mlp", steps_per_execution)
+    originals = {name: getattr(extended, name) for name in ("reduce_to", "batch_reduce_to")}
+
+    def counting(name):
+        def reduce(reduce_op, value, *args, **kwargs):
+            # Decided where it is traced: a reduction made for the logs adds one each run.
+            if any(frame.name == "reduce_per_replica" for frame in stack.extract_stack()):
+                counter.assign_add(1)
+            return originals[name](reduce_op, value, *args, **kwargs)
+
+        return reduce
+
+    for name in originals:
+        setattr(extended, name, counting(name))
+    try:
+        x, y = data(TRAIN, 0)
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    finally:
+        for name, original in originals.items():
+            setattr(extended, name, original)
+    return {
+        "reductions": int(counter.numpy()),
+        "steps": 12,
+        "steps_per_execution": steps_per_execution,
+    }
+
+
 # Whether fit ran tfdist's K-step function (the fix) or upstream's, per model kind.
 FUSED: dict[str, bool] = {}
 CASES = {
@@ -177,6 +213,11 @@ def topology() -> dict:
 
 
 def main() -> None:
+    if os.environ.get("SPE_COUNT_REDUCTIONS"):  # K = 1 against K = 4, nothing else
+        counts = [log_reductions(1), log_reductions(K)]
+        if tfdist.is_chief():
+            print("SPE " + json.dumps({"topology": topology(), "counts": counts}), flush=True)
+        return
     names = sys.argv[1:] or list(CASES)
     out = {}
     for name in names:

@@ -61,9 +61,12 @@ def fix_steps_per_execution() -> None:
     order, and returns the last step's outputs. The fix takes up to K batches from the
     distributed iterator (fewer at the end of the data: each is a whole global batch,
     exactly what upstream's loop would have consumed) and hands that list to upstream's
-    own function, traced once per list length in a ``tf.function``: the K steps run in
-    one call with K ``strategy.run`` and no conditional. The steps, their order, the
-    logs (the last step's) and the ``StopIteration`` when no batch is left are upstream's;
+    own function for the last one, traced once per list length in a ``tf.function``: the
+    K steps run in one call with K ``strategy.run`` and no conditional. Only the last
+    step's logs are reduced across replicas, since Keras returns only those for K > 1
+    (upstream reduces every step's and drops all but the last: between workers, one
+    gRPC collective per step). The steps, their order, the logs (the last step's) and
+    the ``StopIteration`` when no batch is left are upstream's;
     the epoch loop and the callbacks (once per execution) are not touched. With one
     replica, K == 1, ``run_eagerly=True`` or input that is not an iterator, upstream's
     function is returned unchanged.
@@ -76,7 +79,16 @@ def fix_steps_per_execution() -> None:
                 return function
             import tensorflow as tf
 
-            fused = tf.function(function, reduce_retracing=True)
+            strategy = self.distribute_strategy
+
+            def run_steps(batches):
+                # Keras returns the last step's logs only: the steps before it run without
+                # reducing theirs across replicas (one collective fewer per step).
+                for data in batches[:-1]:
+                    strategy.run(step_function, args=(data,))
+                return function(batches[-1:])
+
+            fused = tf.function(run_steps, reduce_retracing=True)
 
             def multi_step_on_iterator(iterator):
                 steps = int(self.steps_per_execution or 1)  # read per call, as upstream does
