@@ -13,6 +13,7 @@ Two halves:
   ``PYTHONPATH``, ``TFDS_DATA_DIR``, ``TFDIST_CPU_DEVICES``). A pod whose process exits
   non-zero is restarted as kubelet restarts a container under ``restartPolicy:
   OnFailure``: the same pod (name, address, environment) and kubelet's back-off.
+  ``Cluster.wait_jobset`` restarts a TrainJob as JobSet does: new pods for the whole job.
 
 Every namespace, veth, bridge, mount and process created here is removed by
 ``Cluster.remove()`` (the mounts live in the pods' own mount namespaces and end with
@@ -85,6 +86,8 @@ class Pod:
     subdomain_fqdn: str | None = None  # kubelet's hosts line for a pod with a subdomain
     restarts: int = 0
     exit_codes: list[int] = field(default_factory=list)
+    exit_times: list[float] = field(default_factory=list)  # time.monotonic() of each exit
+    labels: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen | None = None
 
 
@@ -158,8 +161,46 @@ def tfjob_pods(tfjob: Mapping, namespace: str = "default") -> list[Pod]:
 TRAINJOB_PORT = 6666
 
 
-def trainjob_pods(trainjob: Mapping, namespace: str = "default") -> list[Pod]:
-    """The pods of a Kubeflow Trainer TrainJob on the ``jax-distributed`` runtime.
+# JobSet's restarts, written from memory of JobSet (jobset.sigs.k8s.io,
+# pkg/controllers/jobset_controller.go, its webhook's defaults) and of the Kubernetes Job
+# controller, not checked against their source here. A TrainJob is a JobSet; its
+# replicated job ``node`` is one Indexed Job. The Job fails when its failures exceed
+# ``backoffLimit`` (failed pods under ``restartPolicy: Never``, container restarts under
+# ``OnFailure``, JobSet's default) and then deletes its pods that still run (kubelet:
+# SIGTERM, SIGKILL after the pod's grace period). A failed child Job fails the JobSet
+# unless ``failurePolicy.maxRestarts`` allows a restart: JobSet deletes all its child Jobs
+# and creates them again (new pods: same names, same environment, JAX_PROCESS_ID and
+# JOB_COMPLETION_INDEX included), the attempt counted in this label.
+RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
+TERMINATION_GRACE_S = 30.0  # a pod's default terminationGracePeriodSeconds
+
+
+@dataclass(frozen=True)
+class JobSetPolicy:
+    """A JobSet's ``failurePolicy.maxRestarts`` and its child Job's ``backoffLimit``."""
+
+    max_restarts: int
+    backoff_limit: int
+    restart_policy: str  # the pods'
+
+
+def jobset_policy(runtime: Mapping | None, replicated_job: str = "node") -> JobSetPolicy:
+    """The restart policy of a ``TrainingRuntime``'s JobSet (``None``: the defaults, no
+    restart, the Job's ``backoffLimit`` 6, ``restartPolicy: OnFailure``)."""
+    jobset = (runtime or {}).get("spec", {}).get("template", {}).get("spec", {})
+    found = [r for r in jobset.get("replicatedJobs", []) if r["name"] == replicated_job]
+    job = found[0]["template"]["spec"] if found else {}
+    return JobSetPolicy(
+        max_restarts=int(jobset.get("failurePolicy", {}).get("maxRestarts", 0)),
+        backoff_limit=int(job.get("backoffLimit", 6)),
+        restart_policy=job.get("template", {}).get("spec", {}).get("restartPolicy", "OnFailure"),
+    )
+
+
+def trainjob_pods(trainjob: Mapping, namespace: str = "default", runtime: Mapping | None = None
+                  ) -> list[Pod]:  # fmt: skip
+    """The pods of a Kubeflow Trainer TrainJob on the ``jax-distributed`` runtime (or
+    ``runtime``, a ``TrainingRuntime`` like it: its pods' restart policy).
 
     JobSet (``jobset.sigs.k8s.io``, ``pkg/controllers/jobset_controller.go``) names the
     replicated job ``node``'s pods ``<trainjob>-node-0-<i>``, gives them host name = pod
@@ -185,7 +226,9 @@ def trainjob_pods(trainjob: Mapping, namespace: str = "default") -> list[Pod]:
             JAX_COORDINATOR_ADDRESS=coordinator,
         )
         fqdn = f"{pod_name}.{name}.{namespace}.svc.cluster.local"
-        pods.append(_pod(pod_name, f"{pod_name}.{name}", trainer, env, "OnFailure", fqdn))
+        policy = jobset_policy(runtime).restart_policy
+        pods.append(_pod(pod_name, f"{pod_name}.{name}", trainer, env, policy, fqdn))
+        pods[-1].labels[RESTART_ATTEMPT] = "0"
     return pods
 
 
@@ -281,7 +324,10 @@ class Cluster:
 
     def _spawn(self, pod: Pod) -> None:
         with open(self.logs[pod.name], "a") as log:
-            log.write(f"--- start {pod.restarts} of {pod.name}\n")
+            attempt = pod.labels.get(RESTART_ATTEMPT, "")
+            log.write(
+                f"--- start {pod.restarts} of {pod.name} {attempt and 'attempt ' + attempt}\n"
+            )
             log.flush()
             pod.proc = subprocess.Popen(
                 self.argv(pod), env=self.pod_env(pod), cwd=self.workdir,
@@ -294,6 +340,7 @@ class Cluster:
             code = pod.proc.wait()
             with self.lock:
                 pod.exit_codes.append(code)
+                pod.exit_times.append(time.monotonic())
                 if self.stopping.is_set() or code == 0 or pod.restart_policy == "Never":
                     return
             if self.stopping.wait(restart_delay(pod.restarts)):
@@ -350,6 +397,58 @@ class Cluster:
             thread.join(timeout=10)
         return {p.name: p.exit_codes[-1] for p in self.pods}
 
+    def wait_jobset(self, policy: JobSetPolicy, timeout: float,
+                    grace_s: float = TERMINATION_GRACE_S) -> dict[str, int]:  # fmt: skip
+        """Waits until every pod succeeded, restarting the job as JobSet does (see
+        ``RESTART_ATTEMPT``); returns each pod's last exit code. Raises when the JobSet
+        failed (a failure with ``max_restarts`` spent) or at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                # the current pods' own exits (a pod of an earlier attempt may have succeeded)
+                if all(p.proc.poll() == 0 and p.exit_codes[-1:] == [0] for p in self.pods):
+                    break
+                failures = sum(
+                    p.restarts if p.restart_policy != "Never" else
+                    int(p.proc is not None and p.proc.poll() not in (None, 0))
+                    for p in self.pods
+                )  # fmt: skip
+            if failures > policy.backoff_limit:
+                self.terminate(grace_s)  # the Job controller deletes the Job's running pods
+                attempt = int(self.pods[0].labels.get(RESTART_ATTEMPT, "0"))
+                if attempt >= policy.max_restarts:
+                    raise RuntimeError(f"the JobSet failed: a Job failed after {attempt} "
+                                       f"restarts (maxRestarts {policy.max_restarts})"
+                                       f"{self.log_tails()}")  # fmt: skip
+                self.recreate(attempt + 1)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the JobSet did not succeed in {timeout:.0f} s"
+                                   f"{self.log_tails()}")  # fmt: skip
+            time.sleep(0.25)
+        for thread in self.supervisors:
+            thread.join(timeout=10)
+        return {p.name: p.exit_codes[-1] for p in self.pods}
+
+    def terminate(self, grace_s: float) -> None:
+        """Deletes every pod as kubelet does: SIGTERM to the container's process, SIGKILL
+        to all it left after ``grace_s``; nothing is restarted."""
+        procs = self._signal_all(os.kill, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.stop()
+
+    def recreate(self, attempt: int) -> None:
+        """JobSet's restart: new pods (no container restarts yet) with the same names,
+        addresses and environment, labelled with the restart ``attempt``."""
+        self.supervisors.clear()
+        self.stopping.clear()
+        for pod in self.pods:
+            pod.restarts = 0
+            pod.labels[RESTART_ATTEMPT] = str(attempt)
+        self.start_all()
+
     def log(self, name: str) -> str:
         path = self.logs[name]
         return path.read_text(errors="replace") if path.exists() else ""
@@ -359,18 +458,24 @@ class Cluster:
 
     def stop(self) -> None:
         """Kills every pod's process (SIGKILL to its session) and stops restarting them."""
+        procs = self._signal_all(os.killpg, signal.SIGKILL)
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+        for thread in self.supervisors:
+            thread.join(timeout=10)
+
+    def _signal_all(self, kill, signum: int) -> list[subprocess.Popen]:
+        """Stops restarting the pods, sends ``signum`` with ``kill`` (``os.kill``: the
+        process, ``os.killpg``: its session) to each that runs; returns their processes."""
         self.stopping.set()
         with self.lock:
             procs = [p.proc for p in self.pods if p.proc is not None]
         for proc in procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
-        for thread in self.supervisors:
-            thread.join(timeout=10)
+                    kill(proc.pid, signum)
+        return procs
 
     def remove(self) -> None:
         """Stops the pods and deletes every namespace (with its veths and the bridge)."""

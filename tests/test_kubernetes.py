@@ -9,7 +9,9 @@ tests/scripts/slurm_train.py and ends with the weights of one process. Then a wo
 gets SIGTERM (every worker saves after one agreed step and exits 75) and, in the
 restarted job, ``kill -9`` (the other worker's collectives abort when it comes back);
 kubelet restarts the pods each time (``restartPolicy: OnFailure``, with its back-off),
-and the job resumes from its checkpoints to the weights of an uninterrupted run.
+and the job resumes from its checkpoints to the weights of an uninterrupted run. A JAX
+pod killed with ``kill -9`` fails its Job, and JobSet creates all the pods again
+(``failurePolicy.maxRestarts``), which resume to the same weights.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from pathlib import Path
 import k8s_pods
 import pytest
 import yaml
+
+from tfdist import config
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
 
@@ -130,16 +134,21 @@ def engine_in(cluster: k8s_pods.Cluster, pod: k8s_pods.Pod) -> dict:
     return json.loads(proc.stdout)
 
 
-def run_job(pods, tmp_path, backoff_limit: int, *args: str, before=None, timeout: float = 300):
+def run_job(pods, tmp_path, backoff_limit, *args: str, before=None, timeout: float = 300):
     """Starts the pods, waits until all succeeded; returns the cluster's pods and results.
-    ``before(cluster)`` runs once the pods' namespaces exist, before they start."""
+    ``backoff_limit``: training-operator's (an int or None), or a TrainJob's
+    ``k8s_pods.JobSetPolicy``. ``before(cluster)`` runs once the pods' namespaces exist,
+    before they start."""
     in_pods(pods, tmp_path / "ckpt", "--results", str(tmp_path / "results"), *args)
     with k8s_pods.running(pods, host_env(), tmp_path) as cluster:
         check_dns(cluster)
         if before is not None:
             before(cluster)
         cluster.start_all()
-        codes = cluster.wait_done(timeout, backoff_limit)
+        if isinstance(backoff_limit, k8s_pods.JobSetPolicy):
+            codes = cluster.wait_jobset(backoff_limit, timeout)
+        else:
+            codes = cluster.wait_done(timeout, backoff_limit)
     assert set(codes.values()) == {0}, cluster.log_tails()
     return cluster, last_results(tmp_path / "results")
 
@@ -179,17 +188,20 @@ def test_tfjob_pods_train_like_one_process(root_and_ip, reference, tmp_path):
 @pytest.mark.jax
 def test_trainjob_pods_on_jax_train_like_one_process(root_and_ip, reference, tmp_path):
     trainjob = manifest("trainjob-jax.yaml", "TrainJob")
-    pods = k8s_pods.trainjob_pods(trainjob)
+    runtime = manifest("trainjob-jax.yaml", "TrainingRuntime")
+    pods = k8s_pods.trainjob_pods(trainjob, runtime=runtime)
     assert [p.name for p in pods] == ["mnist-jax-node-0-0", "mnist-jax-node-0-1"]
     assert "TF_CONFIG" not in pods[1].env and pods[1].env["KERAS_BACKEND"] == "jax"
     engines = []
-    cluster, found = run_job(pods, tmp_path, None, before=lambda c: engines.append(
+    policy = k8s_pods.jobset_policy(runtime)
+    cluster, found = run_job(pods, tmp_path, policy, before=lambda c: engines.append(
         engine_in(c, pods[1])))  # fmt: skip
     read = engines[0]["read"]
     assert (engines[0]["name"], read["JAX_PROCESS_ID"], read["HOSTNAME"]) == (
         "trainjob", "1", "mnist-jax-node-0-1",
     )  # fmt: skip
     assert_like_one_process(cluster, found, reference("jax"))
+    assert [p.labels[k8s_pods.RESTART_ATTEMPT] for p in pods] == ["0", "0"]  # no JobSet restart
     # tfdist gave jax every parameter: jax's own Kubernetes detection never ran
     assert "Kubernetes environment detected" not in cluster.log_tails(100_000)
 
@@ -263,4 +275,54 @@ def test_tfjob_preempted_then_killed_9_restarts_onfailure_and_resumes_exactly(
     print(
         f"\nkubernetes: preempted after step {step}, killed after the checkpoint of step "
         f"{min(restored)}; exits {exits}; the job took {took:.1f} s"
+    )
+
+
+@pytest.mark.jax
+def test_trainjob_pod_killed_9_jobset_restarts_all_pods_and_resumes_exactly(
+    root_and_ip, reference, tmp_path
+):
+    """Once an epoch checkpoint exists, ``kill -9`` of JAX pod 1: its Job fails
+    (``backoffLimit: 0``), the other pod is deleted (it ends within its grace period), and
+    JobSet creates both pods again (``failurePolicy.maxRestarts``), which resume exactly."""
+    runtime = manifest("trainjob-jax.yaml", "TrainingRuntime")
+    trainjob = manifest("trainjob-jax.yaml", "TrainJob")
+    assert trainjob["spec"]["runtimeRef"] == {"name": "jax-restartable", "kind": "TrainingRuntime"}
+    policy = k8s_pods.jobset_policy(runtime)
+    assert policy == k8s_pods.JobSetPolicy(max_restarts=3, backoff_limit=0, restart_policy="Never")
+    pods = k8s_pods.trainjob_pods(trainjob, runtime=runtime)
+    ckpt, results = tmp_path / "ckpt", tmp_path / "results"
+    in_pods(pods, ckpt, "--results", str(results), "--step-sleep", "0.1")
+    start = time.monotonic()
+    with k8s_pods.running(pods, host_env(), tmp_path) as cluster:
+        cluster.start_all()
+        since = time.time()
+        _wait(lambda: _epoch_checkpoints(ckpt, since), 240, "epoch checkpoint", cluster)
+        cluster.signal("mnist-jax-node-0-1", signal.SIGKILL)  # an OOM kill, a crash
+        killed = time.monotonic()
+        codes = cluster.wait_jobset(policy, 300)
+    took = time.monotonic() - start
+    exits = [(p.name, p.exit_codes) for p in pods]
+    assert set(codes.values()) == {0}, cluster.log_tails()
+    # new pods for both (no container restarts), in JobSet's first restart
+    assert [(p.restarts, p.labels[k8s_pods.RESTART_ATTEMPT]) for p in pods] == [(0, "1")] * 2
+    assert pods[1].exit_codes == [-signal.SIGKILL, 0], exits
+    # pod 0, deleted with the failed Job (SIGTERM), ended itself within its grace period:
+    # its collective lost process 1 (tfdist's watchdog names it)
+    survivor_s = pods[0].exit_times[0] - killed
+    first_run = cluster.log(pods[0].name).split("attempt 1\n")[0]
+    assert pods[0].exit_codes[0] == config.WATCHDOG_EXIT_CODE, (exits, first_run[-3000:])
+    assert "lost process 1 (" in first_run, first_run[-3000:]
+    assert survivor_s < k8s_pods.TERMINATION_GRACE_S, survivor_s
+    final = last_results(results)
+    assert sorted(final) == [0, 1], cluster.log_tails()
+    restored = {r["restored_step"] for r in final.values()}
+    assert len(restored) == 1 and 0 < min(restored) < 64, restored  # an epoch's
+    for result in final.values():
+        assert (result["backend"], result["workers"], result["replicas"]) == ("jax", 2, 2)
+        assert (result["iterations"], result["exit_code"]) == (64, 0)
+        equivalence.assert_close(reference("jax")["weights"], result["weights"], TOLERANCE)
+    print(
+        f"\nkubernetes: pod 1 killed after the checkpoint of step {min(restored)}; pod 0 "
+        f"ended {survivor_s:.1f} s later; exits {exits}; the job took {took:.1f} s"
     )
