@@ -170,7 +170,9 @@ TRAINJOB_PORT = 6666
 # SIGTERM, SIGKILL after the pod's grace period). A failed child Job fails the JobSet
 # unless ``failurePolicy.maxRestarts`` allows a restart: JobSet deletes all its child Jobs
 # and creates them again (new pods: same names, same environment, JAX_PROCESS_ID and
-# JOB_COMPLETION_INDEX included), the attempt counted in this label.
+# JOB_COMPLETION_INDEX included), the attempt counted in this label. Not modelled: a new
+# pod's new address (here it keeps its namespace and address; the job only uses the DNS
+# names, which stay), the controllers' latency (here at most 0.25 s), the API objects.
 RESTART_ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 TERMINATION_GRACE_S = 30.0  # a pod's default terminationGracePeriodSeconds
 
