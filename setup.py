@@ -56,10 +56,11 @@ setup(
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
         # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run
-        # tfdist scripts; the test extra installs it so tests/test_ray.py runs in CI.
+        # tfdist scripts. Not in the test extra: .ci/run installs it in a stage of its own
+        # for tests/test_ray.py (README.md, "What runs where").
         "ray": ["ray[train]>=2.60,<3"],
         "test": [
-            "tfdist[jax,notebooks,docs,remote,ray]",
+            "tfdist[jax,notebooks,docs,remote]",
             "pytest>=7",
             "pytest-timeout",
             "pytest-xdist",
