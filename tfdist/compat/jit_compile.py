@@ -16,10 +16,11 @@ from __future__ import annotations
 from tfdist import _private
 from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_jit_compile_refused"]
+__all__ = ["FIXES", "fix_jit_compile_refused", "model_replicas"]
 
 
-def _replicas(model) -> int:
+def model_replicas(model) -> int:
+    """Replicas of the strategy ``model`` was built under (1 without one)."""
     strategy = _private.keras_model_strategy_or_none(model)
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
@@ -42,7 +43,7 @@ def fix_jit_compile_refused() -> None:
 
     def make(original):
         def _make_function(self, step_function):
-            replicas = _replicas(self)
+            replicas = model_replicas(self)
             if self.jit_compile is True and not self.run_eagerly and replicas > 1:
                 strategy = type(_private.keras_model_strategy_or_none(self)).__name__
                 raise ValueError(

@@ -15,16 +15,12 @@ Every private name used comes from ``tfdist._private``.
 from __future__ import annotations
 
 from tfdist import _private
+from tfdist.compat.jit_compile import model_replicas
 from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "FIX_NAME", "fix_steps_per_execution", "take"]
 
 FIX_NAME = "keras_steps_per_execution_under_strategy"
-
-
-def _replicas(model) -> int:
-    strategy = _private.keras_model_strategy_or_none(model)
-    return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
 def take(iterator, count: int) -> list:
@@ -75,7 +71,7 @@ def fix_steps_per_execution() -> None:
     def make(original):
         def _make_function(self, step_function):
             function = original(self, step_function)
-            if self.run_eagerly or _replicas(self) <= 1:
+            if self.run_eagerly or model_replicas(self) <= 1:
                 return function
             import tensorflow as tf
 
