@@ -1,4 +1,4 @@
-"""Test sessions per release pair in tfdist's verified range (tfdist/versions.py).
+"""Test sessions per release pair in tfdist's verified range (tfdist/core/versions.py).
 
 CI runs the project's own test command on the newest releases its interpreter can install.
 The others run on demand (pyenv provides the interpreters here):
@@ -27,7 +27,7 @@ import os
 import nox
 
 # (tensorflow, keras): each TensorFlow minor with the Keras release current when it
-# shipped. tfdist/versions.py's VERIFIED spans exactly these.
+# shipped. tfdist/core/versions.py's VERIFIED spans exactly these.
 PAIRS = {
     "2.21": ("2.21.0", "3.15.1"),
     "2.20": ("2.20.0", "3.11.3"),

@@ -1,6 +1,6 @@
 """Builds tfdist; its dependencies come from the one version range it declares.
 
-``tfdist/versions.py`` ``VERIFIED`` names the oldest and newest release of TensorFlow,
+``tfdist/core/versions.py`` ``VERIFIED`` names the oldest and newest release of TensorFlow,
 Keras and jax that tfdist's fixes were verified on. The same range drives the fixes'
 guards and ``tfdist info``; here it gives the requirements: at least the oldest verified
 release, below the next major one (outside the verified range tfdist still runs, its
@@ -15,12 +15,12 @@ from setuptools import setup
 
 
 def verified() -> dict:
-    """``VERIFIED`` read from tfdist/versions.py without importing tfdist."""
-    tree = ast.parse(Path(__file__).with_name("tfdist").joinpath("versions.py").read_text())
+    """``VERIFIED`` read from tfdist/core/versions.py without importing tfdist."""
+    tree = ast.parse(Path(__file__).with_name("tfdist").joinpath("core", "versions.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "VERIFIED":
             return ast.literal_eval(node.value)
-    raise RuntimeError("setup.py: tfdist/versions.py defines no VERIFIED")
+    raise RuntimeError("setup.py: tfdist/core/versions.py defines no VERIFIED")
 
 
 def requirement(package: str, extra: str = "") -> str:
@@ -52,7 +52,7 @@ setup(
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
         # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).
         "docs": ["mkdocs>=1.6,<2"],
-        # Checkpoint directories and save/load paths as URLs (tfdist.storage); add gcsfs
+        # Checkpoint directories and save/load paths as URLs (tfdist.core.storage); add gcsfs
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
         # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run

@@ -26,7 +26,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tfdist"
 _INSPECT = """
 import importlib, inspect, json
 import tensorflow as tf
-from tfdist import _private, backends
+from tfdist import backends
+from tfdist.core import upstream
 
 def describe(member):
     if not callable(member):
@@ -47,19 +48,19 @@ def store(module, set_name, get_name, exists, deadline, gone):
         ("get_deadline", get_name, deadline, lambda: module.key_value_get("k", 0.5)),
         ("get_gone", get_name, gone, lambda: module.key_value_get("k", 0.5)),
     ):
-        original = getattr(_private, name)
-        setattr(_private, name, raising(error))
+        original = getattr(upstream, name)
+        setattr(upstream, name, raising(error))
         try:
             seen[label] = repr(call())
         except backends.StoreGone as err:
             seen[label] = "StoreGone: " + str(err)
         finally:
-            setattr(_private, name, original)
-    original = getattr(_private, get_name)
+            setattr(upstream, name, original)
+    original = getattr(upstream, get_name)
     waited = []
-    setattr(_private, get_name, lambda key, ms: waited.append(ms) or "7")
+    setattr(upstream, get_name, lambda key, ms: waited.append(ms) or "7")
     seen["get_value"] = [module.key_value_get("k", 0.5), waited]
-    setattr(_private, get_name, original)
+    setattr(upstream, get_name, original)
     return seen
 
 out = {}
@@ -221,13 +222,11 @@ _NAME_CALLS = ("backends.name", "config.keras_backend", "keras.backend.backend")
 ALLOWED = {
     "backends/": "the backend modules: the one place that knows each backend",
     "compat/": "Fix records are guarded per backend (on_keras_backend(...)) by design",
+    "core/fix_registry.py": "the guards those Fix records use (on_keras_backend(...))",
     "startup.py": "installs hooks on the framework's import, before any backend module loads",
     "info.py": "`tfdist info` (the bug-report template) reports each framework's own build",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",
-    "layouts.py": "describe/estimate_memory report where each backend puts a variable (jax"
-    " shardings, tf.distribute mirrors) and how it builds abstractly: a report of the"
-    " backend's own placement, like info.py",
     "examples/mnist.py": "the example job picks tf.distribute or keras.distribution for"
     " --devices (TODO: move it behind the backend)",
 }

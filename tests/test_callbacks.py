@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.cluster import worker_tf_config
+from tfdist.core.cluster import worker_tf_config
 
 from conftest import last_json_line, run_python
 

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import checkpoint as ckpt
-from tfdist.config import RESTART_EXIT_CODE
+from tfdist.core.config import RESTART_EXIT_CODE
 
 from conftest import SCRIPTS, child_env, equivalence, last_json_line
 

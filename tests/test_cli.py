@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from tfdist import cli
-from tfdist.config import ConfigError
+from tfdist.core.config import ConfigError
 
 from conftest import REPO, child_env
 

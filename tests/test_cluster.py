@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tfdist.cluster import (
+from tfdist.core.cluster import (
     ClusterInfo,
     cluster_from_env,
     is_chief,

@@ -1,5 +1,5 @@
 """Every ``tfdist`` command is quiet into a pipe: each line it prints is its own or on
-tfdist.quiet's harmless list, and none carries a progress-bar redraw (``\\r``), a colour
+tfdist.core.quiet's harmless list, and none carries a progress-bar redraw (``\\r``), a colour
 code or a backspace. Run as a user runs them: TF_CPP_MIN_LOG_LEVEL unset, output piped.
 ``train mnist`` runs with ``--devices 2`` and ``--workers 2``: both must train.
 """
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 from conftest import REPO, child_env
 

@@ -17,9 +17,10 @@ import textwrap
 
 import pytest
 
-from tfdist import compat, config, launch, process
-from tfdist.cluster import worker_tf_config
-from tfdist.compat import registry, tf_fixes
+from tfdist import compat, launch
+from tfdist.compat import tf_fixes
+from tfdist.core import config, fix_registry, process
+from tfdist.core.cluster import worker_tf_config
 
 from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
@@ -39,9 +40,9 @@ def test_every_fix_is_named_once_and_documented():
 
 
 def test_version_parsing_reads_leading_numbers():
-    assert registry._version_tuple("2.21.0rc1") == (2, 21, 0)
-    assert registry._version_tuple("3.15.1.dev2025") == (3, 15, 1)
-    assert registry._version_tuple("nightly") == ()
+    assert fix_registry._version_tuple("2.21.0rc1") == (2, 21, 0)
+    assert fix_registry._version_tuple("3.15.1.dev2025") == (3, 15, 1)
+    assert fix_registry._version_tuple("nightly") == ()
 
 
 def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):

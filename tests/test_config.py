@@ -1,4 +1,4 @@
-"""tfdist.config and tfdist.validate: precedence, parsing, and the one error rule."""
+"""tfdist.core.config and tfdist.core.validate: precedence, parsing, and the one error rule."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tfdist import config, validate
+from tfdist.core import config, validate
 
 
 def test_argument_wins_over_environment_wins_over_default():

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist import data, process
-from tfdist.cluster import worker_tf_config
+from tfdist import data
+from tfdist.core import process
+from tfdist.core.cluster import worker_tf_config
+from tfdist.core.position import Position
 from tfdist.data import sharding
-from tfdist.position import Position
 
 from conftest import (
     MNIST_DIR,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import tfdist
-from tfdist import config
 from tfdist.backends import tensorflow as strategy_mod
+from tfdist.core import config
 
 from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
@@ -57,7 +57,7 @@ def test_bad_cpu_devices_env_is_named():
 
 
 def test_plan_reads_cluster_without_starting_a_server():
-    from tfdist.cluster import worker_tf_config
+    from tfdist.core.cluster import worker_tf_config
 
     env = {"TF_CONFIG": worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 1)}
     p = strategy_mod.plan("auto", environ=env)
@@ -176,7 +176,7 @@ def test_cli_info_json_reports_devices_strategy_and_cluster():
 
 @pytest.mark.devices
 def test_cli_info_with_tf_config_plans_multi_worker_without_waiting_for_peers():
-    from tfdist.cluster import worker_tf_config
+    from tfdist.core.cluster import worker_tf_config
 
     proc = run_python(
         "import sys; from tfdist.cli import main; sys.exit(main(['info']))",
@@ -250,7 +250,7 @@ def test_communication_arguments_follow_the_validation_rule():
 
 
 def test_communication_argument_wins_over_environment_in_the_plan():
-    from tfdist.cluster import worker_tf_config
+    from tfdist.core.cluster import worker_tf_config
 
     env = {
         "TF_CONFIG": worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 0),
@@ -262,7 +262,7 @@ def test_communication_argument_wins_over_environment_in_the_plan():
 
 
 def test_multi_worker_refuses_a_mirrored_only_implementation():
-    from tfdist.cluster import worker_tf_config
+    from tfdist.core.cluster import worker_tf_config
 
     env = {
         "TF_CONFIG": worker_tf_config(["127.0.0.1:1", "127.0.0.1:2"], 0),

@@ -18,8 +18,8 @@ import warnings
 
 import pytest
 
-from tfdist import _private, compat, process, versions
-from tfdist.compat import registry
+from tfdist import compat
+from tfdist.core import fix_registry, process, upstream, versions
 
 from conftest import REPO, last_json_line, run_python
 
@@ -36,13 +36,13 @@ def _tool(name: str):
 
 
 def test_every_target_is_recorded_and_every_private_name_goes_through_private():
-    recorded = registry.verified_fingerprints()
-    required = {entry for entries in _private.REQUIRED.values() for entry in entries}
+    recorded = fix_registry.verified_fingerprints()
+    required = {entry for entries in upstream.REQUIRED.values() for entry in entries}
     for fix in compat.FIXES:
         assert fix.targets, f"{fix.name} declares no targets"
         for target in fix.targets:
             if target.instance:
-                assert target.entry in _private.SOURCE_ATTRIBUTES, (fix.name, target.entry)
+                assert target.entry in upstream.SOURCE_ATTRIBUTES, (fix.name, target.entry)
                 continue
             assert target.entry in recorded, f"run tools/fix_fingerprints.py ({target.entry})"
             parts = target.entry.replace(":", ".").split(".")
@@ -52,7 +52,7 @@ def test_every_target_is_recorded_and_every_private_name_goes_through_private():
 
 def test_the_installed_releases_pass_every_guard():
     # Nothing is skipped on the releases the suite runs on (CI installs the newest).
-    assert {fix.name: registry.guard(fix) for fix in compat.FIXES} == {
+    assert {fix.name: fix_registry.guard(fix) for fix in compat.FIXES} == {
         fix.name: None for fix in compat.FIXES
     }
 
@@ -71,7 +71,7 @@ def test_a_removed_method_is_named_and_nothing_is_raised(monkeypatch):
     monkeypatch.delattr(BaseOptimizer, "_backend_apply_gradients")
     if "_backend_apply_gradients" in vars(TFOptimizer):  # the fix itself, if applied
         monkeypatch.delattr(TFOptimizer, "_backend_apply_gradients")
-    assert registry.guard(fix) == (
+    assert fix_registry.guard(fix) == (
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients is gone"
     )
 
@@ -81,15 +81,15 @@ def test_a_changed_signature_and_a_missing_module_are_named(monkeypatch):
 
     fix = next(f for f in compat.FIXES if f.name == "keras_progbar_chief_only")
     monkeypatch.setattr(progbar_logger.ProgbarLogger, "set_params", lambda self, p, q=1: None)
-    reason = registry.guard(fix)
+    reason = fix_registry.guard(fix)
     assert reason.startswith(
         "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params changed its signature "
         "to (self, p, q=1) (verified: (self, params))"
     )
-    gone = registry.Fix(
-        "x", "s", lambda: True, lambda: None, targets=registry.targets("no_such.mod:f")
+    gone = fix_registry.Fix(
+        "x", "s", lambda: True, lambda: None, targets=fix_registry.targets("no_such.mod:f")
     )
-    assert registry.guard(gone) == "no_such.mod:f is gone"
+    assert fix_registry.guard(gone) == "no_such.mod:f is gone"
 
 
 def _module(tmp_path, monkeypatch, name, source):
@@ -114,13 +114,16 @@ def test_instance_attributes_are_found_in_the_class_or_a_base(tmp_path, monkeypa
                 return self._counter == 1
         """,
     )
-    found = registry.targets("fake_upstream_a:Child._counter (instance)")
-    renamed = registry.targets("fake_upstream_a:Child._step_count (instance)")
+    found = fix_registry.targets("fake_upstream_a:Child._counter (instance)")
+    renamed = fix_registry.targets("fake_upstream_a:Child._step_count (instance)")
     assert found[0].instance
-    assert registry.guard(registry.Fix("a", "s", lambda: True, lambda: None, targets=found)) is None
-    assert registry.guard(registry.Fix("b", "s", lambda: True, lambda: None, targets=renamed)) == (
-        "fake_upstream_a:Child._step_count is no longer set by its class"
+    assert (
+        fix_registry.guard(fix_registry.Fix("a", "s", lambda: True, lambda: None, targets=found))
+        is None
     )
+    assert fix_registry.guard(
+        fix_registry.Fix("b", "s", lambda: True, lambda: None, targets=renamed)
+    ) == ("fake_upstream_a:Child._step_count is no longer set by its class")
 
 
 def test_outside_the_verified_range_the_code_must_be_the_code_verified(tmp_path, monkeypatch):
@@ -135,20 +138,22 @@ def test_outside_the_verified_range_the_code_must_be_the_code_verified(tmp_path,
         ''',
     )
     entry = "fake_upstream_b:target"
-    record = registry.record(registry.Target(entry))
-    monkeypatch.setattr(registry, "_fingerprints_cache", {entry: {"keras 3.15": record}})
-    monkeypatch.setattr(registry.Target, "package", property(lambda self: "keras"))
-    fix = registry.Fix("b", "s", lambda: True, lambda: None, targets=registry.targets(entry))
+    record = fix_registry.record(fix_registry.Target(entry))
+    monkeypatch.setattr(fix_registry, "_fingerprints_cache", {entry: {"keras 3.15": record}})
+    monkeypatch.setattr(fix_registry.Target, "package", property(lambda self: "keras"))
+    fix = fix_registry.Fix(
+        "b", "s", lambda: True, lambda: None, targets=fix_registry.targets(entry)
+    )
     monkeypatch.setattr(versions, "installed", lambda package: "3.99.0")
-    assert registry.guard(fix) is None  # the same code, newer release: still applies
+    assert fix_registry.guard(fix) is None  # the same code, newer release: still applies
     module.target = _module(
         tmp_path, monkeypatch, "fake_upstream_c", "def target(x):\n    return x + 2\n"
     ).target
-    assert registry.guard(fix) == (
+    assert fix_registry.guard(fix) == (
         "fake_upstream_b:target in keras 3.99.0 is not the code verified on keras 3.11-3.15"
     )
     monkeypatch.setattr(versions, "installed", lambda package: "3.15.1")
-    assert registry.guard(fix) is None  # inside the range only the signature is checked
+    assert fix_registry.guard(fix) is None  # inside the range only the signature is checked
 
 
 def test_a_fix_that_fails_half_way_is_rolled_back_and_warned_once(monkeypatch):
@@ -160,10 +165,10 @@ def test_a_fix_that_fails_half_way_is_rolled_back_and_warned_once(monkeypatch):
             return "upstream second"
 
     def apply():
-        registry.patch(Owner, "first", "broken", lambda original: lambda self: "patched")
+        fix_registry.patch(Owner, "first", "broken", lambda original: lambda self: "patched")
         raise RuntimeError("half-way")
 
-    fix = registry.Fix("broken", "upstream misbehaves", lambda: True, apply)
+    fix = fix_registry.Fix("broken", "upstream misbehaves", lambda: True, apply)
     monkeypatch.setattr(compat, "FIXES", [fix])
     monkeypatch.setattr(process, "_STATE", process.ProcessState())
     with warnings.catch_warnings(record=True) as caught:
@@ -185,9 +190,11 @@ def test_a_guard_that_raises_is_a_skip_not_an_error(monkeypatch):
     def boom():
         raise ValueError("unreadable")
 
-    monkeypatch.setattr(registry, "_check_target", lambda target: boom())
-    fix = registry.Fix("x", "s", lambda: True, lambda: None, targets=registry.targets("a:b"))
-    assert registry.guard(fix) == "a:b could not be checked (ValueError: unreadable)"
+    monkeypatch.setattr(fix_registry, "_check_target", lambda target: boom())
+    fix = fix_registry.Fix(
+        "x", "s", lambda: True, lambda: None, targets=fix_registry.targets("a:b")
+    )
+    assert fix_registry.guard(fix) == "a:b could not be checked (ValueError: unreadable)"
 
 
 # ------------------------------------------------------------------ simulations

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tfdist import engines
+from tfdist.core import engines
 
 from conftest import run_python
 

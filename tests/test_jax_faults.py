@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tfdist import config, watchdog
+from tfdist.core import config, watchdog
 from tfdist.launch import LaunchOptions, free_ports, supervise
 from tfdist.launch.environment import cluster_addresses, worker_command, worker_envs
 

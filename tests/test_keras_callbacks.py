@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tfdist import _private, compat, saving
-from tfdist.compat import chief_writes, registry
+from tfdist import compat, saving
+from tfdist.compat import chief_writes
+from tfdist.core import atomic, fix_registry, upstream
 
 from conftest import SCRIPTS, child_env, equivalence, last_json_line, launch_cli
 
@@ -105,7 +106,7 @@ def assert_like_one_process(results: dict[int, dict], reference: dict, variant: 
 
 
 def assert_nothing_left(directory: Path, temp: Path) -> None:
-    staging = [p for p in directory.rglob("*") if saving.is_staging_name(p.name)]
+    staging = [p for p in directory.rglob("*") if atomic.is_staging_name(p.name)]
     assert staging == []
     assert [p.name for p in temp.iterdir() if p.name.startswith("tfdist-worker")] == []
 
@@ -127,7 +128,7 @@ def one_process(tmp_path_factory):
 
 
 def test_chief_write_fixes_are_registered_guarded_and_documented():
-    required = {entry for entries in _private.REQUIRED.values() for entry in entries}
+    required = {entry for entries in upstream.REQUIRED.values() for entry in entries}
     assert FIXES == [
         "keras_model_checkpoint_chief_writes",
         "keras_backup_and_restore_chief_writes",
@@ -137,12 +138,12 @@ def test_chief_write_fixes_are_registered_guarded_and_documented():
     ]
     for fix in chief_writes.FIXES:
         assert fix.name in compat.fix_names()
-        assert registry.guard(fix) is None, fix.name
+        assert fix_registry.guard(fix) is None, fix.name
         assert len(fix.apply.__doc__.split()) > 60, fix.name
         for target in fix.targets:
             private = any(p.startswith("_") for p in target.entry.replace(":", ".").split("."))
             if target.instance:
-                assert target.entry in _private.SOURCE_ATTRIBUTES, target.entry
+                assert target.entry in upstream.SOURCE_ATTRIBUTES, target.entry
             elif private:
                 assert target.entry in required, target.entry
 

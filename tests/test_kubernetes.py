@@ -29,7 +29,7 @@ import k8s_pods
 import pytest
 import yaml
 
-from tfdist import config
+from tfdist.core import config
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
 
@@ -127,7 +127,7 @@ def check_dns(cluster: k8s_pods.Cluster) -> None:
 
 
 def engine_in(cluster: k8s_pods.Cluster, pod: k8s_pods.Pod) -> dict:
-    """What ``tfdist info`` reports as the engine (``tfdist.engines``), read in ``pod``."""
+    """What ``tfdist info`` reports as the engine (``tfdist.core.engines``), read in ``pod``."""
     code = "import json; from tfdist import engines; print(json.dumps(engines.detect().summary()))"
     proc = cluster.exec(pod, [sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]

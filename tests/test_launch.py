@@ -23,7 +23,7 @@ import pytest
 
 from tfdist import launch
 from tfdist.cli import build_parser, main
-from tfdist.config import ConfigError
+from tfdist.core.config import ConfigError
 from tfdist.launch import LaunchOptions, Outcome, network, supervise
 from tfdist.launch.supervise import Phase
 

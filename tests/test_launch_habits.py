@@ -19,8 +19,9 @@ import threading
 
 import pytest
 
-from tfdist import cli, cluster, launch
+from tfdist import cli, launch
 from tfdist.cli import build_parser, main
+from tfdist.core import cluster
 from tfdist.launch import LaunchOptions
 from tfdist.launch.workers import Route, prefix_lines
 

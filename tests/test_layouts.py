@@ -1,4 +1,4 @@
-"""ModelParallel layouts checked and shown (tfdist.layouts): a LayoutMap key that matches no
+"""ModelParallel layouts checked and shown (tfdist.backends.layouts): a LayoutMap key that matches no
 variable is an error (upstream replicates silently), ``describe`` shows where each weight
 lives, and ``estimate_memory`` equals the bytes the devices really hold."""
 
@@ -24,7 +24,7 @@ def jax_job() -> dict:
 
 
 def test_unmatched_keys_follow_keras_full_match_rule():
-    from tfdist.layouts import unmatched_keys
+    from tfdist.backends.layouts import unmatched_keys
 
     paths = ["dense_one/kernel", "dense_one/bias", "dense_one/output"]
     assert unmatched_keys(["dense_one/kernal", ".*kernel", "dense", "(bad"], paths) == [
@@ -36,7 +36,7 @@ def test_unmatched_keys_follow_keras_full_match_rule():
 
 
 def test_shard_bytes_divide_by_the_mesh_axes_of_each_dimension():
-    from tfdist.layouts import shard_bytes
+    from tfdist.backends.layouts import shard_bytes
 
     assert shard_bytes((8, 16), "float32", (None, "model"), MESH) == 8 * 8 * 4
     assert shard_bytes((8, 16), "bfloat16", (("batch", "model"), None), MESH) == 2 * 16 * 2

@@ -22,7 +22,7 @@ import pytest
 
 from tfdist import launch
 from tfdist.backends import tensorflow as strategy_mod
-from tfdist.config import MultiWorkerTimeouts
+from tfdist.core.config import MultiWorkerTimeouts
 
 from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 from conftest import REPO, child_env
 

@@ -1,6 +1,6 @@
 """Every private TensorFlow/Keras name tfdist uses still exists in the installed versions.
 
-When an upgrade moves one, the failure names the ``tfdist._private`` entry to update,
+When an upgrade moves one, the failure names the ``tfdist.core.upstream`` entry to update,
 instead of training breaking somewhere else.
 """
 
@@ -10,14 +10,14 @@ import inspect
 
 import pytest
 
-from tfdist import _private
+from tfdist.core import upstream
 
-ENTRIES = [entry for entries in _private.REQUIRED.values() for entry in entries]
+ENTRIES = [entry for entries in upstream.REQUIRED.values() for entry in entries]
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_private_name_exists(entry):
-    _private.resolve(entry)
+    upstream.resolve(entry)
 
 
 def _instances():
@@ -32,17 +32,17 @@ def _instances():
     )
     model.compile(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), "mse")
     model.fit(dataset.batch(2), epochs=1, verbose=0)
-    trainer = _private.keras_tf_trainer_module()
+    trainer = upstream.keras_tf_trainer_module()
     iterator = trainer.TFEpochIterator(x=dataset.batch(2), distribute_strategy=strategy)
     mirrored = tf.distribute.MirroredStrategy(["/cpu:0"])
     spec = mirrored.experimental_distribute_dataset(dataset.batch(2)).element_spec
     per_replica = tf.nest.flatten(spec, expand_composites=False)[0]
     extended = tf.distribute.MultiWorkerMirroredStrategy().extended
     return {
-        "eager context": _private.tf_context(),
+        "eager context": upstream.tf_context(),
         "PerReplicaSpec": per_replica
-        if isinstance(per_replica, _private.tf_per_replica_spec_class())
-        else _private.tf_per_replica_spec_class()(tf.TensorSpec([2])),
+        if isinstance(per_replica, upstream.tf_per_replica_spec_class())
+        else upstream.tf_per_replica_spec_class()(tf.TensorSpec([2])),
         "keras TFEpochIterator": iterator,
         "keras optimizer": model.optimizer,
         "keras model": model,
@@ -53,10 +53,10 @@ def _instances():
 
 def test_private_instance_attributes_exist():
     instances = _instances()
-    assert set(instances) == set(_private.INSTANCE_ATTRIBUTES)
+    assert set(instances) == set(upstream.INSTANCE_ATTRIBUTES)
     missing = [
         f"{kind}.{attribute}"
-        for kind, attributes in _private.INSTANCE_ATTRIBUTES.items()
+        for kind, attributes in upstream.INSTANCE_ATTRIBUTES.items()
         for attribute in attributes
         if not hasattr(instances[kind], attribute)
     ]
@@ -66,18 +66,19 @@ def test_private_instance_attributes_exist():
 def test_model_checkpoint_hooks_exist():
     import keras
 
-    for hook in _private.MODEL_CHECKPOINT_HOOKS:
+    for hook in upstream.MODEL_CHECKPOINT_HOOKS:
         assert callable(getattr(keras.callbacks.ModelCheckpoint, hook, None)), hook
 
 
 def test_every_helper_is_exported_and_documented():
     helpers = [
         name
-        for name, value in vars(_private).items()
-        if inspect.isfunction(value) and value.__module__ == _private.__name__
+        for module in (upstream, *upstream.HELPER_MODULES)
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and value.__module__ == module.__name__
     ]
-    assert sorted(set(helpers) - set(_private.__all__)) == []
-    assert all(vars(_private)[name].__doc__ for name in helpers)
+    assert sorted(set(helpers) - set(upstream.__all__)) == []
+    assert all(getattr(upstream, name).__doc__ for name in helpers)
 
 
 def test_seed_generators_are_found_through_nested_layers():
@@ -85,14 +86,18 @@ def test_seed_generators_are_found_through_nested_layers():
 
     inner = keras.Sequential([keras.layers.Dropout(0.5, seed=3)])
     model = keras.Sequential([keras.Input((2,)), inner, keras.layers.Dropout(0.2, seed=4)])
-    assert len(_private.keras_seed_generators(model)) == 2
+    assert len(upstream.keras_seed_generators(model)) == 2
 
 
-@pytest.mark.parametrize("entry", _private.SOURCE_ATTRIBUTES)
+@pytest.mark.parametrize("entry", upstream.SOURCE_ATTRIBUTES)
 def test_private_instance_attribute_is_set_by_its_class(entry):
-    from tfdist.compat import registry
+    from tfdist.core import fix_registry
 
-    fix = registry.Fix(
-        "probe", "s", lambda: True, lambda: None, targets=registry.targets(entry + " (instance)")
+    fix = fix_registry.Fix(
+        "probe",
+        "s",
+        lambda: True,
+        lambda: None,
+        targets=fix_registry.targets(entry + " (instance)"),
     )
-    assert registry.guard(fix) is None
+    assert fix_registry.guard(fix) is None

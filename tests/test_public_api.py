@@ -13,7 +13,7 @@ import tfdist
 from conftest import REPO
 
 PUBLIC_MODULES = ("callbacks", "compat", "config", "data", "launch", "loops")
-INTERNAL = ("checkpoint", "cluster", "distribute", "saving")
+INTERNAL = ("checkpoint", "core", "distribute", "saving")
 
 
 def _public_routes() -> dict[int, list[str]]:

@@ -1,4 +1,4 @@
-"""tfdist.quiet: the known-harmless noise is hidden, anything else is shown."""
+"""tfdist.core.quiet: the known-harmless noise is hidden, anything else is shown."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 NOISE = [
     "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
@@ -89,7 +89,7 @@ def test_filtered_stderr_drops_harmless_lines_written_to_fd_2(capfd):
 def test_import_tfdist_hides_only_the_warning_about_fits_default_shuffle():
     import warnings
 
-    from tfdist import quiet
+    from tfdist.core import quiet
 
     message = (
         "`shuffle=True` was passed, but will be ignored since the data `x` was provided as "

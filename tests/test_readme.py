@@ -1,5 +1,5 @@
 """The README's Usage block is a complete script: it runs as written, without warnings
-(any form, save tfdist.quiet's harmless list), on 1 device, on 2 logical devices and as
+(any form, save tfdist.core.quiet's harmless list), on 1 device, on 2 logical devices and as
 2 workers under ``tfdist launch``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 from conftest import REPO, child_env
 

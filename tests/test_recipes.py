@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist import _private
+from tfdist.core import upstream
 from tfdist.examples import recipes
 from tfdist.examples.recipes import get_recipe, peak_learning_rate, scaled_warmup_cosine_decay
 
@@ -31,7 +31,7 @@ def _lr(schedule, step) -> float:
 
 def _schedule_of(optimizer):
     # The schedule object itself; ``optimizer.learning_rate`` is its value now.
-    return _private.keras_optimizer_learning_rate(optimizer)
+    return upstream.keras_optimizer_learning_rate(optimizer)
 
 
 # --- models ------------------------------------------------------------------------

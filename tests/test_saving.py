@@ -13,7 +13,8 @@ import pytest
 
 import tfdist
 from tfdist import saving
-from tfdist.cluster import worker_tf_config
+from tfdist.core import atomic
+from tfdist.core.cluster import worker_tf_config
 
 from conftest import last_json_line, run_python
 
@@ -32,33 +33,33 @@ def tiny_model():
 
 
 def test_write_role_comes_from_tf_config(monkeypatch):
-    assert saving.write_role() == saving.WriteRole(is_chief=True, rank=0)
+    assert atomic.write_role() == atomic.WriteRole(is_chief=True, rank=0)
     monkeypatch.setenv("TF_CONFIG", worker_tf_config(ADDRESSES, 0))
-    assert saving.write_role() == saving.WriteRole(is_chief=True, rank=0)
+    assert atomic.write_role() == atomic.WriteRole(is_chief=True, rank=0)
     monkeypatch.setenv("TF_CONFIG", worker_tf_config(ADDRESSES, 1))
-    assert saving.write_role() == saving.WriteRole(is_chief=False, rank=1)
+    assert atomic.write_role() == atomic.WriteRole(is_chief=False, rank=1)
     with_chief = {
         "cluster": {"chief": ["127.0.0.1:3"], "worker": ADDRESSES},
         "task": {"type": "worker", "index": 0},
     }
     monkeypatch.setenv("TF_CONFIG", json.dumps(with_chief))
-    assert saving.write_role() == saving.WriteRole(is_chief=False, rank=1)
+    assert atomic.write_role() == atomic.WriteRole(is_chief=False, rank=1)
 
 
 def test_staging_paths_chief_next_to_the_file_workers_in_a_temp_dir(tmp_path):
     final = tmp_path / "ckpt" / "ckpt-3.keras"
-    chief = saving.staging_path(final, saving.WriteRole(True, 0))
+    chief = atomic.staging_path(final, atomic.WriteRole(True, 0))
     assert os.path.dirname(chief) == str(final.parent)  # same filesystem: rename is atomic
     assert os.path.basename(chief).startswith(".tmp-") and chief.endswith("ckpt-3.keras")
-    worker = saving.staging_path(final, saving.WriteRole(False, 2), tmp_root="/scratch")
+    worker = atomic.staging_path(final, atomic.WriteRole(False, 2), tmp_root="/scratch")
     assert worker.startswith("/scratch/tfdist-worker2-") and worker.endswith("/ckpt-3.keras")
-    assert saving.is_staging_name(os.path.basename(chief))
+    assert atomic.is_staging_name(os.path.basename(chief))
 
 
 def test_atomic_output_chief_renames_worker_writes_nothing_failure_keeps_old(tmp_path):
     final = tmp_path / "out.bin"
     final.write_text("old")
-    with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+    with atomic.atomic_output(final, role=atomic.WriteRole(True, 0)) as staging:
         assert not os.path.exists(staging)
         with open(staging, "w") as f:
             f.write("new")
@@ -66,14 +67,14 @@ def test_atomic_output_chief_renames_worker_writes_nothing_failure_keeps_old(tmp
     assert final.read_text() == "new"
     assert os.listdir(tmp_path) == ["out.bin"]
 
-    with saving.atomic_output(final, role=saving.WriteRole(False, 1)) as staging:
+    with atomic.atomic_output(final, role=atomic.WriteRole(False, 1)) as staging:
         with open(staging, "w") as f:
             f.write("worker")
     assert final.read_text() == "new"
     assert not os.path.exists(os.path.dirname(staging))  # its temp dir is removed
 
     with pytest.raises(RuntimeError, match="boom"):
-        with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+        with atomic.atomic_output(final, role=atomic.WriteRole(True, 0)) as staging:
             with open(staging, "w") as f:
                 f.write("half")
             raise RuntimeError("boom")
@@ -98,7 +99,7 @@ def test_atomic_output_flushes_the_chiefs_file_while_it_is_written(tmp_path, mon
     )
     final = tmp_path / "big.bin"
     chunk = b"x" * (1 << 20)
-    with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+    with atomic.atomic_output(final, role=atomic.WriteRole(True, 0)) as staging:
         _write_slowly(staging, 12, chunk)
     assert final.read_bytes() == chunk * 12
     # Flushed as it grew (each flush >= 4 MiB after the last), before the final fsync.
@@ -106,7 +107,7 @@ def test_atomic_output_flushes_the_chiefs_file_while_it_is_written(tmp_path, mon
     assert all(b - a >= 4 << 20 for a, b in zip(flushed, flushed[1:], strict=False))
 
     flushed.clear()  # another worker's file is removed, never flushed
-    with saving.atomic_output(final, role=saving.WriteRole(False, 1)) as staging:
+    with atomic.atomic_output(final, role=atomic.WriteRole(False, 1)) as staging:
         _write_slowly(staging, 6, chunk)
     assert flushed == [] and final.read_bytes() == chunk * 12
 
@@ -122,7 +123,7 @@ def test_atomic_output_a_failed_flush_keeps_the_old_file(tmp_path, monkeypatch):
     final.write_text("old")
     # Linux reports a write-back error to one fsync only: the flusher's must not be lost.
     with pytest.raises(OSError, match=r"flushing .*big\.bin.* failed .*Input/output error"):
-        with saving.atomic_output(final, role=saving.WriteRole(True, 0)) as staging:
+        with atomic.atomic_output(final, role=atomic.WriteRole(True, 0)) as staging:
             _write_slowly(staging, 6, b"x" * (1 << 20))
     assert final.read_text() == "old"
     assert os.listdir(tmp_path) == ["big.bin"]
@@ -132,7 +133,7 @@ def test_atomic_output_replaces_a_directory(tmp_path):
     final = tmp_path / "export"
     final.mkdir()
     (final / "old.pb").write_text("old")
-    with saving.atomic_output(final) as staging:
+    with atomic.atomic_output(final) as staging:
         os.makedirs(staging)
         with open(os.path.join(staging, "saved_model.pb"), "w") as f:
             f.write("new")
@@ -147,7 +148,7 @@ def test_stale_staging_files_of_dead_processes_are_removed(tmp_path):
     other = tmp_path / "ckpt-1.keras"
     for path in (dead, live, other):
         path.write_text("x")
-    assert saving.remove_stale_staging(tmp_path) == [str(dead)]
+    assert atomic.remove_stale_staging(tmp_path) == [str(dead)]
     assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import slurm_cluster
 
-from tfdist import cluster, config, process, startup
+from tfdist import startup
+from tfdist.core import cluster, config, process
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
 

@@ -1,4 +1,4 @@
-"""Checkpoint directories and save/load paths given as URLs (``tfdist.storage``, fsspec).
+"""Checkpoint directories and save/load paths given as URLs (``tfdist.core.storage``, fsspec).
 
 Two test filesystems that need no network: fsspec's in-process ``memory://`` and its
 ``local://`` (the local disk through fsspec's route: staging object, then a move), which
@@ -15,8 +15,8 @@ import sys
 import fsspec
 import pytest
 
-from tfdist import saving, storage
 from tfdist.checkpoint import names
+from tfdist.core import atomic, storage
 
 from conftest import SCRIPTS, child_env, equivalence, last_json_line, launch_cli
 
@@ -68,7 +68,7 @@ def test_checkpoint_listing_staging_clean_up_and_checks_on_a_url(memory):
         "memory://t/ckpt/ckpt-1-5.keras",
         "memory://t/ckpt/ckpt-2.keras",
     ]
-    removed = saving.remove_stale_staging("memory://t/ckpt")
+    removed = atomic.remove_stale_staging("memory://t/ckpt")
     assert removed == ["memory://t/ckpt/.tmp-999999-elsewhere-ckpt-3.keras"]
     assert names.check_save_target("memory://t/ckpt", "f") == "memory://t/ckpt"
     assert sorted(storage.listdir("memory://t/ckpt")) == [
@@ -86,7 +86,7 @@ def test_custom_loop_restores_refuse_a_url_instead_of_quarantining_good_files(me
 
     memory.pipe("/t/ckpt/ckpt-1.keras", b"a good checkpoint, unread")
     with pytest.raises(ValueError, match=r"local path.*Received: directory='memory://t/ckpt'"):
-        newest_readable("memory://t/ckpt", saving.WriteRole())
+        newest_readable("memory://t/ckpt", atomic.WriteRole())
     assert storage.listdir("memory://t/ckpt") == ["ckpt-1.keras"]
 
 

@@ -15,18 +15,22 @@ MAX_FUNCTION_LINES = 60
 
 # Layers, lowest first: a module may import only from its own layer's leaves or below.
 LAYERS = [
-    {"validate", "position", "quiet"},
-    {"config", "storage"},  # storage: local paths and fsspec URLs, for saving and checkpoints
-    {"cluster", "engines", "process", "_private", "launch", "versions", "watchdog"},
-    {"compat", "batchnorm"},
-    {"backends", "layouts"},  # layouts: the checked ModelParallel the JAX backend sets
-    {"distribute", "saving"},
-    {"data"},
-    {"checkpoint"},
-    {"callbacks", "loops"},
-    {"examples"},
+    {"core"},  # the floor: validation, knobs, process state, upstream names, atomic writes
+    {"config", "launch", "batchnorm"},  # config: the public face of core.config
+    {"backends"},
+    {"distribute"},
+    {"saving", "data"},
+    {"compat", "checkpoint"},  # compat: the Fix records (chief-only writes use saving)
+    {"callbacks", "loops", "examples"},
     {"startup", "bootstrap", "info"},
     {"cli", "__main__", "__init__"},
+]
+# The floor's own layers: within tfdist.core, imports flow down these too.
+CORE_LAYERS = [
+    {"validate", "position", "quiet", "upstream", "engines", "startup_watch"},
+    {"config", "storage", "process"},
+    {"cluster", "versions", "full_epochs", "shard_policy", "watchdog"},
+    {"atomic", "fix_registry"},
 ]
 
 
@@ -41,9 +45,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """tfdist modules ``name`` imports (anywhere in the file, functions included)."""
-    tree = ast.parse(path.read_text())
+    """tfdist modules ``name`` imports (anywhere in the file, functions included), lazy
+    imports too: ``importlib.import_module("tfdist.x")``, the module names a lazy export
+    table maps to, and ``tfdist.x`` read as an attribute of the package."""
+    source = path.read_text()
+    tree = ast.parse(source)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imports_by_name = "import_module(" in source  # a module named in a string is imported
     targets = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -55,7 +63,19 @@ def _imports(name: str, path: Path, known: set[str]) -> set[str]:
                 base = ".".join([*anchor, base] if base else anchor)
             targets.add(base)
             targets.update(f"{base}.{alias.name}" for alias in node.names)
+        elif imports_by_name and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            targets.add(node.value)
+        elif isinstance(node, ast.Attribute):
+            targets.add(_dotted(node))  # tfdist.saving, after `import tfdist`
     return {t for t in targets if t in known and t != name and not name.startswith(t + ".")}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
 
 
 def _graph() -> dict[str, set[str]]:
@@ -64,11 +84,17 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, known) - {"tfdist"} for name, path in modules.items()}
 
 
-def _layer(module: str) -> int:
-    top = module.split(".")[1] if "." in module else "__init__"
+def _layer(module: str) -> tuple[int, int]:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
     for index, layer in enumerate(LAYERS):
         if top in layer:
-            return index
+            if top != "core" or len(parts) < 3:
+                return index, 0
+            for sub, core_layer in enumerate(CORE_LAYERS):
+                if parts[2] in core_layer:
+                    return index, sub
+            raise AssertionError(f"{module} is in no layer of CORE_LAYERS: add it")
     raise AssertionError(f"{module} is in no layer of tests/test_structure.py: add it")
 
 
@@ -93,8 +119,8 @@ def test_imports_flow_down_the_layers():
         f"{module} imports {target}"
         for module, targets in _graph().items()
         for target in targets
-        if target.split(".")[:2] != module.split(".")[:2]  # within a package is free
-        and _layer(target) > _layer(module)
+        if (target.split(".")[:2] != module.split(".")[:2] or module.startswith("tfdist.core."))
+        and _layer(target) > _layer(module)  # within a package is free, but for the floor
     ]
     assert not upward, upward
 
@@ -124,7 +150,7 @@ _PRIVATE_IMPORT = re.compile(r"\b(tensorflow\.python|tensorflow\.compiler|keras\
 def test_private_upstream_names_only_in_their_one_module():
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name == "_private.py":
+        if path.relative_to(PACKAGE).parent.as_posix() == "core/upstream":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -133,3 +159,15 @@ def test_private_upstream_names_only_in_their_one_module():
                 if any(_PRIVATE_IMPORT.search(n) for n in names):
                     offenders.append(f"{path.name}:{node.lineno} imports {names}")
     assert not offenders, offenders
+
+
+def _table_layers(heading: str) -> list[set[str]]:
+    """The names in the second column of the docs/architecture.md table under ``heading``."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    rows = text[text.index(heading) :].split("\n\n", 1)[0].splitlines()[2:]
+    return [set(re.findall(r"`([^`]+)`", row.split("|")[2])) for row in rows]
+
+
+def test_the_architecture_page_draws_the_layers_this_test_checks():
+    assert _table_layers("| layer | rooms |") == LAYERS
+    assert _table_layers("| core layer | modules |") == CORE_LAYERS

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tfdist.cli import build_parser
-from tfdist.config import ConfigError
+from tfdist.core.config import ConfigError
 from tfdist.examples import job, mnist
 
 from conftest import child_env

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from tfdist.compat import sharding, tf_fixes
+from tfdist.compat import tf_fixes
+from tfdist.core import shard_policy
 
 from conftest import MNIST_DIR, SCRIPTS, launch_cli
 
@@ -50,13 +51,13 @@ def test_policy_is_file_with_a_file_per_worker_data_otherwise(tmp_path):
     Policy = tf.data.experimental.AutoShardPolicy
     files = [str(tmp_path / f"{i}.tfrecord") for i in range(3)]
     reader = tf.data.TFRecordDataset(files).batch(4)
-    assert sharding.auto_shard_policy(reader, 3)[0] == Policy.FILE
-    assert sharding.auto_shard_policy(reader, 4) == (Policy.DATA, "3 file(s) for 4 workers")
+    assert shard_policy.auto_shard_policy(reader, 3)[0] == Policy.FILE
+    assert shard_policy.auto_shard_policy(reader, 4) == (Policy.DATA, "3 file(s) for 4 workers")
     in_memory = tf.data.Dataset.range(8).batch(2)
-    assert sharding.auto_shard_policy(in_memory, 2) == (Policy.DATA, "no file reader")
+    assert shard_policy.auto_shard_policy(in_memory, 2) == (Policy.DATA, "no file reader")
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = Policy.OFF
-    assert sharding.auto_shard_policy(reader.with_options(options), 4)[0] is None
+    assert shard_policy.auto_shard_policy(reader.with_options(options), 4)[0] is None
     # What the fix hands to TensorFlow: the policy set, the user's choice untouched.
     chosen = tf_fixes.explicit_shard_policy(reader, 4).options().experimental_distribute
     assert chosen.auto_shard_policy == Policy.DATA
@@ -66,15 +67,15 @@ def test_policy_is_file_with_a_file_per_worker_data_otherwise(tmp_path):
 
 def test_unseeded_shuffle_is_detected():
     tf.random.set_seed(None)  # earlier tests in this process may have set a global seed
-    assert sharding.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8).batch(2))
-    assert not sharding.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8, seed=3))
-    assert not sharding.unseeded_shuffle(tf.data.Dataset.range(8))
+    assert shard_policy.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8).batch(2))
+    assert not shard_policy.unseeded_shuffle(tf.data.Dataset.range(8).shuffle(8, seed=3))
+    assert not shard_policy.unseeded_shuffle(tf.data.Dataset.range(8))
 
 
 @pytest.mark.parametrize("workers", [0, 1.5, "2"])
 def test_bad_worker_count_names_the_argument(workers):
     with pytest.raises((TypeError, ValueError), match="num_workers") as info:
-        sharding.auto_shard_policy(tf.data.Dataset.range(2), workers)
+        shard_policy.auto_shard_policy(tf.data.Dataset.range(2), workers)
     assert repr(workers) in str(info.value) or str(workers) in str(info.value)
 
 

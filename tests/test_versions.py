@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from tfdist import process, versions
+from tfdist.core import process, versions
 
 
 @pytest.fixture(autouse=True)

@@ -30,22 +30,22 @@ _EXPORTS = {
     "barrier": "tfdist.distribute",
     "chief_print": "tfdist.distribute",
     "configure_cpu_devices": "tfdist.backends.tensorflow",
-    "ClusterInfo": "tfdist.cluster",
-    "cluster_from_env": "tfdist.cluster",
+    "ClusterInfo": "tfdist.core.cluster",
+    "cluster_from_env": "tfdist.core.cluster",
     "ConfigError": "tfdist.config",
     "make_or_restore": "tfdist.checkpoint",
     "resume_state": "tfdist.checkpoint",
     "loops": "tfdist.loops",
     "save": "tfdist.saving",
     "load": "tfdist.saving",
-    "describe": "tfdist.layouts",
-    "estimate_memory": "tfdist.layouts",
+    "describe": "tfdist.backends.layouts",
+    "estimate_memory": "tfdist.backends.layouts",
     # the public submodules, each a namespace of its own: tfdist.data.pipeline, ...
     **{name: f"tfdist.{name}" for name in ("callbacks", "compat", "config", "data", "launch")},
 }
 # Implementation modules: importable (tests, tools), not part of the API and not listed,
 # so each public name has one route (tfdist.save, never tfdist.saving.save).
-_INTERNAL = {name: f"tfdist.{name}" for name in ("checkpoint", "cluster", "distribute", "saving")}
+_INTERNAL = {name: f"tfdist.{name}" for name in ("checkpoint", "core", "distribute", "saving")}
 
 __all__ = ["__version__", *_EXPORTS]
 

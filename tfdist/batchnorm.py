@@ -46,7 +46,7 @@ import logging
 import sys
 import threading
 
-from tfdist import config, process
+from tfdist.core import config, process
 
 __all__ = [
     "FIX_NAME",
@@ -115,7 +115,7 @@ def install() -> None:
         >>> install()  # doctest: +SKIP
     """
     # Imported here: tfdist.compat registers this module's fix (it imports this module).
-    from tfdist.compat.registry import patch
+    from tfdist.core.fix_registry import patch
 
     def make(original):
         @functools.wraps(original)
@@ -202,7 +202,7 @@ def _why_not_hooked(required: bool) -> str | None:
     excluded = config.compat_exclude()
     if not required and (FIX_NAME in excluded or "all" in excluded):
         return f"{FIX_NAME} is excluded by {config.COMPAT_EXCLUDE_ENV}"
-    from tfdist.compat.registry import Fix, guard, targets
+    from tfdist.core.fix_registry import Fix, guard, targets
 
     return guard(Fix(FIX_NAME, SUMMARY, lambda: True, install, targets=targets(*TARGETS)))
 

@@ -20,7 +20,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tfdist import config, startup
+from tfdist import startup
+from tfdist.core import config
 
 __all__ = ["main"]
 

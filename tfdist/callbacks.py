@@ -25,10 +25,11 @@ from collections.abc import Callable, Mapping
 
 import keras
 
-from tfdist import _private, distribute, validate
+from tfdist import distribute
 from tfdist.checkpoint import ResumableCheckpoint, ShardedCheckpoint, is_resumed_partial_epoch
 from tfdist.checkpoint.restore import finish_resumed_epoch
 from tfdist.checkpoint.rng import numpy_value
+from tfdist.core import upstream, validate
 
 __all__ = [
     "Decay",
@@ -254,7 +255,7 @@ class Warmup(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self.model.optimizer
-        configured = _private.keras_optimizer_learning_rate(optimizer)
+        configured = upstream.keras_optimizer_learning_rate(optimizer)
         if isinstance(configured, keras.optimizers.schedules.LearningRateSchedule):
             raise TypeError(
                 "tfdist.callbacks.warmup: the optimizer's learning_rate is a "

@@ -17,22 +17,23 @@ import sys
 from collections.abc import Sequence
 
 from tfdist import __version__
-from tfdist.config import ConfigError  # a TensorFlow-free leaf
+from tfdist.core.config import ConfigError  # a TensorFlow-free leaf
 
 __all__ = ["main", "build_parser", "console_main"]
 
 
 def _quiet_tensorflow() -> None:
-    # TensorFlow's C++ start-up chatter and the known-harmless warnings (tfdist.quiet)
+    # TensorFlow's C++ start-up chatter and the known-harmless warnings (tfdist.core.quiet)
     # would bury the answer; errors still show.
-    from tfdist import quiet
+    from tfdist.core import quiet
 
     quiet.install()
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist import info, quiet, startup
+    from tfdist import info, startup
+    from tfdist.core import quiet
 
     # It describes, never joins: under JAX, importing jax in a job's process (a TrainJob
     # pod, a launched worker) would otherwise register with the job's coordinator.
@@ -430,7 +431,7 @@ def _add_launch_parser(sub) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     _quiet_tensorflow()
-    from tfdist import quiet
+    from tfdist.core import quiet
     from tfdist.examples import mnist  # TensorFlow-free until it trains
 
     with quiet.filtered_stderr():  # TensorFlow's C++ start-up lines, as under launch

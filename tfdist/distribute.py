@@ -16,7 +16,8 @@ import os
 import platform
 from collections.abc import Mapping
 
-from tfdist import backends, batchnorm, cluster, config, process, validate
+from tfdist import backends, batchnorm
+from tfdist.core import cluster, config, process, validate
 
 __all__ = [
     "strategy",

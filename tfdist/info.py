@@ -2,7 +2,7 @@
 
 System (OS, CPU model and cores, memory), versions, the framework's build (CUDA/cuDNN),
 GPUs with their memory, the backend's devices and the distribution ``auto`` would pick,
-the cluster and the engine that started the process (``tfdist.engines``: Ray, a
+the cluster and the engine that started the process (``tfdist.core.engines``: Ray, a
 Kubeflow TFJob or TrainJob, SLURM, ``tfdist launch``), the environment variables that change tfdist's behaviour, which fixes apply
 and are active, and whether MNIST is on disk. It plans, never creates: no server starts,
 no peer is waited for.
@@ -22,7 +22,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from tfdist import backends, compat, distribute, engines, versions
+from tfdist import backends, compat, distribute
+from tfdist.core import engines, versions
 
 __all__ = ["report", "render", "ENV_PREFIXES"]
 

@@ -36,7 +36,7 @@ import sys
 import keras
 import numpy as np
 
-from tfdist import cluster, compat, config, saving, validate
+from tfdist import compat, saving
 from tfdist import distribute as _distribute
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import (
@@ -49,8 +49,9 @@ from tfdist.checkpoint.names import check_save_target, checkpoint_name, list_che
 from tfdist.checkpoint.preemption import PreemptionWatch
 from tfdist.checkpoint.restore import newest_readable, set_data_position
 from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
-from tfdist.compat import keras_fixes
-from tfdist.position import Position
+from tfdist.compat import cross_replica
+from tfdist.core import atomic, cluster, config, validate
+from tfdist.core.position import Position
 
 __all__ = [
     "distribute",
@@ -249,7 +250,7 @@ def _optimizer_bytes(optimizer) -> bytes:
     if "keras_gradient_accumulation" in compat.applied():
         # Mid-window, each replica's accumulator copy holds its own share: made equal
         # (the window's sum so far) before they are read, as Keras saves do under the fix.
-        keras_fixes.consolidate_accumulators(optimizer)
+        cross_replica.consolidate_accumulators(optimizer)
     buffer = io.BytesIO()
     values = {f"v{i:05d}": numpy_value(v) for i, v in enumerate(optimizer.variables)}
     np.savez(buffer, **values)
@@ -257,7 +258,7 @@ def _optimizer_bytes(optimizer) -> bytes:
 
 
 def _read_optimizer(path: str) -> list[np.ndarray]:
-    data = saving.read_archive_member(path, OPTIMIZER_MEMBER)
+    data = atomic.read_archive_member(path, OPTIMIZER_MEMBER)
     if data is None:
         raise CorruptCheckpoint(f"missing {OPTIMIZER_MEMBER!r}")
     with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
@@ -327,7 +328,7 @@ class Checkpointer:
             validate.positive_int(max_to_keep, "max_to_keep", _WHERE)
         validate.instance(preemption, bool, "preemption", _WHERE, "a bool")
         self.timeout = validate.positive_number(preemption_timeout, "preemption_timeout", _WHERE)
-        self.role = saving.write_role()
+        self.role = atomic.write_role()
         self.directory = check_save_target(directory, _WHERE, writable=self.role.is_chief)
         self.model, self.optimizer = model, optimizer
         self.max_to_keep, self.preemption = max_to_keep, preemption
@@ -344,7 +345,7 @@ class Checkpointer:
         Call it once, after building the model and optimizer and before the loop.
         """
         if self.role.is_chief:
-            saving.remove_stale_staging(self.directory)
+            atomic.remove_stale_staging(self.directory)
         with self._scope():
             self._build_optimizer()
             chosen = newest_readable(self.directory, self.role, _inspect)
@@ -418,9 +419,9 @@ class Checkpointer:
         meta = resume_metadata(
             Position(epoch, batch), step=step, rng=rng_state(self.model), replicas=replicas
         )
-        with saving.atomic_output(path, role=self.role) as staging:
+        with atomic.atomic_output(path, role=self.role) as staging:
             self.model.save(staging)
-            saving.add_archive_member(staging, OPTIMIZER_MEMBER, _optimizer_bytes(self.optimizer))
+            atomic.add_archive_member(staging, OPTIMIZER_MEMBER, _optimizer_bytes(self.optimizer))
             write_resume_metadata(staging, meta)
         saving.sync_workers(f"checkpoint {os.path.basename(path)}", model=self.model)
         if self.role.is_chief:

@@ -36,7 +36,8 @@ import logging
 import sys
 import threading
 
-from tfdist import _private, backends, cluster, config, process, quiet, versions
+from tfdist import backends
+from tfdist.core import cluster, config, process, quiet, upstream, versions
 
 __all__ = ["install", "installed", "auto_strategy"]
 
@@ -120,13 +121,13 @@ def installed() -> bool:
 
 def _on_tensorflow_import(_module) -> None:
     from tfdist import compat
-    from tfdist.compat import registry
+    from tfdist.core import fix_registry
 
     versions.check("tensorflow")
 
     compat.apply_all(package="tensorflow")
-    registry.patch(
-        _private.tf_context_class(), "ensure_initialized", "tfdist_startup", _wrap_ensure
+    fix_registry.patch(
+        upstream.tf_context_class(), "ensure_initialized", "tfdist_startup", _wrap_ensure
     )
 
 
@@ -141,7 +142,7 @@ def _wrap_ensure(original):
     def ensure_initialized(self):
         # No import here: TensorFlow calls this during interpreter shutdown too, when
         # importing is no longer possible.
-        if not getattr(_setting_up, "active", False) and not _private.tf_context_initialized(self):
+        if not getattr(_setting_up, "active", False) and not upstream.tf_context_initialized(self):
             _setting_up.active = True
             try:
                 _before_context(self)
@@ -175,7 +176,7 @@ def _before_context(ctx) -> None:
         st.auto_strategy
         and st.distribution is None
         and cluster.cluster_from_env().is_multi_worker
-        and not _private.tf_collectives_configured(ctx)
+        and not upstream.tf_collectives_configured(ctx)
     ):
         logger.info("tfdist: creating the multi-worker strategy before TensorFlow starts")
         tf_backend.strategy()
@@ -286,4 +287,4 @@ def _on_keras_import_jax(_keras) -> None:
     if process.state().jax_initialized:
         # What keras.distribution.initialize() does after jax's: one random seed for every
         # process, so unseeded scripts still build the same initial weights everywhere.
-        _private.keras_jax_distribution_lib().initialize_rng()
+        upstream.keras_jax_distribution_lib().initialize_rng()

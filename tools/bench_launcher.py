@@ -43,7 +43,7 @@ NETWORK_GOAL = 1.05
 if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from tfdist.cluster import worker_tf_config  # noqa: E402
+from tfdist.core.cluster import worker_tf_config  # noqa: E402
 from tfdist.launch import free_ports  # noqa: E402
 
 

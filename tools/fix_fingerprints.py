@@ -1,8 +1,8 @@
 """Records what tfdist's fixes were verified against: every target's signature and code hash.
 
 Run it once per verified release pair (each nox session of ``noxfile.py``, after its tests
-pass): it adds the installed releases' records to ``tfdist/compat/fingerprints.json`` and
-keeps the others. ``tfdist.compat.registry.guard`` reads the file: a target whose
+pass): it adds the installed releases' records to ``tfdist/core/fingerprints.json`` and
+keeps the others. ``tfdist.core.fix_registry.guard`` reads the file: a target whose
 signature is not a recorded one, or (outside the verified range) whose code is not a
 recorded one, makes its fix step aside with a warning.
 
@@ -16,8 +16,8 @@ import argparse
 import json
 import sys
 
-from tfdist import compat, versions
-from tfdist.compat import registry
+from tfdist import compat
+from tfdist.core import fix_registry, versions
 
 
 def _minor(package: str) -> str:
@@ -30,7 +30,7 @@ def current_records() -> dict[str, dict[str, dict]]:
     records: dict[str, dict[str, dict]] = {}
     for fix in compat.FIXES:
         for target in fix.targets:
-            found = registry.record(target)
+            found = fix_registry.record(target)
             if found is not None:
                 records[target.entry] = {_minor(target.package): found}
     return records
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if records are missing")
     args = parser.parse_args(argv)
-    existing = registry.verified_fingerprints()
+    existing = fix_registry.verified_fingerprints()
     new = current_records()
     result = merged(existing, new)
     if args.check:
@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"fix_fingerprints: {len(existing)} targets recorded")
         return 0
-    registry.FINGERPRINTS_FILE.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"fix_fingerprints: wrote {len(result)} targets to {registry.FINGERPRINTS_FILE}")
+    fix_registry.FINGERPRINTS_FILE.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"fix_fingerprints: wrote {len(result)} targets to {fix_registry.FINGERPRINTS_FILE}")
     return 0
 
 

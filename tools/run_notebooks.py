@@ -4,7 +4,7 @@ Each notebook runs top to bottom on a real kernel (nbclient) with its own parame
 (or ``--param NAME=VALUE`` overrides, injected into the cell tagged ``parameters`` the way
 papermill does), in a scratch folder so its files stay out of the repository. The stored
 outputs are made readable: a progress line keeps only its final state (no ``\\r``), colour
-codes are removed, and the known-harmless start-up lines (``tfdist.quiet``) are dropped.
+codes are removed, and the known-harmless start-up lines (``tfdist.core.quiet``) are dropped.
 The notebook's metadata and its last cell record the machine, the versions, the date and
 the parameters that produced the outputs.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"

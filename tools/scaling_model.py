@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python tools/scaling_model.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from tfdist import validate  # noqa: E402  (light: no TensorFlow)
+from tfdist.core import validate  # noqa: E402  (light: no TensorFlow)
 
 MEASURED = Path(__file__).resolve().parent / "scaling_measured.json"
 GPU_MEASURED = Path(__file__).resolve().parent / "gpu_measured.json"

@@ -146,9 +146,9 @@ def build_and_compile():
 
 
 if args.sigkill_in_save is not None and first_attempt:
-    from tfdist import saving
+    from tfdist.core import atomic
 
-    real_add = saving.add_archive_member
+    real_add = atomic.add_archive_member
     calls = {"n": 0}
 
     def add_then_die(archive_path, member, data):
@@ -162,7 +162,7 @@ if args.sigkill_in_save is not None and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_add(archive_path, member, data)
 
-    saving.add_archive_member = add_then_die
+    atomic.add_archive_member = add_then_die
 
 t_restore = time.perf_counter()
 if args.keras_backup:

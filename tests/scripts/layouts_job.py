@@ -1,4 +1,4 @@
-"""Every JAX check of tfdist.layouts on a 2x2 mesh, in one process; prints one JSON line.
+"""Every JAX check of tfdist.backends.layouts on a 2x2 mesh, in one process; prints one JSON line.
 
 Run with ``KERAS_BACKEND=jax TFDIST_CPU_DEVICES=4``: a typo'd LayoutMap key (refused when
 the scope exits, and at ``fit`` for a model built there), the opt-out, ``describe`` of a

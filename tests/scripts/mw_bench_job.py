@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import tfdist
-from tfdist.config import Communication
+from tfdist.core.config import Communication
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)

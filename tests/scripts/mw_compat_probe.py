@@ -28,8 +28,9 @@ import equivalence
 import numpy as np
 import tensorflow as tf
 
-from tfdist import cluster, compat, config
+from tfdist import compat
 from tfdist.backends import tensorflow as tf_backend
+from tfdist.core import cluster, config
 
 wanted = config.cpu_devices()
 if wanted:

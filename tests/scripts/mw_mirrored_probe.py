@@ -23,8 +23,9 @@ import tensorflow as tf
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
 import equivalence  # noqa: E402
 
-from tfdist import compat, config
+from tfdist import compat
 from tfdist.backends import tensorflow as tf_backend
+from tfdist.core import config
 
 tf_backend.configure_cpu_devices(config.cpu_devices() or 2)
 mirrored = tf.distribute.MirroredStrategy()

@@ -17,7 +17,7 @@ import equivalence
 import numpy as np
 import tensorflow as tf
 
-from tfdist import cluster
+from tfdist.core import cluster
 
 mwms = tf.distribute.MultiWorkerMirroredStrategy()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tfdist import cluster
+from tfdist.core import cluster
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 SOURCE, OUT = sys.argv[1], Path(sys.argv[2])

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 
 import tfdist
-from tfdist import process
+from tfdist.core import process
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
-from tfdist import config
+from tfdist.core import config
 
 if TYPE_CHECKING:
     import numpy as np

@@ -32,9 +32,9 @@ import keras
 import numpy as np
 from keras import distribution as kd
 
-from tfdist import _private, config, layouts, process, validate
-from tfdist.backends import StoreGone
-from tfdist.config import ConfigError
+from tfdist.backends import StoreGone, layouts
+from tfdist.core import config, process, upstream, validate
+from tfdist.core.config import ConfigError
 
 __all__ = [
     "NAME",
@@ -147,7 +147,7 @@ def distribution(
         layout_map: a ``keras.distribution.LayoutMap``: model parallel with its regex keys.
         batch_dim_name: the mesh axis that splits the batch (default: the first axis).
         allow_unmatched_keys: accept ``layout_map`` keys that match no variable (keys
-            meant for other models); by default such a key is an error (``tfdist.layouts``).
+            meant for other models); by default such a key is an error (``tfdist.backends.layouts``).
 
     Example:
         >>> distribution().device_mesh.shape  # doctest: +SKIP
@@ -305,7 +305,7 @@ def barrier(name: str, timeout: float) -> None:
     if jax.process_count() == 1:
         return
     try:
-        _private.jax_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
+        upstream.jax_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
     except Exception as err:  # jax raises its runtime's own error types
         raise RuntimeError(
             f"tfdist.barrier({name!r}): not every process arrived within {timeout:.0f} s "
@@ -331,10 +331,10 @@ def chief_value(name: str, value: int, timeout: float, explicit=None) -> int:
         state.chief_values += 1
         key = f"tfdist/{name}/{state.chief_values}"
     if jax.process_index() == 0:
-        _private.jax_key_value_set(key, str(value))
+        upstream.jax_key_value_set(key, str(value))
         return value
     try:
-        return int(_private.jax_key_value_get(key, int(timeout * 1000)))
+        return int(upstream.jax_key_value_get(key, int(timeout * 1000)))
     except Exception as err:  # jax raises its runtime's own error types
         first = str(err).strip().splitlines()
         raise TimeoutError(
@@ -363,7 +363,7 @@ def key_value_set(key: str, value: str) -> bool:
     """Publishes ``key=value`` in jax's distributed runtime store; False when another
     process set ``key`` first. Raises StoreGone when the runtime is gone."""
     try:
-        _private.jax_key_value_set(key, value)
+        upstream.jax_key_value_set(key, value)
     except Exception as err:  # jax raises its runtime's one error type: tell by status
         if "ALREADY_EXISTS" in str(err):
             return False
@@ -375,7 +375,7 @@ def key_value_get(key: str, timeout: float) -> str | None:
     """The value of ``key`` in jax's distributed runtime store, or None when it is not set
     within ``timeout`` seconds. Raises StoreGone when the runtime is gone."""
     try:
-        return _private.jax_key_value_get(key, round(timeout * 1000))
+        return upstream.jax_key_value_get(key, round(timeout * 1000))
     except Exception as err:  # jax raises its runtime's one error type: tell by status
         if "DEADLINE_EXCEEDED" in str(err):
             return None

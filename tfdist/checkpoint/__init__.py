@@ -20,7 +20,7 @@ epoch, so the resumed job neither replays nor skips a batch (Keras's
 Writes are atomic (staging file in the same directory, fsync, rename) and only the
 chief's files land in the checkpoint directory. The directory may be a URL (``gs://``,
 ``s3://``, any fsspec filesystem): files are staged locally, uploaded under a staging
-name and moved onto the final one; ``tfdist.storage`` says what each store guarantees. On SIGTERM the callback saves at the
+name and moved onto the final one; ``tfdist.core.storage`` says what each store guarantees. On SIGTERM the callback saves at the
 next step boundary (all workers agree on which) and exits with
 ``tfdist.config.RESTART_EXIT_CODE`` (75), which ``tfdist launch`` treats as "restart me".
 
@@ -57,7 +57,7 @@ from tfdist.checkpoint.restore import (
     make_or_restore,
     resume_state,
 )
-from tfdist.position import Position
+from tfdist.core.position import Position
 
 __all__ = [
     "Position",

@@ -29,8 +29,8 @@ import zlib
 import h5py
 import keras
 
-from tfdist import saving
-from tfdist.position import Position
+from tfdist.core import atomic
+from tfdist.core.position import Position
 
 __all__ = [
     "RESUME_MEMBER",
@@ -75,7 +75,7 @@ def resume_metadata(position: Position, *, step: int, rng: list, replicas: int) 
 
 def write_resume_metadata(archive_path: str, meta: dict) -> None:
     """Adds ``meta`` as ``tfdist/resume.json`` to a ``.keras`` archive being staged."""
-    saving.add_archive_member(archive_path, RESUME_MEMBER, json.dumps(meta).encode())
+    atomic.add_archive_member(archive_path, RESUME_MEMBER, json.dumps(meta).encode())
 
 
 def read_resume_metadata(path: str | os.PathLike) -> dict | None:
@@ -85,7 +85,7 @@ def read_resume_metadata(path: str | os.PathLike) -> dict | None:
         >>> read_resume_metadata("ckpt/ckpt-3-50.keras")["step"]  # doctest: +SKIP
         250
     """
-    data = saving.read_archive_member(os.fspath(path), RESUME_MEMBER)
+    data = atomic.read_archive_member(os.fspath(path), RESUME_MEMBER)
     return None if data is None else json.loads(data.decode("utf-8"))
 
 

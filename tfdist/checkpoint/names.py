@@ -18,8 +18,8 @@ import stat
 import struct
 import tempfile
 
-from tfdist import saving, storage, validate
-from tfdist.position import Position
+from tfdist.core import atomic, storage, validate
+from tfdist.core.position import Position
 
 __all__ = [
     "CORRUPT_SUFFIX",
@@ -249,7 +249,7 @@ def _probe_writable(directory: str, text: str, where: str) -> None:
         # A real write, not os.access: permission bits do not tell the whole story
         # (read-only mounts, root, ACLs). The name is a staging name of this process, so
         # a crash here leaves nothing that the next start does not clean up.
-        staging = saving.staging_path(os.path.join(directory, "probe"), saving.WriteRole())
+        staging = atomic.staging_path(os.path.join(directory, "probe"), atomic.WriteRole())
         fd, probe = tempfile.mkstemp(prefix=os.path.basename(staging) + "-", dir=directory)
         os.close(fd)
         os.remove(probe)
@@ -264,7 +264,7 @@ def _probe_writable(directory: str, text: str, where: str) -> None:
 def _probe_url(directory: str, text: str, where: str) -> None:
     """A URL's chief writes and removes one small staging-named object (stores without
     directories create nothing else), so that missing credentials fail before training."""
-    probe = saving.staging_path(storage.join(directory, "probe"), saving.WriteRole())
+    probe = atomic.staging_path(storage.join(directory, "probe"), atomic.WriteRole())
     try:
         storage.makedirs(directory)
         with tempfile.NamedTemporaryFile(prefix="tfdist-probe-") as local:

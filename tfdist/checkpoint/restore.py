@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import keras
 
-from tfdist import backends, distribute, process, saving, storage, validate
+from tfdist import backends, distribute
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import CorruptCheckpoint, inspect_archive, weights_file
 from tfdist.checkpoint.names import (
@@ -34,6 +34,7 @@ from tfdist.checkpoint.names import (
 )
 from tfdist.checkpoint.rng import set_rng_state
 from tfdist.checkpoint.sharded import assign_sharded, read_sharded, sharded_entries
+from tfdist.core import atomic, process, storage, validate
 
 __all__ = [
     "ResumeState",
@@ -159,7 +160,7 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     Args:
         build_fn: no-argument callable returning a compiled ``keras.Model``.
         checkpoint_dir: the directory the checkpoint callback writes to: a local path or
-            a URL (``gs://``, ``s3://``, any fsspec filesystem; see ``tfdist.storage``),
+            a URL (``gs://``, ``s3://``, any fsspec filesystem; see ``tfdist.core.storage``),
             whose candidate is downloaded once, checked and loaded from that copy.
         strategy: the ``tf.distribute.Strategy`` to build in; the current one when None.
 
@@ -186,7 +187,7 @@ def make_or_restore(build_fn: Callable, checkpoint_dir: str | os.PathLike, *, st
     """
     where = "make_or_restore"
     _check_build_fn(build_fn, where)
-    role = saving.write_role()
+    role = atomic.write_role()
     # Before building: a path that would make a later save fail is reported now.
     directory = check_save_target(checkpoint_dir, where, writable=role.is_chief)
     strategy = distribute.current(strategy)
@@ -251,7 +252,7 @@ def _build(build_fn: Callable, where: str):
 
 
 def _newest_readable(
-    directory: str, role: saving.WriteRole, downloads: contextlib.ExitStack, model
+    directory: str, role: atomic.WriteRole, downloads: contextlib.ExitStack, model
 ) -> tuple[str, dict] | None:
     """``(path, info)`` of the newest checkpoint that reads back intact, or None.
 
@@ -318,7 +319,7 @@ def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
     return info
 
 
-def _skip_corrupt(path: str, reason: str, role: saving.WriteRole) -> None:
+def _skip_corrupt(path: str, reason: str, role: atomic.WriteRole) -> None:
     """Warns, and on the chief renames the file ``*.corrupt``: kept, never tried again."""
     warnings.warn(
         f"tfdist.make_or_restore: skipping checkpoint {path!r}, which does not read back "
@@ -434,7 +435,7 @@ def _load_weights(model, path: str, info: dict) -> None:
 # --------------------------------------------------------------------------- reusable by loops
 
 
-def newest_readable(directory: str, role: saving.WriteRole, inspect: Callable = inspect_archive):
+def newest_readable(directory: str, role: atomic.WriteRole, inspect: Callable = inspect_archive):
     """``(path, info)`` of the newest checkpoint ``inspect`` reads back, or None.
 
     ``make_or_restore``'s rule for any reader (``tfdist.loops.Checkpointer``): newest first,
@@ -446,7 +447,7 @@ def newest_readable(directory: str, role: saving.WriteRole, inspect: Callable = 
             and be moved aside).
 
     Example:
-        >>> newest_readable("ckpt/", saving.write_role())  # doctest: +SKIP
+        >>> newest_readable("ckpt/", atomic.write_role())  # doctest: +SKIP
         ('/abs/ckpt/ckpt-1-4.keras', {'config': {...}, 'resume': {...}})
     """
     if storage.is_url(directory):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from tfdist import _private, backends
+from tfdist import backends
+from tfdist.core import upstream
 
 __all__ = [
     "seed_generators",
@@ -33,7 +34,7 @@ def seed_generators(model) -> list:
         1
     """
     found, seen = [], set()
-    for generator in _private.keras_seed_generators(model):
+    for generator in upstream.keras_seed_generators(model):
         if id(generator) not in seen:  # a generator shared by two layers is one state
             seen.add(id(generator))
             found.append(generator)

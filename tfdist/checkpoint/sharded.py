@@ -32,7 +32,7 @@ import shutil
 from tfdist import backends
 from tfdist.checkpoint.archive import CorruptCheckpoint
 from tfdist.checkpoint.names import checkpoint_name, parse_checkpoint_name
-from tfdist.position import Position
+from tfdist.core.position import Position
 
 __all__ = [
     "SUFFIX",

@@ -11,7 +11,7 @@ The fixes are the ``FIXES`` records below (and the ``FIXES`` of the modules list
 them); docs/multi_worker.md's table is generated from them (``tools/fix_table.py``) and
 ``tfdist info`` shows each one's state. Each names its upstream targets: a missing or
 changed target makes that fix step aside with one ``FixSkippedWarning``
-(``registry.guard``). A test marked ``upstream_failure`` reproduces each upstream failure
+(``fix_registry.guard``). A test marked ``upstream_failure`` reproduces each upstream failure
 without its fix, so we notice when upstream fixes it.
 
 Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=name1,name2``
@@ -39,8 +39,8 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
-from tfdist import batchnorm, config, process, validate, versions
 from tfdist.compat import (
+    batchnorm,
     chief_writes,
     clipping,
     jax_fixes,
@@ -51,12 +51,12 @@ from tfdist.compat import (
     loss_scale,
     on_batch,
     partial_batches,
-    registry,
     steps_per_execution,
     tf_fixes,
     tf_inputs,
 )
-from tfdist.compat.registry import Fix, on_keras_backend, on_tensorflow_backend, targets
+from tfdist.core import config, fix_registry, process, validate, versions
+from tfdist.core.fix_registry import Fix
 
 __all__ = [
     "Fix",
@@ -76,202 +76,23 @@ class FixSkippedWarning(RuntimeWarning):
     """A fix was not applied: the upstream code it patches is missing or changed."""
 
 
-# Module prefixes of the targets below.
-_KT = "keras.src.backend.tensorflow.trainer:"
-_KJ = "keras.src.backend.jax.trainer:"
-_KO = "keras.src.backend.tensorflow.optimizer:"
-_KB = "keras.src.optimizers.base_optimizer:"
-_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy:"
-_CTX = "tensorflow.python.eager.context:"
-_DS = "tensorflow.python.data.ops.dataset_ops:"
-
+# Every fix, in the order they are applied: each module exports its records as FIXES.
 FIXES: list[Fix] = [
-    Fix(
-        "keras_symbolic_build_from_spec",
-        "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Attempt to convert a "
-        "value (PerReplica...)' in TensorFlowTrainer._maybe_symbolic_build",
-        on_keras_backend("tensorflow"),
-        keras_fixes.fix_symbolic_build,
-        targets=targets(
-            _KT + "TensorFlowTrainer._maybe_symbolic_build",
-            _KT + "TensorFlowTrainer._symbolic_build",
-            _KT + "TensorFlowTrainer._distribute_strategy (instance)",
-            _KT + "TFEpochIterator._distributed_dataset (instance)",
-            "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
-        ),
-    ),
-    Fix(
-        "keras_multi_worker_mean",
-        "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Invalid reduction "
-        "dimension 0 for input with 0 dimensions' in reduce_per_replica",
-        on_keras_backend("tensorflow"),
-        keras_fixes.fix_multi_worker_mean,
-        targets=targets(
-            _KT + "reduce_per_replica",
-            "keras.src.tree:flatten",
-            "keras.src.tree:pack_sequence_as",
-            "keras.src.backend:Variable",
-            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
-            "tensorflow.python.distribute.distribute_utils:is_distributed_variable",
-        ),
-    ),
-    Fix(
-        "keras_ema_overwrite_under_strategy",
-        "Keras 3 Optimizer(use_ema=True, ema_overwrite_frequency=k) under Mirrored/Multi"
-        "WorkerMirroredStrategy: 'merge_call called while defining a new graph'",
-        on_keras_backend("tensorflow"),
-        keras_fixes.fix_ema_overwrite,
-        targets=targets(
-            _KB + "BaseOptimizer._backend_apply_gradients",
-            _KB + "BaseOptimizer._clip_gradients",
-            _KB + "BaseOptimizer._apply_weight_decay",
-            _KB + "BaseOptimizer._backend_update_step",
-            _KB + "BaseOptimizer._update_model_variables_moving_average",
-            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
-            _KB + "BaseOptimizer._trainable_variables (instance)",
-            "keras.src.ops:cond",
-        ),
-    ),
-    Fix(
-        "keras_gradient_accumulation",
-        "Keras 3 Optimizer(gradient_accumulation_steps=k) under Mirrored/MultiWorker"
-        "MirroredStrategy: 'merge_call called while defining a new graph'",
-        on_keras_backend("tensorflow"),
-        keras_fixes.fix_gradient_accumulation,
-        targets=targets(
-            _KO + "TFOptimizer._backend_apply_gradients",
-            _KB + "BaseOptimizer.save_own_variables",
-            _KO + "TFOptimizer._distributed_tf_update_step",
-            _KB + "BaseOptimizer._get_variable_index",
-            _KB + "BaseOptimizer._clip_gradients",
-            _KB + "BaseOptimizer._use_weight_decay",
-            _KB + "BaseOptimizer._update_model_variables_moving_average",
-            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
-            _KB + "BaseOptimizer._accumulated_gradients (instance)",
-            _KB + "BaseOptimizer._iterations (instance)",
-            _KB + "BaseOptimizer._trainable_variables (instance)",
-            "keras.src.backend:Variable",
-        ),
-    ),
-    Fix(
-        "keras_progbar_chief_only",
-        "Keras 3 prints progress bars on every worker of a multi-worker job",
-        on_keras_backend("tensorflow"),
-        keras_fixes.fix_progbar_chief_only,
-        targets=targets(
-            "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
-            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
-        ),
-    ),
-    Fix(
-        "tf_multi_worker_timeouts",
-        "MultiWorkerMirroredStrategy waits forever for a worker that never starts",
-        on_tensorflow_backend(),
-        tf_fixes.fix_multi_worker_timeouts,
-        "tensorflow",
-        targets=targets(
-            _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
-            _CARS + "CollectiveAllReduceExtended._communication_options (instance)",
-            _CARS + "CollectiveAllReduceExtended._std_server_started (instance)",
-            _CTX + "Context.configure_coordination_service",
-            _CTX + "Context.coordination_service",
-            _CTX + "Context._collective_ops_server_def (instance)",
-            _CTX + "Context._context_handle (instance)",
-            "tensorflow.python.distribute.collective_util:Options",
-            "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
-            "tensorflow.python.distribute.multi_worker_util:coordination_leader",
-            "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
-        ),
-    ),
-    Fix(
-        "tf_multi_worker_logical_cpus",
-        "MultiWorkerMirroredStrategy uses one CPU device per worker, ignoring logical CPUs",
-        on_tensorflow_backend(),
-        tf_fixes.fix_multi_worker_logical_cpus,
-        "tensorflow",
-        targets=targets(
-            _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
-        ),
-    ),
-    Fix(
-        "tf_multi_worker_auto_shard",
-        "MultiWorkerMirroredStrategy: a dataset with fewer files than workers (tfds MNIST, "
-        "one TFRecord) fails: 'Could not apply FILE based sharding: the dataset only has "
-        "1 file(s)'",
-        on_tensorflow_backend(),
-        tf_fixes.fix_multi_worker_auto_shard,
-        "tensorflow",
-        targets=targets(
-            _CARS + "CollectiveAllReduceExtended._experimental_distribute_dataset",
-            _CARS + "CollectiveAllReduceExtended._num_workers (instance)",
-            _DS + "DatasetV2._as_serialized_graph",
-            _DS + "DatasetV2._inputs",
-        ),
-    ),
-    Fix(
-        "keras_jax_initialize_once",
-        "Keras 3 on JAX: keras.distribution.initialize() after jax was initialised (by "
-        "tfdist, with timeouts) fails: 'distributed.initialize should only be called once'",
-        on_keras_backend("jax"),
-        jax_fixes.fix_initialize_once,
-        targets=targets(
-            "keras.src.backend.jax.distribution_lib:initialize",
-            "keras.src.backend.jax.distribution_lib:initialize_rng",
-        ),
-    ),
-    Fix(
-        "keras_jax_model_keeps_distribution",
-        "Keras 3 on JAX: fit after `with distribution.scope():` is no longer data "
-        "parallel (the model does not remember its distribution, as it does on TensorFlow)",
-        on_keras_backend("jax"),
-        jax_fixes.fix_model_keeps_distribution,
-        targets=targets(
-            "keras.src.trainers.trainer:Trainer.__init__",
-            _KJ + "JAXTrainer.fit",
-            _KJ + "JAXTrainer.evaluate",
-            _KJ + "JAXTrainer.predict",
-            _KJ + "JAXTrainer.train_on_batch",
-            _KJ + "JAXTrainer.test_on_batch",
-            _KJ + "JAXTrainer.predict_on_batch",
-        ),
-    ),
-    Fix(
-        "keras_jax_distributed_lookahead",
-        "Keras 3 on JAX: under a keras.distribution each batch is copied to the devices "
-        "just before its step (no look-ahead): up to 1.76x slower per step on one H100",
-        on_keras_backend("jax"),
-        jax_fixes.fix_distributed_lookahead,
-        targets=targets(
-            _KJ + "JAXEpochIterator._get_distributed_iterator",
-        ),
-    ),
-    Fix(
-        "keras_jax_sharded_epoch_length",
-        "Keras 3 on JAX, multi-process: sharding a dataset per process loses its declared "
-        "length, so after a mid-epoch resume every later epoch is cut short",
-        on_keras_backend("jax"),
-        jax_fixes.fix_sharded_epoch_length,
-        targets=targets(
-            "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
-            _DS + "DatasetV2._variant_tensor",
-        ),
-    ),
+    *keras_fixes.FIXES,
+    *tf_fixes.FIXES,
+    *jax_fixes.FIXES,
+    *clipping.FIXES,
+    *chief_writes.FIXES,
+    *jax_inputs.FIXES,
+    *on_batch.FIXES,
+    *loss_scale.FIXES,
+    *jax_watchdog.FIXES,
+    *partial_batches.FIXES,
+    *tf_inputs.FIXES,
+    *jit_compile.FIXES,
+    *steps_per_execution.FIXES,
+    *batchnorm.FIXES,
 ]
-
-
-# Fixes that live with their own module (each exports FIXES).
-FIXES += clipping.FIXES + chief_writes.FIXES + jax_inputs.FIXES + on_batch.FIXES + loss_scale.FIXES
-FIXES += jax_watchdog.FIXES + partial_batches.FIXES + tf_inputs.FIXES + jit_compile.FIXES
-FIXES += steps_per_execution.FIXES
-FIXES.append(
-    Fix(
-        batchnorm.FIX_NAME,
-        batchnorm.SUMMARY,
-        on_keras_backend("tensorflow"),
-        batchnorm.install,
-        targets=targets(*batchnorm.TARGETS),
-    )
-)
 
 
 def fix_names() -> list[str]:
@@ -354,6 +175,9 @@ def apply_all(
         return list(st.applied_fixes)
 
 
+fix_registry.register_apply_all(apply_all)
+
+
 def _needed(fix: Fix) -> bool:
     try:
         return bool(fix.applies())
@@ -365,13 +189,13 @@ def _needed(fix: Fix) -> bool:
 def _apply_guarded(fix: Fix) -> str | None:
     """Applies ``fix`` unless a target is missing or changed; returns why not, or None.
 
-    A fix that fails half-way is rolled back (``registry.journal``): upstream stays whole.
+    A fix that fails half-way is rolled back (``fix_registry.journal``): upstream stays whole.
     """
-    reason = registry.guard(fix)
+    reason = fix_registry.guard(fix)
     if reason is not None:
         return reason
     try:
-        with registry.journal():
+        with fix_registry.journal():
             fix.apply()
     except Exception as err:  # noqa: BLE001 - see above
         return f"applying it failed ({type(err).__name__}: {err})"

@@ -47,8 +47,9 @@ import shutil
 import tempfile
 import weakref
 
-from tfdist import _private
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist import saving
+from tfdist.core import atomic, upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
     "FIXES",
@@ -72,17 +73,8 @@ BACKUP_ATTRIBUTE = "tfdist_backup"
 _TENSORBOARD_STAGING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _saving():
-    """``tfdist.saving``, at call time: ``compat`` is imported before ``saving`` can be
-    (the fixes are applied when keras is imported) and ``saving``'s own imports reach
-    back to ``compat``, so it is reached through tfdist's public lazy exports."""
-    import tfdist
-
-    return tfdist.saving
-
-
 def _multi_worker(model) -> bool:
-    return model is not None and _saving().has_other_workers(model)
+    return model is not None and saving.has_other_workers(model)
 
 
 def _in_scope(model):
@@ -93,7 +85,7 @@ def _in_scope(model):
 
 
 def _is_chief() -> bool:
-    return _saving().write_role().is_chief
+    return atomic.write_role().is_chief
 
 
 def _tensorflow_or_jax() -> bool:
@@ -105,12 +97,12 @@ def _tensorflow_or_jax() -> bool:
 
 def _checkpoint_save(callback, epoch: int, batch, logs) -> None:
     """Upstream's ``_save_model`` steps, with the write made by every worker for the chief."""
-    filepath = _private.keras_checkpoint_file_path(callback, epoch, batch, logs)
-    if not _private.keras_checkpoint_should_save(callback, epoch, batch, logs, filepath):
+    filepath = upstream.keras_checkpoint_file_path(callback, epoch, batch, logs)
+    if not upstream.keras_checkpoint_should_save(callback, epoch, batch, logs, filepath):
         return
     model = callback.model
     writer = model.save_weights if callback.save_weights_only else model.save
-    _saving().write_on_every_worker(
+    saving.write_on_every_worker(
         model,
         filepath,
         lambda staging: writer(staging, overwrite=True),
@@ -164,14 +156,14 @@ def fix_model_checkpoint() -> None:
 
 def _write_json(path: str, data: dict) -> None:
     """The chief writes ``data`` to ``path`` atomically."""
-    with _saving().atomic_output(path) as staging:
+    with atomic.atomic_output(path) as staging:
         with open(staging, "w") as f:
             f.write(json.dumps(data))
 
 
 def _copy_atomically(source: str, destination: str) -> None:
     """The chief copies ``source`` onto ``destination`` atomically."""
-    with _saving().atomic_output(destination) as staging:
+    with atomic.atomic_output(destination) as staging:
         shutil.copyfile(source, staging)
 
 
@@ -199,8 +191,8 @@ def embedded_position(weights_file: str) -> dict | None:
 def _backup_save(callback) -> None:
     """One backup: the chief's weights (with their epoch inside) land, then the metadata."""
     model = callback.model
-    weights, metadata, previous_weights, previous_metadata = _private.keras_backup_paths(callback)
-    position = _private.keras_backup_position(callback)
+    weights, metadata, previous_weights, previous_metadata = upstream.keras_backup_paths(callback)
+    position = upstream.keras_backup_position(callback)
     chief = _is_chief()
     if chief:
         os.makedirs(callback.backup_dir, exist_ok=True)
@@ -214,7 +206,7 @@ def _backup_save(callback) -> None:
         if chief:
             _embed_position(staging, position)
 
-    _saving().write_on_every_worker(model, weights, write, what="BackupAndRestore backup")
+    saving.write_on_every_worker(model, weights, write, what="BackupAndRestore backup")
     if chief:
         # Upstream's metadata file, for a restart that reads the backup without tfdist;
         # a kill between the two renames leaves it one backup behind, and the restore
@@ -224,13 +216,12 @@ def _backup_save(callback) -> None:
 
 def _backup_restore(callback) -> None:
     """Every worker restores the same backup; the chief alone repairs it from ``.bkp``."""
-    saving = _saving()
     model = callback.model
-    weights, metadata, previous_weights, previous_metadata = _private.keras_backup_paths(callback)
+    weights, metadata, previous_weights, previous_metadata = upstream.keras_backup_paths(callback)
     if _is_chief():
-        saving.remove_stale_staging(callback.backup_dir)  # left by a process killed mid-save
+        atomic.remove_stale_staging(callback.backup_dir)  # left by a process killed mid-save
     try:
-        _private.keras_backup_load(callback)
+        upstream.keras_backup_load(callback)
     except OSError:
         if not os.path.exists(previous_weights):
             raise
@@ -241,11 +232,11 @@ def _backup_restore(callback) -> None:
             if os.path.exists(previous_metadata):
                 _copy_atomically(previous_metadata, metadata)
         saving.sync_workers("BackupAndRestore repair", model=model)
-        _private.keras_backup_load(callback)
+        upstream.keras_backup_load(callback)
     if os.path.exists(weights):
         position = embedded_position(weights)
         if position is not None:
-            _private.keras_set_initial_epoch(model, position["epoch"])
+            upstream.keras_set_initial_epoch(model, position["epoch"])
 
 
 def _backup_delete(callback, original, logs) -> None:
@@ -253,10 +244,10 @@ def _backup_delete(callback, original, logs) -> None:
     if not callback.delete_checkpoint:
         return
     model = callback.model
-    _saving().sync_workers("BackupAndRestore delete", model=model)
+    saving.sync_workers("BackupAndRestore delete", model=model)
     if _is_chief():
         original(callback, logs)
-    _saving().sync_workers("BackupAndRestore delete", model=model)
+    saving.sync_workers("BackupAndRestore delete", model=model)
 
 
 def fix_backup_and_restore() -> None:
@@ -368,7 +359,7 @@ def _remove_tensorboard_staging(callback) -> None:
 def _tensorboard_set_model(callback, original, model) -> None:
     """A non-chief worker's ``set_model``: upstream's, with ``log_dir`` in a staging dir."""
     _remove_tensorboard_staging(callback)  # of an earlier fit
-    rank = _saving().write_role().rank
+    rank = atomic.write_role().rank
     staging = tempfile.mkdtemp(prefix=f"tfdist-worker{rank}-tensorboard-")
     # Removed at train end, or when the callback is collected or the process exits.
     _TENSORBOARD_STAGING[callback] = weakref.finalize(callback, shutil.rmtree, staging, True)
@@ -430,7 +421,7 @@ def fix_tensorboard() -> None:
 def _passes_through(model, filepath, args, kwargs) -> bool:
     """Calls upstream handles as it does: one worker, tfdist's own staging writes, a
     refused overwrite (Keras asks the user), sharded weights, a file object."""
-    if _saving().is_writing() or not isinstance(filepath, (str, os.PathLike)):
+    if atomic.is_writing() or not isinstance(filepath, (str, os.PathLike)):
         return True
     if kwargs.get("overwrite", args[0] if args else True) is False:
         return True
@@ -446,7 +437,6 @@ def _user_save(method: str):
         def save(self, filepath, *args, **kwargs):
             if _passes_through(self, filepath, args, kwargs):
                 return original(self, filepath, *args, **kwargs)
-            saving = _saving()
             final = os.path.abspath(os.fspath(filepath))
             # The name of the workers' meetings: the same on every worker, whatever
             # path each passed (a worker's own path must not make its own meeting).
@@ -486,7 +476,7 @@ def fix_user_saves() -> None:
     of a worker's own is written as asked. One worker, a refused overwrite, sharded
     weights and URLs go to upstream unchanged.
     """
-    model_class = _private.keras_model_class()
+    model_class = upstream.keras_model_class()
     patch(model_class, "save", "keras_user_saves_chief_writes", _user_save("save"))
     patch(model_class, "save_weights", "keras_user_saves_chief_writes", _user_save("save_weights"))
 

@@ -17,9 +17,9 @@ Example:
 
 from __future__ import annotations
 
-from tfdist import _private
-from tfdist.compat import keras_fixes
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.compat import cross_replica
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "FIX_NAME", "fix_clip_after_all_reduce", "clips_per_replica_upstream"]
 
@@ -65,12 +65,12 @@ def _apply_global_clipped(optimizer, grads, variables) -> None:
     # The loss is scaled by 1/replicas, so the sum is the global batch's gradient (what
     # upstream's own all-reduce computes, one step later).
     summed = context.all_reduce(tf.distribute.ReduceOp.SUM, list(grads))
-    clipped = _private.keras_optimizer_clip(optimizer, summed)
+    clipped = upstream.keras_optimizer_clip(optimizer, summed)
 
     def update(distribution, clipped):
-        keras_fixes.cross_replica_apply(optimizer, distribution, clipped, variables)
+        cross_replica.cross_replica_apply(optimizer, distribution, clipped, variables)
 
-    _private.tf_maybe_merge_call(update, tf.distribute.get_strategy(), clipped)
+    upstream.tf_maybe_merge_call(update, tf.distribute.get_strategy(), clipped)
 
 
 def fix_clip_after_all_reduce() -> None:
@@ -88,7 +88,7 @@ def fix_clip_after_all_reduce() -> None:
     context it all-reduces (SUM) the gradients, the value upstream's update would have
     used, then clips it once with the optimizer's own ``_clip_gradients``, then in one
     ``merge_call`` applies weight decay and the optimizer's update to every variable
-    (``keras_fixes.cross_replica_apply``, no second reduction), then the moving
+    (``cross_replica.cross_replica_apply``, no second reduction), then the moving
     average (``use_ema``) as upstream. Unscaling (``loss_scale_factor``, and
     ``LossScaleOptimizer`` before it calls its inner optimizer) happens in ``apply``
     before this method, so the clip sees unscaled gradients, as on one device. The
@@ -105,7 +105,7 @@ def fix_clip_after_all_reduce() -> None:
     owned = _PATCHED in vars(owner)  # Keras 3.15: inherited from TFOptimizer/BaseOptimizer
 
     def make(original):
-        def upstream(self, grads, trainable_variables):
+        def inherited(self, grads, trainable_variables):
             if owned:
                 return original(self, grads, trainable_variables)
             # Looked up at call time: keras_gradient_accumulation's patch of TFOptimizer is
@@ -114,9 +114,9 @@ def fix_clip_after_all_reduce() -> None:
 
         def _backend_apply_gradients(self, grads, trainable_variables):
             if not clips_per_replica_upstream(self):
-                return upstream(self, grads, trainable_variables)
+                return inherited(self, grads, trainable_variables)
             _apply_global_clipped(self, grads, trainable_variables)
-            _private.keras_optimizer_ema_step(self)
+            upstream.keras_optimizer_ema_step(self)
 
         return _backend_apply_gradients
 

@@ -1,14 +1,14 @@
 """Fixes to Keras 3 on the JAX backend.
 
-Every private Keras name used comes from ``tfdist._private``.
+Every private Keras name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tfdist import _private
-from tfdist.compat.registry import patch
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
     "fix_initialize_once",
@@ -44,7 +44,7 @@ def fix_initialize_once() -> None:
     processes (``initialize_rng``), so every process builds the same initial weights.
     Without an earlier initialisation, upstream's function runs unchanged.
     """
-    module = _private.keras_jax_distribution_lib()
+    module = upstream.keras_jax_distribution_lib()
 
     def make(original):
         def initialize(job_addresses, num_processes, process_id):
@@ -87,7 +87,7 @@ def fix_model_keeps_distribution() -> None:
     set, runs it inside the recorded one's ``scope()``. When a distribution is set,
     or the model was created without one, upstream runs unchanged.
     """
-    trainer_class = _private.keras_jax_trainer_class()
+    trainer_class = upstream.keras_jax_trainer_class()
     from keras import distribution as kd
 
     def make_init(original):
@@ -108,7 +108,7 @@ def fix_model_keeps_distribution() -> None:
         return entry
 
     patch(
-        _private.keras_trainer_class(), "__init__", "keras_jax_model_keeps_distribution", make_init
+        upstream.keras_trainer_class(), "__init__", "keras_jax_model_keeps_distribution", make_init
     )
     for name in _ENTRY_POINTS:
         patch(trainer_class, name, "keras_jax_model_keeps_distribution", make_entry)
@@ -142,7 +142,7 @@ def fix_distributed_lookahead() -> None:
         return _get_distributed_iterator
 
     patch(
-        _private.keras_jax_epoch_iterator_class(),
+        upstream.keras_jax_epoch_iterator_class(),
         "_get_distributed_iterator",
         "keras_jax_distributed_lookahead",
         make,
@@ -178,15 +178,71 @@ def fix_sharded_epoch_length() -> None:
 
     def make(original):
         def distribute_tf_dataset(self, dataset):
-            from tfdist.compat.datasets import keep_epoch_length
+            from tfdist.core.full_epochs import keep_epoch_length
 
             return keep_epoch_length(dataset, original(self, dataset))
 
         return distribute_tf_dataset
 
     patch(
-        _private.keras_distribution_class(),
+        upstream.keras_distribution_class(),
         "distribute_tf_dataset",
         "keras_jax_sharded_epoch_length",
         make,
     )
+
+
+# Module prefixes of the targets below.
+_KJ = "keras.src.backend.jax.trainer:"
+_DS = "tensorflow.python.data.ops.dataset_ops:"
+
+FIXES: list[Fix] = [
+    Fix(
+        "keras_jax_initialize_once",
+        "Keras 3 on JAX: keras.distribution.initialize() after jax was initialised (by "
+        "tfdist, with timeouts) fails: 'distributed.initialize should only be called once'",
+        on_keras_backend("jax"),
+        fix_initialize_once,
+        targets=targets(
+            "keras.src.backend.jax.distribution_lib:initialize",
+            "keras.src.backend.jax.distribution_lib:initialize_rng",
+        ),
+    ),
+    Fix(
+        "keras_jax_model_keeps_distribution",
+        "Keras 3 on JAX: fit after `with distribution.scope():` is no longer data "
+        "parallel (the model does not remember its distribution, as it does on TensorFlow)",
+        on_keras_backend("jax"),
+        fix_model_keeps_distribution,
+        targets=targets(
+            "keras.src.trainers.trainer:Trainer.__init__",
+            _KJ + "JAXTrainer.fit",
+            _KJ + "JAXTrainer.evaluate",
+            _KJ + "JAXTrainer.predict",
+            _KJ + "JAXTrainer.train_on_batch",
+            _KJ + "JAXTrainer.test_on_batch",
+            _KJ + "JAXTrainer.predict_on_batch",
+        ),
+    ),
+    Fix(
+        "keras_jax_distributed_lookahead",
+        "Keras 3 on JAX: under a keras.distribution each batch is copied to the devices "
+        "just before its step (no look-ahead): up to 1.76x slower per step on one H100",
+        on_keras_backend("jax"),
+        fix_distributed_lookahead,
+        targets=targets(
+            _KJ + "JAXEpochIterator._get_distributed_iterator",
+        ),
+    ),
+    Fix(
+        "keras_jax_sharded_epoch_length",
+        "Keras 3 on JAX, multi-process: sharding a dataset per process loses its declared "
+        "length, so after a mid-epoch resume every later epoch is cut short",
+        on_keras_backend("jax"),
+        fix_sharded_epoch_length,
+        targets=targets(
+            "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
+            _DS + "DatasetV2._variant_tensor",
+        ),
+    ),
+]

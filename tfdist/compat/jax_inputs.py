@@ -37,8 +37,8 @@ import logging
 import random
 from dataclasses import dataclass
 
-from tfdist import _private, config
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import config, upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
     "FIXES",
@@ -203,10 +203,10 @@ def agree_random_state(timeout: float = config.SEED_AGREEMENT_TIMEOUT_S) -> None
 
     key = f"tfdist/jax_inputs/random_state/{next(_AGREEMENTS)}"
     if jax.process_index() == 0:
-        _private.jax_key_value_set(key, json.dumps(_random_state()))
+        upstream.jax_key_value_set(key, json.dumps(_random_state()))
         return
     try:
-        text = _private.jax_key_value_get(key, int(timeout * 1000))
+        text = upstream.jax_key_value_get(key, int(timeout * 1000))
     except Exception as err:  # jax raises its runtime's own error types
         first = str(err).strip().splitlines()
         raise TimeoutError(
@@ -241,7 +241,7 @@ class ProcessShare:
         self._adapter = adapter
         self._share = share
         # Arrays and a PyDataset shuffle (upstream ignores shuffle for a generator).
-        array_or_py_dataset = _private.keras_shareable_adapter_classes()[:2]
+        array_or_py_dataset = upstream.keras_shareable_adapter_classes()[:2]
         shuffles = bool(shuffle) and isinstance(adapter, array_or_py_dataset)
         # A PyDataset with workers shuffles in the enqueuer thread that on_epoch_begin
         # starts; everything else draws its order when its iterator starts.
@@ -310,7 +310,7 @@ def _process_share_adapter(original, x, kwargs, share: _Share):
     share; for inputs other than arrays, PyDataset and generators, upstream's refusal."""
     with _no_distribution():
         adapter = original(x, **kwargs)
-    if not isinstance(adapter, _private.keras_shareable_adapter_classes()):
+    if not isinstance(adapter, upstream.keras_shareable_adapter_classes()):
         return original(x, **kwargs)  # torch, grain: upstream's answer, unchanged
     _check_array_batches(adapter, share)
     return ProcessShare(adapter, share, shuffle=kwargs.get("shuffle"))
@@ -335,8 +335,8 @@ def fix_multi_process_inputs() -> None:
     """
     from keras import distribution as kd
 
-    module = _private.keras_data_adapters_module()
-    adapter_base = _private.keras_data_adapter_class()
+    module = upstream.keras_data_adapters_module()
+    adapter_base = upstream.keras_data_adapter_class()
 
     def make(original):
         def get_data_adapter(
@@ -419,7 +419,7 @@ def fix_multi_process_predict() -> None:
         return make_predict_function
 
     patch(
-        _private.keras_jax_trainer_class(),
+        upstream.keras_jax_trainer_class(),
         "make_predict_function",
         PREDICT_FIX,
         make,

@@ -1,6 +1,6 @@
 """The JAX watchdog's hook into Keras: ``fit``/``evaluate``/``predict`` report their batches.
 
-``tfdist.watchdog`` owns the mechanism (the thread, the verdict, the exit); this fix only
+``tfdist.core.watchdog`` owns the mechanism (the thread, the verdict, the exit); this fix only
 runs each call inside ``watchdog.watched`` and adds two callbacks that report to it:
 one first in the list (an epoch's end starts a longer allowance, before any other
 callback saves) and one last (a batch is finished when all its callbacks are).
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import inspect
 
-from tfdist import _private, watchdog
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import upstream, watchdog
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_watchdog"]
 
@@ -96,7 +96,7 @@ def fix_watchdog() -> None:
     heartbeats still arrive from the stuck process. And a peer that dies mid-step ends
     the others with a gloo traceback, then jax's abort at exit. The fix runs
     ``fit``/``evaluate``/``predict`` of a multi-process job inside
-    ``tfdist.watchdog.watched`` with two callbacks reporting each finished batch and
+    ``tfdist.core.watchdog.watched`` with two callbacks reporting each finished batch and
     each epoch's end; the watchdog's thread ends the process with one line naming the
     peers it waits for after ``TFDIST_COLLECTIVE_TIMEOUT`` s without progress (default
     45; 0 turns the fix off), and a lost peer's failed collective with one line naming
@@ -104,7 +104,7 @@ def fix_watchdog() -> None:
     dispatching batch ends as it did), so training gives the same model; in one process,
     or with the watchdog off, upstream runs unchanged.
     """
-    trainer_class = _private.keras_jax_trainer_class()
+    trainer_class = upstream.keras_jax_trainer_class()
     first_class, last_class = _callback_classes()
 
     def make(name):

@@ -8,20 +8,20 @@ CPU:1 from device CPU:0`` (keras#19005), on 2 workers ``Collectives are not yet
 implemented for CPU devices``, both deep in a traceback after the data pipeline started.
 ``predict`` compiles each replica's step alone and works, so it is left as it is.
 
-Every private name used comes from ``tfdist._private``.
+Every private name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
-from tfdist import _private
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_jit_compile_refused", "model_replicas"]
 
 
 def model_replicas(model) -> int:
     """Replicas of the strategy ``model`` was built under (1 without one)."""
-    strategy = _private.keras_model_strategy_or_none(model)
+    strategy = upstream.keras_model_strategy_or_none(model)
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
@@ -45,7 +45,7 @@ def fix_jit_compile_refused() -> None:
         def _make_function(self, step_function):
             replicas = model_replicas(self)
             if self.jit_compile is True and not self.run_eagerly and replicas > 1:
-                strategy = type(_private.keras_model_strategy_or_none(self)).__name__
+                strategy = type(upstream.keras_model_strategy_or_none(self)).__name__
                 raise ValueError(
                     f"tfdist: compile(jit_compile=True) cannot train or evaluate under "
                     f"{strategy} with {replicas} replicas: Keras XLA-compiles the whole "
@@ -61,7 +61,7 @@ def fix_jit_compile_refused() -> None:
         return _make_function
 
     patch(
-        _private.keras_tf_trainer_module().TensorFlowTrainer,
+        upstream.keras_tf_trainer_module().TensorFlowTrainer,
         "_make_function",
         "keras_jit_compile_refused_under_strategy",
         make,

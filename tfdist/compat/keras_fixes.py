@@ -2,13 +2,18 @@
 
 Each ``_fix_*`` function's docstring says what breaks, what the fix changes and why the
 result is the one upstream computes on one device. Every private Keras/TensorFlow name
-used comes from ``tfdist._private``.
+used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
-from tfdist import _private
-from tfdist.compat.registry import patch
+from tfdist.compat.cross_replica import (
+    accumulate_in_replica_context,
+    consolidate_accumulators,
+    tf_var,
+)
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
     "fix_ema_overwrite",
@@ -16,7 +21,6 @@ __all__ = [
     "fix_multi_worker_mean",
     "fix_gradient_accumulation",
     "fix_progbar_chief_only",
-    "cross_replica_apply",
 ]
 
 
@@ -32,8 +36,8 @@ def _symbolic_batch(iterator):
     import keras
     import tensorflow as tf
 
-    per_replica_spec = _private.tf_per_replica_spec_class()
-    dataset = _private.tf_distributed_dataset(iterator)
+    per_replica_spec = upstream.tf_per_replica_spec_class()
+    dataset = upstream.tf_distributed_dataset(iterator)
     if dataset is None:
         return None
 
@@ -42,7 +46,7 @@ def _symbolic_batch(iterator):
 
     def to_symbolic(spec):
         if isinstance(spec, per_replica_spec):  # one spec per local replica, all alike
-            spec = _private.tf_per_replica_component_spec(spec)
+            spec = upstream.tf_per_replica_component_spec(spec)
         if isinstance(spec, tf.OptionalSpec) or type(spec).__name__ == "NoneTensorSpec":
             return None  # the trainer turns optionals and Nones into None too
         shape = getattr(spec, "shape", None)
@@ -95,18 +99,18 @@ def fix_symbolic_build() -> None:
     to one real batch and takes this worker's first replica's part of it (shapes are
     equal on all replicas), which needs no cross-worker reduce either.
     """
-    tf_trainer = _private.keras_tf_trainer_module()
+    tf_trainer = upstream.keras_tf_trainer_module()
 
     def make(original):
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-            explicit = _private.keras_model_strategy_or_none(self)
+            explicit = upstream.keras_model_strategy_or_none(self)
             if explicit is None or iterator is None or data_batch is not None:
                 return original(self, iterator=iterator, data_batch=data_batch)
             batch = _symbolic_batch(iterator)
             if batch is None:
                 batch = _local_batch(self.distribute_strategy, iterator)
             with self.distribute_strategy.scope():
-                _private.keras_symbolic_build(self, batch)
+                upstream.keras_symbolic_build(self, batch)
 
         return _maybe_symbolic_build
 
@@ -123,7 +127,7 @@ def fix_symbolic_build() -> None:
 
 def _multi_worker_mean(strategy, value):
     """The mean of ``value`` over all replicas of all workers (see ``fix_multi_worker_mean``)."""
-    if _private.tf_is_distributed_variable(_tf_var(value)):
+    if upstream.tf_is_distributed_variable(tf_var(value)):
         # A metric whose result() returns its variable: reading it in cross-replica
         # context already gives the value every replica agrees on (a SyncOnRead
         # variable aggregates all replicas of all workers), as upstream's
@@ -146,7 +150,7 @@ def _multi_worker_means(strategy, values, tree):
     by_dtype: dict = {}
     for index, value in enumerate(leaves):
         local = strategy.experimental_local_results(value)
-        if _private.tf_is_distributed_variable(_tf_var(value)) or not all(
+        if upstream.tf_is_distributed_variable(tf_var(value)) or not all(
             isinstance(t, tf.Tensor) and t.shape.rank == 0 for t in local
         ):
             reduced[index] = _multi_worker_mean(strategy, value)
@@ -186,8 +190,8 @@ def fix_multi_worker_mean() -> None:
     """
     import tensorflow as tf
 
-    tree = _private.keras_tree()
-    tf_trainer = _private.keras_tf_trainer_module()
+    tree = upstream.keras_tree()
+    tf_trainer = upstream.keras_tf_trainer_module()
 
     def make(original):
         def reduce_per_replica(values, strategy, reduction):
@@ -195,7 +199,7 @@ def fix_multi_worker_mean() -> None:
             if (
                 reduction in ("auto", "mean")
                 and not tpu
-                and _private.tf_in_multi_worker_mode(strategy)
+                and upstream.tf_in_multi_worker_mode(strategy)
             ):
                 return _multi_worker_means(strategy, values, tree)
             return original(values, strategy, reduction)
@@ -203,178 +207,6 @@ def fix_multi_worker_mean() -> None:
         return reduce_per_replica
 
     patch(tf_trainer, "reduce_per_replica", "keras_multi_worker_mean", make)
-
-
-def _tf_var(v):
-    """The tf.Variable behind a Keras variable (strategies update tf.Variables)."""
-    return v.value if isinstance(v, _private.keras_backend_variable_class()) else v
-
-
-def _accumulate_in_replica_context(optimizer, grads, variables) -> None:
-    """Steps 1-2 of the gradient-accumulation fix (see ``fix_gradient_accumulation``)."""
-    import tensorflow as tf
-
-    steps = optimizer.gradient_accumulation_steps
-    context = tf.distribute.get_replica_context()
-    accumulators = _private.keras_optimizer_accumulators(optimizer, variables)
-    # This replica's own gradient, dense (IndexedSlices too): nothing is reduced here.
-    # Times the replica count: each copy of an accumulator then holds N x its replica's
-    # share, so the MEAN over the copies is the window's sum so far, the value one device
-    # holds, whatever N is (what ``consolidate_accumulators`` writes into every copy).
-    replicas = context.num_replicas_in_sync
-    local = [tf.convert_to_tensor(g) * replicas for g in grads]
-    # Reading a mirrored accumulator in replica context reads this replica's copy: its
-    # local sum of the window's earlier micro-steps.
-    totals = [g + acc for g, acc in zip(local, accumulators, strict=True)]
-
-    def merge_fn(distribution, local, totals):
-        tf.cond(
-            # The micro-step counter, as upstream: ``iterations`` counts updates only.
-            (_private.keras_optimizer_micro_steps(optimizer) + 1) % steps == 0,
-            lambda: _cross_replica_update(optimizer, distribution, totals, variables, accumulators),
-            lambda: _cross_replica_accumulate(distribution, local, accumulators),
-        )
-
-    context.merge_call(merge_fn, args=(local, totals))
-
-
-def _cross_replica_update(optimizer, distribution, totals, variables, accumulators) -> None:
-    """The update step: the window's one all-reduce, clip, the update, accumulators zeroed."""
-    import tensorflow as tf
-
-    reduced = distribution.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.MEAN,
-        [(t, _tf_var(v)) for t, v in zip(totals, variables, strict=True)],
-    )
-    clipped = _clipped_means(optimizer, distribution, reduced)
-    cross_replica_apply(optimizer, distribution, clipped, variables)
-    for acc in accumulators:
-        distribution.extended.update(
-            _tf_var(acc), lambda a: a.assign(tf.zeros_like(a)), group=False
-        )
-
-
-def _clipped_means(optimizer, distribution, reduced) -> list:
-    """``clip(sum / k)`` of the all-reduced window sums, on each local device's copy.
-
-    ``clipnorm``/``global_clipnorm`` see the global mean gradient, as on one device. Each
-    device clips its own (identical) copy, so no device waits for another's.
-    """
-    import tensorflow as tf
-
-    steps = optimizer.gradient_accumulation_steps
-    copies = [distribution.experimental_local_results(r) for r in reduced]
-    local_replicas = len(copies[0])
-    per_device = []
-    for d in range(local_replicas):
-        with tf.device(copies[0][d].device):
-            per_device.append(
-                _private.keras_optimizer_clip(optimizer, [c[d] / steps for c in copies])
-            )
-
-    def value(i):
-        # Replica ids run over the cluster; a worker's local replicas are consecutive.
-        return lambda ctx: per_device[ctx.replica_id_in_sync_group % local_replicas][i]
-
-    return [
-        distribution.experimental_distribute_values_from_function(value(i))
-        for i in range(len(reduced))
-    ]
-
-
-def cross_replica_apply(optimizer, distribution, grads, variables) -> None:
-    """Weight decay, then the optimizer's update of every variable with ``grads``.
-
-    What upstream's ``_apply_weight_decay`` and ``_backend_update_step`` do after their
-    all-reduce, for gradients already all-reduced (and clipped): no second reduction.
-    Shared by the gradient-accumulation and clipping fixes (``tfdist.compat.clipping``);
-    called with the strategy ``merge_call`` hands over.
-
-    Example:
-        >>> cross_replica_apply(opt, strategy, clipped, variables)  # doctest: +SKIP
-    """
-    import tensorflow as tf
-
-    if optimizer.weight_decay is not None:
-
-        def weight_decay_fn(variable):
-            if _private.keras_optimizer_uses_weight_decay(optimizer, variable):
-                lr = tf.cast(optimizer.learning_rate, variable.dtype)
-                wd = tf.cast(optimizer.weight_decay, variable.dtype)
-                variable.assign_sub(variable * wd * lr)
-
-        for variable in variables:
-            distribution.extended.update(_tf_var(variable), weight_decay_fn, group=False)
-    _private.keras_optimizer_distributed_update(
-        optimizer,
-        distribution,
-        list(zip(grads, [_tf_var(v) for v in variables], strict=True)),
-        optimizer.learning_rate,
-    )
-
-
-def consolidate_accumulators(optimizer) -> bool:
-    """Gives every copy of each gradient accumulator the mean of the copies, mid-window.
-
-    Under the fix, the copies of a mirrored accumulator differ between updates (each
-    holds N x its replica's share), and a save reads one copy. Called before a save (the
-    fix's ``save_own_variables``, tfdist's checkpoints), this makes every copy the mean:
-    the window's sum so far, the value one device holds. A checkpoint written mid-window
-    then resumes exactly, on any number of replicas. A collective: under
-    MultiWorkerMirroredStrategy every worker must save (as the fixed Keras callbacks and
-    tfdist's checkpoints do). Returns whether anything was done (not at a window
-    boundary, where every copy is zero, nor on one replica).
-
-    Example:
-        >>> consolidate_accumulators(model.optimizer)  # doctest: +SKIP
-        True
-    """
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    accumulators = _private.keras_optimizer_all_accumulators(optimizer) if steps else []
-    if not accumulators:
-        return False  # no accumulation, or an optimizer not built yet
-    variables = [_tf_var(a) for a in accumulators]
-    strategy = getattr(variables[0], "distribute_strategy", None)  # tf.distribute's only
-    if strategy is None or strategy.num_replicas_in_sync == 1:
-        return False
-    if int(_private.keras_optimizer_micro_steps(optimizer).numpy()) % steps == 0:
-        return False  # a window boundary: every copy is zero already
-    import tensorflow as tf
-
-    def copies_of(var):
-        copies = strategy.experimental_local_results(var)
-
-        def value(context):
-            # Replica ids run over the cluster; a worker's local replicas are consecutive.
-            copy = copies[context.replica_id_in_sync_group % len(copies)]
-            with tf.device(copy.device):
-                return tf.identity(copy)
-
-        # Per replica, not mirrored: a MEAN of a mirrored value is returned unreduced.
-        return strategy.experimental_distribute_values_from_function(value)
-
-    @tf.function(autograph=False)
-    def consolidate():
-        pairs = [(copies_of(var), var) for var in variables]
-        means = strategy.extended.batch_reduce_to(tf.distribute.ReduceOp.MEAN, pairs)
-        for var, mean in zip(variables, means, strict=True):
-            strategy.extended.update(var, lambda a, m: a.assign(m), args=(mean,), group=False)
-
-    with strategy.scope():
-        consolidate()
-    return True
-
-
-def _cross_replica_accumulate(distribution, local, accumulators) -> None:
-    """The accumulate step: each replica adds its own gradient to its own accumulator copy.
-
-    No communication: the copies of a mirrored accumulator hold different local sums
-    until the update step all-reduces them.
-    """
-    for grad, acc in zip(local, accumulators, strict=True):
-        distribution.extended.update(
-            _tf_var(acc), lambda a, g: a.assign_add(g), args=(grad,), group=False
-        )
 
 
 # ------------------------------------------------- fix: gradient accumulation
@@ -415,7 +247,7 @@ def fix_gradient_accumulation() -> None:
     ``ops.cond`` works), upstream's code runs unchanged.
     """
 
-    def make(upstream):
+    def make(original):
         def _backend_apply_gradients(self, grads, trainable_variables):
             import tensorflow as tf
 
@@ -427,25 +259,25 @@ def fix_gradient_accumulation() -> None:
                 # branch and its merge_call works: upstream stays as it is there.
                 or tf.executing_eagerly()
             ):
-                return upstream(self, grads, trainable_variables)
-            _accumulate_in_replica_context(self, grads, trainable_variables)
+                return original(self, grads, trainable_variables)
+            accumulate_in_replica_context(self, grads, trainable_variables)
             # Unchanged from upstream: the moving average of the weights, if asked for.
-            _private.keras_optimizer_ema_step(self)
+            upstream.keras_optimizer_ema_step(self)
 
         return _backend_apply_gradients
 
     # Set on the TensorFlow optimizer class (the original is found through its bases), so
     # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
-    tf_optimizer = _private.keras_tf_optimizer_module()
+    tf_optimizer = upstream.keras_tf_optimizer_module()
     patch(tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make)
 
-    def make_save(upstream):
+    def make_save(original):
         def save_own_variables(self, store):
             # Every save of a Keras model (``save``, ``save_weights``, the callbacks)
             # writes the optimizer through here: mid-window, the copies are made equal
             # first, so the one copy saved is the window's sum (see above).
             consolidate_accumulators(self)
-            return upstream(self, store)
+            return original(self, store)
 
         return save_own_variables
 
@@ -472,13 +304,13 @@ def fix_progbar_chief_only() -> None:
         def set_params(self, params):
             original(self, params)
             strategy = getattr(getattr(self, "model", None), "distribute_strategy", None)
-            if strategy is not None and _private.tf_in_multi_worker_mode(strategy):
+            if strategy is not None and upstream.tf_in_multi_worker_mode(strategy):
                 if not strategy.extended.should_save_summary:
                     self.verbose = 0
 
         return set_params
 
-    patch(_private.keras_progbar_logger_class(), "set_params", "keras_progbar_chief_only", make)
+    patch(upstream.keras_progbar_logger_class(), "set_params", "keras_progbar_chief_only", make)
 
 
 # ------------------------------------------------- fix: EMA overwrite under a strategy
@@ -513,25 +345,112 @@ def fix_ema_overwrite() -> None:
     the optimizer.) Otherwise upstream's code runs unchanged.
     """
 
-    def make(upstream):
+    def make(original):
         def _backend_apply_gradients(self, grads, trainable_variables):
             if (
                 not (self.use_ema and self.ema_overwrite_frequency)
                 or self.gradient_accumulation_steps
                 or not _in_replica_context_of_a_strategy()
             ):
-                return upstream(self, grads, trainable_variables)
+                return original(self, grads, trainable_variables)
             # Upstream's non-accumulating branch, step for step.
-            grads = _private.keras_optimizer_clip(self, grads)
-            _private.keras_optimizer_apply_weight_decay(self, trainable_variables)
-            _private.keras_optimizer_update_step(self, grads, trainable_variables)
-            _private.keras_optimizer_ema_step(self)  # the overwrite in cross-replica context
+            grads = upstream.keras_optimizer_clip(self, grads)
+            upstream.keras_optimizer_apply_weight_decay(self, trainable_variables)
+            upstream.keras_optimizer_update_step(self, grads, trainable_variables)
+            upstream.keras_optimizer_ema_step(self)  # the overwrite in cross-replica context
 
         return _backend_apply_gradients
 
     patch(
-        _private.keras_base_optimizer_class(),
+        upstream.keras_base_optimizer_class(),
         "_backend_apply_gradients",
         "keras_ema_overwrite_under_strategy",
         make,
     )
+
+
+# Module prefixes of the targets below.
+_KT = "keras.src.backend.tensorflow.trainer:"
+_KO = "keras.src.backend.tensorflow.optimizer:"
+_KB = "keras.src.optimizers.base_optimizer:"
+_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy:"
+
+FIXES: list[Fix] = [
+    Fix(
+        "keras_symbolic_build_from_spec",
+        "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Attempt to convert a "
+        "value (PerReplica...)' in TensorFlowTrainer._maybe_symbolic_build",
+        on_keras_backend("tensorflow"),
+        fix_symbolic_build,
+        targets=targets(
+            _KT + "TensorFlowTrainer._maybe_symbolic_build",
+            _KT + "TensorFlowTrainer._symbolic_build",
+            _KT + "TensorFlowTrainer._distribute_strategy (instance)",
+            _KT + "TFEpochIterator._distributed_dataset (instance)",
+            "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
+        ),
+    ),
+    Fix(
+        "keras_multi_worker_mean",
+        "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Invalid reduction "
+        "dimension 0 for input with 0 dimensions' in reduce_per_replica",
+        on_keras_backend("tensorflow"),
+        fix_multi_worker_mean,
+        targets=targets(
+            _KT + "reduce_per_replica",
+            "keras.src.tree:flatten",
+            "keras.src.tree:pack_sequence_as",
+            "keras.src.backend:Variable",
+            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
+            "tensorflow.python.distribute.distribute_utils:is_distributed_variable",
+        ),
+    ),
+    Fix(
+        "keras_ema_overwrite_under_strategy",
+        "Keras 3 Optimizer(use_ema=True, ema_overwrite_frequency=k) under Mirrored/Multi"
+        "WorkerMirroredStrategy: 'merge_call called while defining a new graph'",
+        on_keras_backend("tensorflow"),
+        fix_ema_overwrite,
+        targets=targets(
+            _KB + "BaseOptimizer._backend_apply_gradients",
+            _KB + "BaseOptimizer._clip_gradients",
+            _KB + "BaseOptimizer._apply_weight_decay",
+            _KB + "BaseOptimizer._backend_update_step",
+            _KB + "BaseOptimizer._update_model_variables_moving_average",
+            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
+            _KB + "BaseOptimizer._trainable_variables (instance)",
+            "keras.src.ops:cond",
+        ),
+    ),
+    Fix(
+        "keras_gradient_accumulation",
+        "Keras 3 Optimizer(gradient_accumulation_steps=k) under Mirrored/MultiWorker"
+        "MirroredStrategy: 'merge_call called while defining a new graph'",
+        on_keras_backend("tensorflow"),
+        fix_gradient_accumulation,
+        targets=targets(
+            _KO + "TFOptimizer._backend_apply_gradients",
+            _KB + "BaseOptimizer.save_own_variables",
+            _KO + "TFOptimizer._distributed_tf_update_step",
+            _KB + "BaseOptimizer._get_variable_index",
+            _KB + "BaseOptimizer._clip_gradients",
+            _KB + "BaseOptimizer._use_weight_decay",
+            _KB + "BaseOptimizer._update_model_variables_moving_average",
+            _KB + "BaseOptimizer._overwrite_model_variables_with_average_value",
+            _KB + "BaseOptimizer._accumulated_gradients (instance)",
+            _KB + "BaseOptimizer._iterations (instance)",
+            _KB + "BaseOptimizer._trainable_variables (instance)",
+            "keras.src.backend:Variable",
+        ),
+    ),
+    Fix(
+        "keras_progbar_chief_only",
+        "Keras 3 prints progress bars on every worker of a multi-worker job",
+        on_keras_backend("tensorflow"),
+        fix_progbar_chief_only,
+        targets=targets(
+            "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
+            _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
+        ),
+    ),
+]

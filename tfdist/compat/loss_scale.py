@@ -1,12 +1,12 @@
 """``LossScaleOptimizer`` (mixed_float16) under a tf.distribute strategy: one skip decision.
 
-Every private Keras name used comes from ``tfdist._private``.
+Every private Keras name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
-from tfdist import _private
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_loss_scale_finite_everywhere"]
 
@@ -50,7 +50,7 @@ def fix_loss_scale_finite_everywhere() -> None:
         return check_finite
 
     patch(
-        _private.keras_loss_scale_optimizer_class(),
+        upstream.keras_loss_scale_optimizer_class(),
         "check_finite",
         "keras_loss_scale_finite_everywhere",
         make,

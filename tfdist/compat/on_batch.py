@@ -1,26 +1,26 @@
 """``predict_on_batch`` under a tf.distribute strategy with several replicas.
 
-Every private Keras name used comes from ``tfdist._private``.
+Every private Keras name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
-from tfdist import _private
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_predict_on_batch"]
 
 
 def _rows(x) -> int | None:
     """The batch size of ``x`` (its first array's leading dimension), or None."""
-    leaves = _private.keras_tree().flatten(x)
+    leaves = upstream.keras_tree().flatten(x)
     shape = getattr(leaves[0], "shape", None) if leaves else None
     return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else None
 
 
 def _first_copy(outputs, rows: int, copies: int):
     """Each output's first ``rows`` rows, where it holds ``copies`` copies of the batch."""
-    tree = _private.keras_tree()
+    tree = upstream.keras_tree()
 
     def first(value):
         shape = getattr(value, "shape", None)
@@ -49,7 +49,7 @@ def fix_predict_on_batch() -> None:
     def make(original):
         def predict_on_batch(self, x):
             outputs = original(self, x)
-            strategy = _private.keras_model_strategy_or_none(self)
+            strategy = upstream.keras_model_strategy_or_none(self)
             copies = getattr(strategy, "num_replicas_in_sync", 1) if strategy else 1
             rows = _rows(x)
             if copies <= 1 or rows is None:
@@ -59,7 +59,7 @@ def fix_predict_on_batch() -> None:
         return predict_on_batch
 
     patch(
-        _private.keras_tf_trainer_module().TensorFlowTrainer,
+        upstream.keras_tf_trainer_module().TensorFlowTrainer,
         "predict_on_batch",
         "keras_predict_on_batch_copies",
         make,

@@ -32,16 +32,16 @@ different global shapes and train apart, silently (measured: 2e-2 from one devic
   (batch then ``map``, ``class_weight``, ``padded_batch``, a generator), which upstream
   refuses ("The batch size of the input dataset is unknown"), is fed too.
 
-Every private name used comes from ``tfdist._private``.
+Every private name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
 import math
 
-from tfdist import _private
 from tfdist.compat import jax_inputs
-from tfdist.compat.registry import Fix, on_keras_backend, on_tensorflow_backend, patch, targets
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, on_tensorflow_backend, patch, targets
 
 __all__ = [
     "FIXES",
@@ -70,7 +70,7 @@ def _replica_context_of_several():
 
 def _divisor(values, sample_weight, reduction):
     """What upstream's ``reduce_values`` divides this replica's sum by (count or weights)."""
-    ops = _private.keras_ops()
+    ops = upstream.keras_ops()
     if reduction == "mean_with_sample_weight" and sample_weight is not None:
         return ops.cast(ops.sum(sample_weight), "float32")
     return ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(values), dtype="int32")), "float32")
@@ -108,7 +108,7 @@ def fix_loss_weights() -> None:
 
         return reduce_values
 
-    patch(_private.keras_loss_module(), "reduce_values", "keras_partial_batch_loss_weights", make)
+    patch(upstream.keras_loss_module(), "reduce_values", "keras_partial_batch_loss_weights", make)
 
 
 def split_evenly(dataset, pieces: int):
@@ -122,7 +122,7 @@ def split_evenly(dataset, pieces: int):
         >>> [len(piece) for piece in ds]  # doctest: +SKIP
         [3, 2]
     """
-    return _private.tf_legacy_rebatch(dataset, pieces)
+    return upstream.tf_legacy_rebatch(dataset, pieces)
 
 
 def _splittable(dataset) -> bool:
@@ -152,9 +152,9 @@ def fix_even_split() -> None:
 
     def make(original):
         def _make_rebatch_fn(self, dataset, num_workers, num_replicas_in_sync):
-            upstream = original(self, dataset, num_workers, num_replicas_in_sync)
+            upstream_fn = original(self, dataset, num_workers, num_replicas_in_sync)
             if not _splittable(dataset):
-                return upstream
+                return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
 
             def rebatch_fn(dataset, worker_index):
@@ -165,7 +165,7 @@ def fix_even_split() -> None:
         return _make_rebatch_fn
 
     patch(
-        _private.tf_distributed_dataset_class(),
+        upstream.tf_distributed_dataset_class(),
         "_make_rebatch_fn",
         "tf_distribute_partial_batch_evenly",
         make,
@@ -226,7 +226,7 @@ def fix_jax_process_share() -> None:
                 return original(self, dataset)
             import tensorflow as tf
 
-            from tfdist.compat.datasets import keep_epoch_length
+            from tfdist.core.full_epochs import keep_epoch_length
 
             parts = process_share(dataset, share.index, share.parts, share.replicas)
             # A length the dataset declared (tfdist.data.pipeline's) stays declared.
@@ -235,7 +235,7 @@ def fix_jax_process_share() -> None:
         return distribute_tf_dataset
 
     patch(
-        _private.keras_distribution_class(),
+        upstream.keras_distribution_class(),
         "distribute_tf_dataset",
         "keras_jax_partial_batch_share",
         make,

@@ -9,14 +9,14 @@ placeholder tensor 'while/body/.../while/cond/Placeholder'`` (keras#19246): ``st
 cannot be traced inside a conditional branch. ``predict`` builds its K steps elsewhere (no
 conditional) and works.
 
-Every private name used comes from ``tfdist._private``.
+Every private name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
-from tfdist import _private
 from tfdist.compat.jit_compile import model_replicas
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "FIX_NAME", "fix_steps_per_execution", "take"]
 
@@ -99,7 +99,7 @@ def fix_steps_per_execution() -> None:
 
         return _make_function
 
-    patch(_private.keras_tf_trainer_module().TensorFlowTrainer, "_make_function", FIX_NAME, make)
+    patch(upstream.keras_tf_trainer_module().TensorFlowTrainer, "_make_function", FIX_NAME, make)
 
 
 FIXES = [

@@ -1,16 +1,15 @@
 """Fixes to TensorFlow's multi-worker runtime: bounded waits and logical CPUs per worker.
 
 Each ``fix_*`` function's docstring says what breaks upstream and what the fix changes.
-Every private TensorFlow name used comes from ``tfdist._private``.
+Every private TensorFlow name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tfdist import _private, config, process
-from tfdist.compat import sharding, startup_watch
-from tfdist.compat.registry import patch
+from tfdist.core import config, process, shard_policy, startup_watch, upstream
+from tfdist.core.fix_registry import Fix, on_tensorflow_backend, patch, targets
 
 __all__ = [
     "fix_multi_worker_timeouts",
@@ -28,7 +27,7 @@ def _timeouts() -> config.MultiWorkerTimeouts:
 
 def _before_multi_worker_init(extended, cluster_resolver) -> None:
     timeouts = _timeouts()
-    configured = _private.tf_configure_coordination(
+    configured = upstream.tf_configure_coordination(
         cluster_resolver,
         register_ms=int(timeouts.register * 1000),
         heartbeat_ms=int(timeouts.heartbeat * 1000),
@@ -36,14 +35,14 @@ def _before_multi_worker_init(extended, cluster_resolver) -> None:
     )
     if configured:
         logger.debug("tfdist.compat: coordination service timeouts %s", timeouts)
-    options = _private.tf_communication_options(extended)
+    options = upstream.tf_communication_options(extended)
     if timeouts.collective and options.timeout_seconds is None:
-        _private.tf_set_communication_options(
+        upstream.tf_set_communication_options(
             extended,
-            options.merge(_private.tf_collective_options(timeout_seconds=timeouts.collective)),
+            options.merge(upstream.tf_collective_options(timeout_seconds=timeouts.collective)),
         )
-    if _private.tf_collectives_enabled():
-        _private.tf_mark_server_started(extended)
+    if upstream.tf_collectives_enabled():
+        upstream.tf_mark_server_started(extended)
 
 
 def _peers(cluster_resolver) -> tuple[list[str], int, str]:
@@ -107,7 +106,7 @@ def fix_multi_worker_timeouts() -> None:
         return _initialize_multi_worker
 
     patch(
-        _private.tf_collective_extended_class(),
+        upstream.tf_collective_extended_class(),
         "_initialize_multi_worker",
         "tf_multi_worker_timeouts",
         make,
@@ -152,7 +151,7 @@ def fix_multi_worker_logical_cpus() -> None:
         return _initialize_local_devices
 
     patch(
-        _private.tf_collective_extended_class(),
+        upstream.tf_collective_extended_class(),
         "_initialize_local_devices",
         "tf_multi_worker_logical_cpus",
         make,
@@ -167,7 +166,7 @@ def explicit_shard_policy(dataset, num_workers: int):
     """``dataset`` with the auto-shard policy AUTO should pick set explicitly, or as is."""
     import tensorflow as tf
 
-    policy, reason = sharding.auto_shard_policy(dataset, num_workers)
+    policy, reason = shard_policy.auto_shard_policy(dataset, num_workers)
     if policy is None:
         return dataset
     line = f"tfdist: sharding the input pipeline by {policy.name} ({reason})"
@@ -176,7 +175,7 @@ def explicit_shard_policy(dataset, num_workers: int):
         logger.info(line)
     if (
         policy.name == "DATA"
-        and sharding.unseeded_shuffle(dataset)
+        and shard_policy.unseeded_shuffle(dataset)
         and "unseeded" not in _SHARD_LOGGED
     ):
         _SHARD_LOGGED.add("unseeded")
@@ -204,7 +203,7 @@ def fix_multi_worker_auto_shard() -> None:
     Distributed-training tutorial) fails with "Could not apply FILE based sharding: the
     dataset only has 1 file(s), which is not enough for the required 2 shards/workers".
 
-    The fix counts the files on the dataset's serialised graph (``compat.sharding``)
+    The fix counts the files on the dataset's serialised graph (``tfdist.core.shard_policy``)
     and sets the policy AUTO means explicitly: FILE with at least one file per worker
     (what upstream does), DATA with fewer (upstream fails) or without a file reader
     (upstream's fallback, minus its warning). The choice is logged once. A policy the
@@ -215,7 +214,7 @@ def fix_multi_worker_auto_shard() -> None:
 
     def make(original):
         def _experimental_distribute_dataset(self, dataset, options):
-            workers = _private.tf_extended_num_workers(self)
+            workers = upstream.tf_extended_num_workers(self)
             if workers > 1:
                 dataset = explicit_shard_policy(dataset, workers)
             return original(self, dataset, options)
@@ -223,8 +222,62 @@ def fix_multi_worker_auto_shard() -> None:
         return _experimental_distribute_dataset
 
     patch(
-        _private.tf_collective_extended_class(),
+        upstream.tf_collective_extended_class(),
         "_experimental_distribute_dataset",
         "tf_multi_worker_auto_shard",
         make,
     )
+
+
+# Module prefixes of the targets below.
+_CARS = "tensorflow.python.distribute.collective_all_reduce_strategy:"
+_CTX = "tensorflow.python.eager.context:"
+_DS = "tensorflow.python.data.ops.dataset_ops:"
+
+FIXES: list[Fix] = [
+    Fix(
+        "tf_multi_worker_timeouts",
+        "MultiWorkerMirroredStrategy waits forever for a worker that never starts",
+        on_tensorflow_backend(),
+        fix_multi_worker_timeouts,
+        "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
+            _CARS + "CollectiveAllReduceExtended._communication_options (instance)",
+            _CARS + "CollectiveAllReduceExtended._std_server_started (instance)",
+            _CTX + "Context.configure_coordination_service",
+            _CTX + "Context.coordination_service",
+            _CTX + "Context._collective_ops_server_def (instance)",
+            _CTX + "Context._context_handle (instance)",
+            "tensorflow.python.distribute.collective_util:Options",
+            "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
+            "tensorflow.python.distribute.multi_worker_util:coordination_leader",
+            "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
+        ),
+    ),
+    Fix(
+        "tf_multi_worker_logical_cpus",
+        "MultiWorkerMirroredStrategy uses one CPU device per worker, ignoring logical CPUs",
+        on_tensorflow_backend(),
+        fix_multi_worker_logical_cpus,
+        "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
+        ),
+    ),
+    Fix(
+        "tf_multi_worker_auto_shard",
+        "MultiWorkerMirroredStrategy: a dataset with fewer files than workers (tfds MNIST, "
+        "one TFRecord) fails: 'Could not apply FILE based sharding: the dataset only has "
+        "1 file(s)'",
+        on_tensorflow_backend(),
+        fix_multi_worker_auto_shard,
+        "tensorflow",
+        targets=targets(
+            _CARS + "CollectiveAllReduceExtended._experimental_distribute_dataset",
+            _CARS + "CollectiveAllReduceExtended._num_workers (instance)",
+            _DS + "DatasetV2._as_serialized_graph",
+            _DS + "DatasetV2._inputs",
+        ),
+    ),
+]

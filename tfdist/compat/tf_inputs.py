@@ -11,7 +11,7 @@ fix ``keras_tf_workers_agree_shuffle`` sets every worker's Python random state t
 chief's right before each shuffled epoch's draw, as ``tfdist.compat.jax_inputs`` does for
 JAX processes. One worker, or ``shuffle=False``, is left as upstream has it.
 
-Every private name used comes from ``tfdist._private``.
+Every private name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import itertools
 import json
 import random
 
-from tfdist import _private, config
-from tfdist.compat.registry import Fix, on_keras_backend, patch, targets
+from tfdist.core import config, upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random"]
 
@@ -30,10 +30,10 @@ _AGREEMENTS = itertools.count()
 
 def _cluster():
     """This worker's cluster when it trains with collectives across workers, else None."""
-    from tfdist.cluster import cluster_from_env
+    from tfdist.core.cluster import cluster_from_env
 
     cluster = cluster_from_env()
-    if not cluster.is_multi_worker or not _private.tf_collectives_configured():
+    if not cluster.is_multi_worker or not upstream.tf_collectives_configured():
         return None
     return cluster
 
@@ -53,10 +53,10 @@ def agree_python_random(chief: bool, timeout: float = config.SEED_AGREEMENT_TIME
     key = f"tfdist/tf_inputs/python_random/{next(_AGREEMENTS)}"
     if chief:
         version, internal, gauss_next = random.getstate()
-        _private.tf_key_value_set(key, json.dumps([version, list(internal), gauss_next]))
+        upstream.tf_key_value_set(key, json.dumps([version, list(internal), gauss_next]))
         return
     try:
-        text = _private.tf_key_value_get(key, round(timeout * 1000))
+        text = upstream.tf_key_value_get(key, round(timeout * 1000))
     except tf.errors.OpError as err:
         raise TimeoutError(
             "tfdist: this worker did not receive the chief's random state for a shuffled "
@@ -88,7 +88,7 @@ def fix_workers_agree_shuffle() -> None:
         return _finite_generator
 
     patch(
-        _private.keras_py_dataset_adapter_class(),
+        upstream.keras_py_dataset_adapter_class(),
         "_finite_generator",
         "keras_tf_workers_agree_shuffle",
         make,

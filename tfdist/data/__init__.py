@@ -4,7 +4,7 @@
 strategy wants: mapped, cached, reshuffled every epoch, batched with the GLOBAL batch,
 prefetched, with the auto-shard policy set so each worker sees its share once. A seeded
 pipeline draws the order of epoch k from (seed, k) alone and has a *position*
-(``tfdist.position.Position(epoch, batch)``: global batches already done in that
+(``tfdist.core.position.Position(epoch, batch)``: global batches already done in that
 epoch) that ``set_position()`` moves, so a restarted job resumes on exactly the batch
 it stopped at. ``mnist()`` loads MNIST through tensorflow_datasets and fails fast,
 naming ``TFDS_DATA_DIR``, when the data is neither on disk nor downloadable.
@@ -24,11 +24,11 @@ Example:
 
 from __future__ import annotations
 
+from tfdist.core.position import Position
 from tfdist.data.checks import MAP_ON
 from tfdist.data.datasets import mnist, scale
 from tfdist.data.pipeline import pipeline
 from tfdist.data.positions import position, set_position
-from tfdist.position import Position
 
 __all__ = [
     "MAP_ON",

@@ -1,6 +1,6 @@
 """The argument checks of ``pipeline()``, and its source turned into a ``tf.data.Dataset``.
 
-Every message has the shape of ``tfdist.validate``: it names the argument, echoes what
+Every message has the shape of ``tfdist.core.validate``: it names the argument, echoes what
 was received (shortened) and says what to do.
 
 Example:
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _private, validate
+from tfdist.core import upstream, validate
 
 __all__ = [
     "MAP_ON",
@@ -241,7 +241,7 @@ def _batching_op(source: tf.data.Dataset):
             ("UnbatchDataset", "RebatchDataset")
         ):
             return current
-        inputs = _private.tf_dataset_inputs(current)
+        inputs = upstream.tf_dataset_inputs(current)
         if len(inputs) != 1:
             return None
         spec, before = current.element_spec, inputs[0].element_spec

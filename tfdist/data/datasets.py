@@ -14,7 +14,7 @@ import urllib.request
 
 import tensorflow as tf
 
-from tfdist import config, validate
+from tfdist.core import config, validate
 
 __all__ = ["TFDS_DATA_DIR_ENV", "scale", "mnist"]
 

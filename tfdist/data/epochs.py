@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.compat.datasets import FullEpochs
+from tfdist.core.full_epochs import FullEpochs
 from tfdist.data.positions import PositionVariables
 from tfdist.data.seeds import epoch_seed
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from tfdist import config
+from tfdist.core import config
 
 __all__ = ["on_host"]
 

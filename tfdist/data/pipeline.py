@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import backends, distribute, process
+from tfdist import backends, distribute
+from tfdist.core import process
 from tfdist.data import checks, seeds
 from tfdist.data.epochs import FullEpochs, in_memory_epochs, streamed_epochs
 from tfdist.data.memory import read_into_memory

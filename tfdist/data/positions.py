@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from tfdist import process, validate
+from tfdist.core import process, validate
+from tfdist.core.position import Position
 from tfdist.data.checks import short
 from tfdist.data.host import on_host
-from tfdist.position import Position
 
 __all__ = ["PositionVariables", "PipelineState", "new_state", "set_position", "position"]
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import backends, config
+from tfdist import backends
+from tfdist.core import config
 from tfdist.data.host import on_host
 
 __all__ = ["SEED_RANGE", "epoch_seed", "agreed_seed"]

@@ -16,7 +16,7 @@ import logging
 
 import tensorflow as tf
 
-from tfdist.compat.sharding import source_file_count
+from tfdist.core.shard_policy import source_file_count
 
 __all__ = ["source_file_count", "shard_policy"]
 

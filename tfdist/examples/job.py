@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from tfdist.config import ConfigError
+from tfdist.core.config import ConfigError
 
 __all__ = ["JobRecord", "open_record"]
 

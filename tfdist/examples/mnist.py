@@ -34,8 +34,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from tfdist import storage, validate
-from tfdist.config import RESTART_ENV, ConfigError
+from tfdist.core import storage, validate
+from tfdist.core.config import RESTART_ENV, ConfigError
 
 __all__ = ["MnistMissing", "TrainConfig", "ensure_mnist", "plot_history", "run", "summary_line"]
 
@@ -401,7 +401,7 @@ def _save_freq(text: str) -> int | str:
 
 
 def _flag(check, value, flag: str, **kwargs):
-    """``check`` (a ``tfdist.validate`` function) of a command-line flag, failing with a
+    """``check`` (a ``tfdist.core.validate`` function) of a command-line flag, failing with a
     ``ConfigError``: ``tfdist train`` prints it as one line and exits with 2."""
     try:
         return check(value, flag, "train mnist", **kwargs)

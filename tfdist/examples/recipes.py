@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import keras
 
-from tfdist import validate
+from tfdist.core import validate
 from tfdist.data import scale
 
 __all__ = [
@@ -57,7 +57,7 @@ MNIST_TRAIN_EXAMPLES = 60_000
 DEFAULT_RECIPE = "fast"
 
 
-# What the checks below say an argument must be (``tfdist.validate`` message shape).
+# What the checks below say an argument must be (``tfdist.core.validate`` message shape).
 _INT_FROM_0 = {"low": 0, "what": "an int >= 0"}
 _POSITIVE = {"low": 0.0, "low_ok": False, "what": "a finite number > 0.0"}
 _FROM_0 = {"low": 0.0, "what": "a finite number >= 0.0"}

@@ -3,7 +3,7 @@
 ``tfdist launch -n N script.py ARGS`` starts N worker processes, each running
 ``python -m tfdist.bootstrap script.py ARGS`` (tfdist's fixes applied before the script
 runs; ``--no-fixes``: ``python script.py ARGS``). Every output line is prefixed with
-its worker (``[w0] ...``); the known-harmless start-up noise (``tfdist.quiet``) is
+its worker (``[w0] ...``); the known-harmless start-up noise (``tfdist.core.quiet``) is
 dropped unless ``verbose``; progress-bar redraws (``\\r``) are only forwarded to a
 terminal (elsewhere each line's final state, like Keras' ``verbose=2``). ``log_dir``
 writes worker i's whole output to ``LOG_DIR/worker-<i>.log`` (``tee``: also printed).
@@ -43,7 +43,7 @@ What a worker gets: the launcher's environment, plus
 
 and without ``SLURM_STEP_NUM_TASKS`` and ``SLURM_PROCID`` (a SLURM step around the
 launcher must not make the workers resolve SLURM). Set other ``TFDIST_*`` variables
-(``tfdist.config``) on the launcher; the workers inherit them.
+(``tfdist.core.config``) on the launcher; the workers inherit them.
 
 Exit codes and restarts:
 
@@ -101,7 +101,7 @@ Example:
 
 from __future__ import annotations
 
-from tfdist.config import RESTART_ENV, RESTART_EXIT_CODE  # noqa: F401  (were attributes here)
+from tfdist.core.config import RESTART_ENV, RESTART_EXIT_CODE  # noqa: F401  (were attributes here)
 from tfdist.launch.environment import (
     cluster_addresses,
     free_ports,

@@ -16,9 +16,9 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
-from tfdist import quiet, validate
-from tfdist.cluster import worker_tf_config
-from tfdist.config import COMPAT_EXCLUDE_ENV, CPU_DEVICES_ENV, RESTART_ENV, ConfigError
+from tfdist.core import quiet, validate
+from tfdist.core.cluster import worker_tf_config
+from tfdist.core.config import COMPAT_EXCLUDE_ENV, CPU_DEVICES_ENV, RESTART_ENV, ConfigError
 from tfdist.launch.options import LOOPBACK, LaunchOptions, check_options, is_loopback, split_host
 
 __all__ = [

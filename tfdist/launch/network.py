@@ -32,7 +32,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
-from tfdist.config import ConfigError
+from tfdist.core.config import ConfigError
 from tfdist.launch.options import LaunchOptions, check_options, is_loopback, split_host
 
 __all__ = [

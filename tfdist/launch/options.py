@@ -1,6 +1,6 @@
 """``LaunchOptions``: what to launch and how, checked once when built.
 
-Errors follow ``tfdist.validate``'s rule: a value of the wrong type raises ``TypeError``;
+Errors follow ``tfdist.core.validate``'s rule: a value of the wrong type raises ``TypeError``;
 a value of the right type that is not allowed raises ``ConfigError`` (a ``ValueError``),
 which ``tfdist launch`` prints as one line.
 
@@ -16,8 +16,8 @@ import math
 import sys
 from dataclasses import dataclass
 
-from tfdist import validate
-from tfdist.config import ConfigError, shared_network
+from tfdist.core import validate
+from tfdist.core.config import ConfigError, shared_network
 
 __all__ = ["LOOPBACK", "LaunchOptions", "check_options", "split_host", "is_loopback"]
 
@@ -117,7 +117,7 @@ class LaunchOptions:
         tee: with ``log_dir``, also print the workers' output, prefixed (torchrun's
             ``--tee``).
         verbose: show every worker line; False (the default) drops the known-harmless
-            start-up noise (``tfdist.quiet``) and gives workers ``TF_CPP_MIN_LOG_LEVEL=2``
+            start-up noise (``tfdist.core.quiet``) and gives workers ``TF_CPP_MIN_LOG_LEVEL=2``
             unless it is set.
 
     Example:

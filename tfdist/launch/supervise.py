@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TextIO
 
-from tfdist.config import RESTART_EXIT_CODE, WATCHDOG_EXIT_CODE, ConfigError
+from tfdist.core.config import RESTART_EXIT_CODE, WATCHDOG_EXIT_CODE, ConfigError
 from tfdist.launch.environment import group_addresses, worker_command, worker_envs
 from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
-from tfdist import quiet
+from tfdist.core import quiet
 
 __all__ = ["Worker", "Route", "LauncherSignals", "prefix_lines"]
 
@@ -144,7 +144,7 @@ class Route:
         console: copy lines to the launcher's stream (False: ``--log-dir`` without
             ``--tee``).
         log: a text file that gets every line, unfiltered (``--log-dir``).
-        verbose: False drops the lines ``tfdist.quiet.is_harmless`` knows from the
+        verbose: False drops the lines ``tfdist.core.quiet.is_harmless`` knows from the
             console (never from the log file).
         redraws: forward progress-bar redraws (lines ending in ``\\r``) to the console.
             None: only when the stream is a terminal; elsewhere (a pipe, a file, CI logs)

@@ -4,7 +4,7 @@ tfdist patches private internals of Keras and TensorFlow (``tfdist.compat``), so
 states exactly which releases it was tested with: ``VERIFIED`` lists, per package, the
 oldest and newest minor release ``noxfile.py`` runs the compat and equivalence tests on.
 Outside that range tfdist still runs (every fix checks that the code it patches is the
-code verified, ``tfdist.compat.registry.guard``, and steps aside with a warning
+code verified, ``tfdist.core.fix_registry.guard``, and steps aside with a warning
 otherwise) and warns once per package, so a user who
 upgrades sees why a distributed run may behave differently.
 
@@ -25,7 +25,7 @@ import logging
 import re
 import warnings
 
-from tfdist import process, validate
+from tfdist.core import process, validate
 
 __all__ = ["VERIFIED", "in_range", "check", "describe"]
 

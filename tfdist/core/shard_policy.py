@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from tfdist import _private, validate
+from tfdist.core import upstream, validate
 
 __all__ = ["source_file_count", "reads_files", "unseeded_shuffle", "auto_shard_policy"]
 
@@ -36,7 +36,7 @@ def _graph_def(dataset):
     import tensorflow as tf
 
     try:
-        serialized = _private.tf_dataset_graph_def(
+        serialized = upstream.tf_dataset_graph_def(
             dataset, external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN
         )
         return tf.compat.v1.GraphDef.FromString(serialized.numpy())

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 
-from tfdist import _private, config
+from tfdist.core import config, upstream
 
 __all__ = [
     "ALLOWANCE_S",
@@ -122,7 +122,7 @@ class _Dog:
                 self.beat += 1
                 value = f"{self.count} {self.beat} {self.where()}"
             try:
-                _private.jax_key_value_put(_KEY.format(self.rank), value)
+                upstream.jax_key_value_put(_KEY.format(self.rank), value)
             except Exception as err:  # noqa: BLE001 - jax shut down, or the service is gone
                 logger.debug("tfdist.watchdog: stopped publishing (%s)", err)
                 return
@@ -235,7 +235,7 @@ def _read_peers(dog: _Dog) -> dict[int, tuple[int, int, str] | None]:
         found = {}
         for rank in range(dog.size):
             if rank != dog.rank:
-                text = _private.jax_key_value_try_get(_KEY.format(rank))
+                text = upstream.jax_key_value_try_get(_KEY.format(rank))
                 count, beat, phase = text.split() if text else (0, 0, None)
                 found[rank] = (int(count), int(beat), phase) if text else None
         return found

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tfdist.config import ConfigError, slurm_port_base
+from tfdist.core.config import ConfigError, slurm_port_base
 
 __all__ = [
     "ClusterInfo",

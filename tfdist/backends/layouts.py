@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 import keras
 from keras import distribution as kd
 
-from tfdist import validate
+from tfdist.core import validate
 
 __all__ = ["ModelParallel", "describe", "estimate_memory", "Report", "MemoryEstimate"]
 

@@ -13,7 +13,7 @@ so the same on both Keras backends; ``gs://`` needs ``gcsfs``, ``s3://`` needs `
   object store (GCS, S3) the move is a server-side copy, and an object becomes visible
   only once written whole, so the final name never holds a partial file, but the copy
   and the removal of the staging object are two requests: a crash between them leaves a
-  staging object, which the next chief removes (``saving.remove_stale_staging``). A
+  staging object, which the next chief removes (``atomic.remove_stale_staging``). A
   directory (a SavedModel) lands object by object: not atomic on object stores.
   Durability is the store's: nothing is fsynced through fsspec (object stores
   acknowledge a write once it is durable; a POSIX filesystem behind a URL may not).
@@ -35,7 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from tfdist import validate
+from tfdist.core import validate
 
 __all__ = [
     "is_url",

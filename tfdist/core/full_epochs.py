@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist import _private
+from tfdist.core import upstream
 
 __all__ = ["FullEpochs", "keep_epoch_length"]
 
@@ -33,7 +33,7 @@ class FullEpochs(tf.data.Dataset):
         self._dataset = dataset
         self._batches = batches
         # The same graph; only the length differs.
-        super().__init__(_private.tf_dataset_variant(dataset))
+        super().__init__(upstream.tf_dataset_variant(dataset))
 
     def _inputs(self):  # tf.data.Dataset's abstract method: the datasets this one reads
         return [self._dataset]

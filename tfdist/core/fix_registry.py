@@ -1,13 +1,13 @@
 """The Fix record, its targets and guards, and the one way tfdist patches an upstream name.
 
 A fix is a guest in upstream's house. Each ``Fix`` names its ``targets``: the upstream
-names it replaces or relies on (``"module:Attr.path"``, the form ``tfdist._private``
+names it replaces or relies on (``"module:Attr.path"``, the form ``tfdist.core.upstream``
 lists), each with what tfdist verified about it: that it exists, its call signature, and
 (``fingerprints.json``) a hash of its code on each verified release. ``guard(fix)``
 checks them before the fix is applied: a missing or changed target skips that fix with
 one warning (``tfdist.compat.apply_all``), and nothing here can make ``import keras``,
 ``import tensorflow`` or ``import jax`` fail. Inside the verified version range
-(``tfdist.versions``) existence and signature are checked; outside it the code must also
+(``tfdist.core.versions``) existence and signature are checked; outside it the code must also
 be the code verified, since a same-named function may no longer do what the fix assumes.
 
 Example:
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tfdist import config, versions
+from tfdist.core import config, versions
 
 __all__ = [
     "Fix",
@@ -60,7 +60,7 @@ class Target:
     release) is in ``fingerprints.json``, written by ``tools/fix_fingerprints.py``.
 
     Attributes:
-        entry: ``"module:Attr.path"``, as in ``tfdist._private.REQUIRED``.
+        entry: ``"module:Attr.path"``, as in ``tfdist.core.upstream.REQUIRED``.
         instance: an attribute only instances have (set in ``__init__``): checked as
             ``self.<name> =`` in the owner class's source (or a base's).
 
@@ -338,3 +338,26 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
     entries = getattr(_journal, "entries", None)
     if entries is not None:
         entries.append((owner, attr, raw, raw is not None))
+
+
+# ``tfdist.compat.apply_all``, registered by ``tfdist.compat`` when it is imported (the
+# start-up hooks import it with TensorFlow or Keras). The backends apply the fixes before
+# they build a strategy through this seam: compat stands above them (its chief-only
+# writes use ``tfdist.saving``'s protocol), so they may not import it.
+_apply_all: Callable[[], list[str]] | None = None
+
+
+def register_apply_all(apply_all: Callable[[], list[str]]) -> None:
+    """Registers the function that applies every fix (``tfdist.compat`` does, on import)."""
+    global _apply_all
+    _apply_all = apply_all
+
+
+def apply_registered() -> list[str]:
+    """Applies every fix through the registered ``apply_all``; [] before compat's import.
+
+    Example:
+        >>> apply_registered()  # doctest: +SKIP
+        ['keras_symbolic_build_from_spec', ...]
+    """
+    return [] if _apply_all is None else _apply_all()

@@ -21,7 +21,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from tfdist.position import Position
+from tfdist.core.position import Position
 
 __all__ = ["ProcessState", "state", "reset"]
 

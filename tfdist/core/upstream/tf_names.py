@@ -1,0 +1,215 @@
+"""The private TensorFlow names tfdist uses, one helper each (listed in ``tfdist.core.upstream``)."""
+
+from __future__ import annotations
+
+
+def tf_context_class():
+    """TensorFlow's eager ``Context`` class: tfdist wraps ``ensure_initialized`` to set
+    the process up (devices, collectives) before the context exists."""
+    from tensorflow.python.eager import context
+
+    return context.Context
+
+
+def tf_context():
+    """The process's eager context (coordination service, key-value store, collectives)."""
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+def tf_context_initialized(ctx=None) -> bool:
+    """Whether TensorFlow has created its context (after which devices are fixed).
+
+    Reads ``Context._context_handle``: ``tf.executing_eagerly()`` and friends would
+    create the context instead of telling whether it exists.
+    """
+    ctx = tf_context() if ctx is None else ctx
+    return getattr(ctx, "_context_handle", None) is not None
+
+
+def tf_collectives_configured(ctx=None) -> bool:
+    """Whether some MultiWorkerMirroredStrategy already configured collective ops."""
+    ctx = tf_context() if ctx is None else ctx
+    return getattr(ctx, "_collective_leader", None) is not None
+
+
+def tf_collective_extended_class():
+    """``CollectiveAllReduceExtended``: its multi-worker and local-device set-up is where
+    the timeouts and logical-CPU fixes hook in."""
+    from tensorflow.python.distribute import collective_all_reduce_strategy as cars
+
+    return cars.CollectiveAllReduceExtended
+
+
+def tf_extended_num_workers(extended) -> int:
+    """How many workers a ``CollectiveAllReduceExtended`` spans (1 without a cluster)."""
+    # No default: a renamed attribute must not silently read as "one worker" (the
+    # auto-shard fix's guard checks it exists before the fix is applied).
+    return int(extended._num_workers)
+
+
+def tf_is_distributed_variable(value) -> bool:
+    """Whether ``value`` is a Mirrored/SyncOnRead variable of a strategy."""
+    from tensorflow.python.distribute import distribute_utils
+
+    return distribute_utils.is_distributed_variable(value)
+
+
+def tf_collective_options(**kwargs):
+    """``collective_util.Options`` (the strategy's internal form of CommunicationOptions),
+    needed to merge a timeout into options a strategy already holds."""
+    from tensorflow.python.distribute import collective_util
+
+    return collective_util.Options(**kwargs)
+
+
+def tf_in_multi_worker_mode(strategy) -> bool:
+    """Whether a MultiWorkerMirroredStrategy really spans several workers (a strategy
+    built without a cluster is single-worker; only ``extended`` knows)."""
+    import tensorflow as tf
+
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
+
+
+def tf_configure_coordination(cluster_resolver, *, register_ms, heartbeat_ms, shutdown_ms):
+    """Configures TensorFlow's coordination service as upstream would, plus timeouts.
+
+    Returns False (and changes nothing) when one is configured already or this task
+    does not join it (evaluators). Upstream exposes no timeouts on this path.
+    """
+    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+
+    ctx = tf_context()
+    if ctx.coordination_service is not None:
+        return False
+    if cluster_resolver.task_type not in ("chief", "worker"):
+        return False
+    spec = multi_worker_util.normalize_cluster_spec(cluster_resolver.cluster_spec())
+    jobs = [
+        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=spec.num_tasks(job))
+        for job in ("chief", "worker")
+        if job in spec.jobs
+    ]
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        coordinated_jobs=jobs,
+        cluster_register_timeout_in_ms=register_ms,
+        heartbeat_timeout_in_ms=heartbeat_ms,
+        shutdown_barrier_timeout_in_ms=shutdown_ms,
+    )
+    # Registration then waits at a barrier, so the register timeout also bounds the wait
+    # for a peer that never starts (without it, task 0 waits forever).
+    ctx.coordination_service.cluster_register_with_barrier = True
+    return True
+
+
+def tf_key_value_set(key: str, value: str) -> None:
+    """Publishes ``key=value`` in the coordination service's store (all workers see it)."""
+    tf_context().set_config_key_value(key, value)
+
+
+def tf_key_value_get(key: str, timeout_ms: int) -> str:
+    """Waits up to ``timeout_ms`` for ``key`` in the coordination service's store.
+
+    Raises ``tf.errors.DeadlineExceededError`` when it does not appear in time, and
+    another ``tf.errors.OpError`` when the service is gone.
+    """
+    return tf_context().get_config_key_value(key, timeout_in_ms=timeout_ms)
+
+
+def tf_per_replica_spec_class():
+    """``PerReplicaSpec``: the element spec of a distributed dataset, one per replica."""
+    from tensorflow.python.distribute.values import PerReplicaSpec
+
+    return PerReplicaSpec
+
+
+def tf_per_replica_component_spec(spec):
+    """The spec of one replica's part of a ``PerReplicaSpec`` (all parts are alike)."""
+    return spec._component_specs[0]
+
+
+def tf_distributed_dataset(iterator):
+    """The distributed dataset a Keras ``TFEpochIterator`` step iterator reads, or None."""
+    return getattr(iterator, "_distributed_dataset", None)
+
+
+def tf_dataset_variant(dataset):
+    """A dataset's variant tensor, to wrap the same graph in a ``tf.data.Dataset``
+    subclass that reports another cardinality."""
+    return dataset._variant_tensor
+
+
+def tf_dataset_inputs(dataset) -> list:
+    """The datasets ``dataset`` reads from (empty for a source), to walk a pipeline back."""
+    try:
+        return list(dataset._inputs())
+    except Exception:  # noqa: BLE001 - a dataset that cannot say: treat it as a source
+        return []
+
+
+def tf_dataset_graph_def(dataset, **kwargs):
+    """A dataset's serialized graph: the only way to count the files it reads."""
+    return dataset._as_serialized_graph(**kwargs)
+
+
+def tf_legacy_rebatch(dataset, pieces: int):
+    """``dataset`` with every batch cut into ``pieces`` slices of ``ceil(size / pieces)``:
+    the rebatch tf.distribute itself uses when it cannot find a dataset's batch size (no
+    public op cuts one batch into equal parts; its auto-sharding knows this one)."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    return distribute._LegacyRebatchDataset(dataset, pieces)
+
+
+def tf_distributed_dataset_class():
+    """``input_lib.DistributedDataset``: the even-split fix replaces its
+    ``_make_rebatch_fn`` (how a global batch is cut into the replicas' batches)."""
+    from tensorflow.python.distribute import input_lib
+
+    return input_lib.DistributedDataset
+
+
+def tf_communication_options(extended):
+    """The ``collective_util.Options`` a collective strategy's ``extended`` holds."""
+    return extended._communication_options
+
+
+def tf_set_communication_options(extended, options) -> None:
+    """Replaces them (to merge tfdist's collective timeout in before initialisation)."""
+    extended._communication_options = options
+
+
+def tf_collectives_enabled(ctx=None) -> bool:
+    """Whether this process's collective ops (and their gRPC server) are running."""
+    ctx = tf_context() if ctx is None else ctx
+    return tf_context_initialized(ctx) and ctx._collective_ops_server_def is not None
+
+
+def tf_mark_server_started(extended) -> None:
+    """Tells a collective strategy that the process's gRPC server already runs, so it
+    shares it instead of starting a second one on the same port."""
+    extended._std_server_started = True
+
+
+def tf_wait_at_barrier(name: str, timeout_ms: int) -> None:
+    """Waits until every worker of the job reaches barrier ``name`` (coordination service).
+
+    Raises ``tf.errors.DeadlineExceededError`` naming the tasks that did not arrive.
+    """
+    tf_context().wait_at_barrier(name, timeout_ms)
+
+
+def tf_maybe_merge_call(fn, strategy, *args) -> None:
+    """``fn(strategy, *args)`` through ``merge_call``, or directly where the strategy runs
+    without one (XLA on GPUs): how Keras' own TensorFlow optimizer reaches cross-replica
+    context for its update, so the fix behaves alike under either mode."""
+    from tensorflow.python.distribute import merge_call_interim
+
+    merge_call_interim.maybe_merge_call(fn, strategy, *args)
