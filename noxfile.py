@@ -33,45 +33,45 @@ PAIRS = {
     "2.20": ("2.20.0", "3.11.3"),
 }
 TESTS = [
-    "tests/test_compat.py",
-    "tests/test_private.py",
+    "tests/compat/test_compat.py",
+    "tests/core/test_private.py",
     "tests/test_startup.py",
     "tests/test_distribute.py",
     "tests/test_callbacks.py",
-    "tests/test_versions.py",
-    "tests/test_idioms.py",
-    "tests/test_clipping.py",
-    "tests/test_accumulation.py",
-    "tests/test_keras_callbacks.py",
-    "tests/test_resume_world_size.py",
-    "tests/test_checks_catch_faults.py",
+    "tests/core/test_versions.py",
+    "tests/e2e/test_idioms.py",
+    "tests/compat/test_clipping.py",
+    "tests/compat/test_accumulation.py",
+    "tests/compat/test_keras_callbacks.py",
+    "tests/e2e/test_resume_world_size.py",
+    "tests/e2e/test_checks_catch_faults.py",
 ]
 
 # jax release -> the interpreter it installs on (jax 0.11+ needs Python 3.12+).
 JAX = {"0.10.2": "3.11", "0.11.2": "3.12", "0.12.0.1": "3.12"}
 JAX_TESTS = [
-    "tests/test_fix_guards.py",
-    "tests/test_private.py",
-    "tests/test_jax.py",
-    "tests/test_data_jax.py",
-    "tests/test_jax_checkpoint.py",
-    "tests/test_sharded.py",
-    "tests/test_jax_inputs.py",
-    "tests/test_jax_faults.py",
-    "tests/test_layouts.py",
+    "tests/core/test_fix_guards.py",
+    "tests/core/test_private.py",
+    "tests/e2e/test_jax.py",
+    "tests/data/test_data_jax.py",
+    "tests/checkpoint/test_jax_checkpoint.py",
+    "tests/checkpoint/test_sharded.py",
+    "tests/compat/test_jax_inputs.py",
+    "tests/e2e/test_jax_faults.py",
+    "tests/backends/test_layouts.py",
     "tests/test_custom_loops.py",
-    "tests/test_idioms.py",
+    "tests/e2e/test_idioms.py",
 ]
 # What CI's newest-jax session runs (a subset, to keep CI under its time budget).
 CI_NEWEST_JAX_TESTS = [
-    "tests/test_jax.py",
-    "tests/test_fix_guards.py",
-    "tests/test_private.py",
-    "tests/test_jax_inputs.py",
-    "tests/test_data_jax.py",
-    "tests/test_sharded.py",
-    "tests/test_jax_faults.py",
-    "tests/test_layouts.py",
+    "tests/e2e/test_jax.py",
+    "tests/core/test_fix_guards.py",
+    "tests/core/test_private.py",
+    "tests/compat/test_jax_inputs.py",
+    "tests/data/test_data_jax.py",
+    "tests/checkpoint/test_sharded.py",
+    "tests/e2e/test_jax_faults.py",
+    "tests/backends/test_layouts.py",
 ]
 
 nox.options.reuse_existing_virtualenvs = True

@@ -57,7 +57,7 @@ setup(
         "remote": ["fsspec>=2023.1"],
         # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run
         # tfdist scripts. Not in the test extra: .ci/run installs it in a stage of its own
-        # for tests/test_ray.py (README.md, "What runs where").
+        # for tests/e2e/test_ray.py (README.md, "What runs where").
         "ray": ["ray[train]>=2.60,<3"],
         "test": [
             "tfdist[jax,notebooks,docs,remote]",
@@ -66,7 +66,7 @@ setup(
             "pytest-xdist",
             "ruff",
             "keras-hub",
-            "pyyaml",  # tests/test_kubernetes.py reads the manifests in docs/k8s/
+            "pyyaml",  # tests/e2e/test_kubernetes.py reads the manifests in docs/k8s/
         ],
         # The sessions that test other release pairs of the verified range (noxfile.py).
         "dev": ["tfdist[test]", "nox"],

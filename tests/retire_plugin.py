@@ -4,7 +4,7 @@ A test marked ``@pytest.mark.upstream_failure("fix_name", ...)`` shows the upstr
 those fixes repair (with the fix excluded, upstream must still fail). When such a test
 fails, the end of the run lists the fixes to check: if the failure is that upstream no
 longer fails, upstream fixed the defect, and the fix should retire (or its guard narrow).
-tests/conftest.py loads these hooks; tests/test_fix_guards.py checks every fix is named.
+tests/conftest.py loads these hooks; tests/core/test_fix_guards.py checks every fix is named.
 """
 
 from __future__ import annotations

@@ -168,7 +168,7 @@ def _cli_row(quick: bool, pairs: int) -> Result:
 #
 # Each row is two functions: ``figures(quick, pairs)`` measures (the per-issue module
 # beside this file) and returns its dict; ``result(figures, quick)`` turns that dict into
-# the row's Result. The child process runs both; tests/test_benchmark.py checks every
+# the row's Result. The child process runs both; tests/project/test_benchmark.py checks every
 # ``result`` on sample figures without measuring (the measuring takes minutes).
 
 

@@ -19,7 +19,7 @@ the date inside it; this tool renders those files into the pages' generated bloc
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
 
-tests/test_docs.py checks the pages hold exactly these blocks.
+tests/project/test_docs.py checks the pages hold exactly these blocks.
 """
 
 from __future__ import annotations

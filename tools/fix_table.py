@@ -3,7 +3,7 @@
     python tools/fix_table.py            # print the table
     python tools/fix_table.py --write    # replace it in docs/fixes.md
 
-tests/test_fix_guards.py checks the page holds exactly this table.
+tests/core/test_fix_guards.py checks the page holds exactly this table.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The README's idiom table, generated from the idiom matrix's own lists.
 
 ``tests/scripts/idioms_job.py`` lists the idioms (``IDIOMS``); ``EXPECTED`` below lists
-the cells that cannot equal one device, with why; ``tests/test_idioms.py`` checks every
+the cells that cannot equal one device, with why; ``tests/e2e/test_idioms.py`` checks every
 cell against one device and checks that the README holds exactly this table.
 
     python tools/idiom_table.py            # print the table

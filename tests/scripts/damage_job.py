@@ -1,4 +1,4 @@
-"""A restart of a job whose checkpoint directory may be damaged (tests/test_damage.py).
+"""A restart of a job whose checkpoint directory may be damaged (tests/checkpoint/test_damage.py).
 
 It builds the tests' model, calls ``make_or_restore`` exactly as a user script would
 (on one process, or on every worker under ``tfdist launch``), optionally trains more

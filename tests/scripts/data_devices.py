@@ -1,6 +1,6 @@
 """Checks tfdist.data.pipeline under this process's strategy; prints the results as JSON.
 
-Run with TFDIST_CPU_DEVICES=1 and =2 (see tests/test_data.py) and compare:
+Run with TFDIST_CPU_DEVICES=1 and =2 (see tests/data/test_data.py) and compare:
 
 * ``fit``: weights after Keras ``fit`` on a seeded pipeline with the same global batch
   (they must agree across device counts), and the weights of the same training

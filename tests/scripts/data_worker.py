@@ -3,7 +3,7 @@ this worker's replicas received at every step of every epoch.
 
 The examples are the ids 0..N-1, written by the test as int64 features in TFRecord
 files (one file, like tfds MNIST, and several files). Run one process per worker, each
-with its TF_CONFIG (see tests/test_data.py):
+with its TF_CONFIG (see tests/data/test_data.py):
 
     python data_worker.py --one-file ids.tfrecord --files a.tfrecord b.tfrecord c.tfrecord
 """

@@ -9,7 +9,7 @@
 - ``late_resume``: a resumed run starts one optimizer step (and one batch) after the
   checkpoint it restored.
 
-tests/test_checks_catch_faults.py runs the jobs with each fault and shows the matching
+tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and shows the matching
 check fails.
 """
 

@@ -10,7 +10,7 @@ numpy generator: no framework RNG decides them), trains with the same GLOBAL bat
 returns the numbers one device would give: final weights, plus what the idiom decides
 (epochs run, learning rate, predictions, losses). Prints one JSON line on the chief:
 ``{idiom: {"values": {...}} or {"error": "Type: message"}}``. ``IDIOMS`` is the list
-tests/test_idioms.py and the README's idiom table are made from. ``_topology`` reports
+tests/e2e/test_idioms.py and the README's idiom table are made from. ``_topology`` reports
 what the job ran on (replicas, workers, processes, this process's devices).
 
 ``TFDIST_TEST_FAULT`` (tests/scripts/faults.py) injects a fault the tests must catch:

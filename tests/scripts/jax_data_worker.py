@@ -3,7 +3,7 @@ process receives at every step, after Keras's own per-process sharding (what ``f
 feeds it).
 
 Run in one process (``TFDIST_CPU_DEVICES=4``) or as ``tfdist launch -n 2
---devices-per-worker 2`` with ``KERAS_BACKEND=jax`` (see tests/test_data_jax.py).
+--devices-per-worker 2`` with ``KERAS_BACKEND=jax`` (see tests/data/test_data_jax.py).
 Each process seeds TensorFlow's global generator differently, so an unseeded pipeline
 is the same on every process only if the processes agree on its seed.
 """

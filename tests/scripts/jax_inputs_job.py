@@ -2,7 +2,7 @@
 
 Run with ``KERAS_BACKEND=jax`` on one device (``python jax_inputs_job.py``), on
 ``TFDIST_CPU_DEVICES=4`` or as ``tfdist launch -n 2 --devices-per-worker 2`` (see
-tests/test_jax_inputs.py): every kind trains a fresh model (the same seed) under
+tests/compat/test_jax_inputs.py): every kind trains a fresh model (the same seed) under
 ``tfdist.scope()`` and prints its losses and final weights, or its metrics, or its
 predictions. Batches of 16 over 72 examples end with a partial batch of 8, which divides
 between 4 replicas; ``uneven`` (72 - 2 examples, several processes only) does not.

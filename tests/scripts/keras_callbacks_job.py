@@ -1,4 +1,4 @@
-"""One fit with Keras's own file-writing callbacks, for tests/test_keras_callbacks.py.
+"""One fit with Keras's own file-writing callbacks, for tests/compat/test_keras_callbacks.py.
 
 The same script runs on one process, under ``tfdist launch -n 2`` (TensorFlow's
 MultiWorkerMirroredStrategy) and with ``KERAS_BACKEND=jax`` (jax's multi-process

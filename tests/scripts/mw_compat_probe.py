@@ -1,4 +1,4 @@
-"""Multi-worker probe for tests/test_compat.py: the upstream failures, then the fixes.
+"""Multi-worker probe for tests/compat/test_compat.py: the upstream failures, then the fixes.
 
 Run as ``tfdist launch -n 2 --no-fixes mw_compat_probe.py`` (optionally with
 ``--devices-per-worker 2``): nothing is patched when it starts. It builds

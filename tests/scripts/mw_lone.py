@@ -1,6 +1,6 @@
 """Creates tf.distribute.MultiWorkerMirroredStrategy() from TF_CONFIG and reports it.
 
-Used by tests/test_compat.py: started as one worker of a two-worker TF_CONFIG whose
+Used by tests/compat/test_compat.py: started as one worker of a two-worker TF_CONFIG whose
 other worker never starts, it shows whether start-up waits forever (upstream) or
 fails with a clear error (tfdist's ``tf_multi_worker_timeouts`` fix).
 

@@ -1,4 +1,4 @@
-"""Single-process probe for tests/test_compat.py (run with TFDIST_CPU_DEVICES=2).
+"""Single-process probe for tests/compat/test_compat.py (run with TFDIST_CPU_DEVICES=2).
 
 Nothing is patched when it starts. Under tf.distribute.MirroredStrategy on 2 logical
 CPUs it records, before and after ``tfdist.compat.apply_all(exclude=[])``:

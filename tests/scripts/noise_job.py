@@ -1,6 +1,6 @@
 """A tiny multi-worker TensorFlow job that prints TensorFlow's usual start-up noise.
 
-Used by tests/test_launch_habits.py: ``tfdist launch -n 2`` must show none of it. The
+Used by tests/launch/test_launch_habits.py: ``tfdist launch -n 2`` must show none of it. The
 eager ``strategy.run`` produces the eager-overhead line, the generator dataset the
 GeneratorDatasetOp line; importing TensorFlow the banner (and cuInit on CPU machines).
 """

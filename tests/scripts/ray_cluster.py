@@ -1,4 +1,4 @@
-"""Holds a one-node Ray cluster for tests/test_ray.py until its stdin closes.
+"""Holds a one-node Ray cluster for tests/e2e/test_ray.py until its stdin closes.
 
 Started inside a private network namespace (loopback only), so every port Ray opens
 exists nowhere else. Prints one JSON line with the cluster's address, then waits.

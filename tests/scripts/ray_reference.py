@@ -1,4 +1,4 @@
-"""One device for tests/test_ray.py: the Ray Train script's loop without Ray.
+"""One device for tests/e2e/test_ray.py: the Ray Train script's loop without Ray.
 
 Runs ``train_loop_per_worker`` of the script named on the command line (the code block
 of docs/multi_worker.md) in this process, with no cluster (one replica) and Ray's

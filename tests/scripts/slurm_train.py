@@ -1,4 +1,4 @@
-"""The job tests/test_slurm.py runs under a real SLURM scheduler, on either Keras backend.
+"""The job tests/e2e/test_slurm.py runs under a real SLURM scheduler, on either Keras backend.
 
 A user's script as the SLURM section of docs/multi_worker.md describes it: nothing in it
 knows about SLURM. ``tfdist.make_or_restore`` + ``tfdist.callbacks.standard(dir)`` over a

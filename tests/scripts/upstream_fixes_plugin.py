@@ -1,6 +1,6 @@
 """pytest plugin: upstream Keras's own tests with every tfdist fix applied.
 
-Loaded by tests/test_upstream_keras.py as ``-p upstream_fixes_plugin``: applies every
+Loaded by tests/compat/test_upstream_keras.py as ``-p upstream_fixes_plugin``: applies every
 fix before the first test and reports which, so a fix that changed what upstream gets
 right shows up as a failing upstream test.
 """

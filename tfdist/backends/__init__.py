@@ -2,7 +2,7 @@
 
 Features (``tfdist.distribute``, ``tfdist.data``, ``tfdist.checkpoint``) ask ``get()`` for
 the backend of this process and call it; none of them branches on the backend's name
-(``tests/test_backends.py`` checks both). A backend is a module that provides every name
+(``tests/backends/test_backends.py`` checks both). A backend is a module that provides every name
 of the ``Backend`` protocol (listed in ``INTERFACE``):
 
 ==============================  ===========================================================

@@ -90,7 +90,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
 
     It overrides ModelCheckpoint's private hooks listed in
     ``tfdist.core.upstream.MODEL_CHECKPOINT_HOOKS`` (no public hook says "save to this exact
-    file at this exact step"); ``tests/test_private.py`` checks they still exist.
+    file at this exact step"); ``tests/core/test_private.py`` checks they still exist.
     """
 
     def __init__(

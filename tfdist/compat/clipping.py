@@ -136,7 +136,7 @@ FIXES: list[Fix] = [
         on_keras_backend("tensorflow"),
         fix_clip_after_all_reduce,
         targets=targets(
-            # First (tests/test_fix_guards.py removes each fix's first target): the upstream
+            # First (tests/core/test_fix_guards.py removes each fix's first target): the upstream
             # step whose all-reduce comes after the clip; keras_gradient_accumulation's
             # first target is the method both fixes replace.
             _KO + "_backend_update_step",

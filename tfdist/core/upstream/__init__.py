@@ -1,7 +1,7 @@
 """Every private TensorFlow and Keras name tfdist touches, behind one named helper each.
 
 Upstream has no public way to do these things; each helper says why tfdist needs it.
-``tests/test_private.py`` checks that every name still exists in the installed versions,
+``tests/core/test_private.py`` checks that every name still exists in the installed versions,
 so an upgrade that moves one fails that test, naming the helper, instead of breaking
 training somewhere else. Nothing outside this package spells a private upstream name: the helpers live in
 ``tf_names``, ``keras_names`` and ``jax_names`` and are all re-exported here, so callers
@@ -421,5 +421,5 @@ REQUIRED["jax"] += [
     "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
 ]
 
-# The modules that define the helpers (tests/test_private.py checks each is exported).
+# The modules that define the helpers (tests/core/test_private.py checks each is exported).
 HELPER_MODULES = (jax_names, keras_names, tf_names)

@@ -5,7 +5,7 @@ gradients locally and all-reduces the window's sum once, on its k-th micro-step.
 ``tests/scripts/accumulation_job.py`` trains every variant (momentum; AdamW with weight
 decay and ``global_clipnorm``; ``clipnorm``; no accumulation) with k=4 in one process and
 counts, at run time, the gradient all-reduces that ran. The upstream failure with the fix
-excluded is shown by tests/test_compat.py::test_mirrored_upstream_failures_and_fixes.
+excluded is shown by tests/compat/test_compat.py::test_mirrored_upstream_failures_and_fixes.
 """
 
 from __future__ import annotations

@@ -300,4 +300,4 @@ def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
         rf"On jax {re.escape(session.group(1))} \(Python [\d.]+\) CI runs only (.+?)\. ", readme
     )
     assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
-    assert re.findall(r"tests/test_\w+\.py", sentence.group(1)) == listed
+    assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed

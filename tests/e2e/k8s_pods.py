@@ -1,4 +1,4 @@
-"""Kubernetes pods on this machine, for tests/test_kubernetes.py: what each pod of a job gets.
+"""Kubernetes pods on this machine, for tests/e2e/test_kubernetes.py: what each pod of a job gets.
 
 Two halves:
 

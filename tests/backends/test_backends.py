@@ -17,7 +17,7 @@ from tfdist import backends
 
 from conftest import last_json_line, run_python
 
-PACKAGE = Path(__file__).resolve().parents[1] / "tfdist"
+PACKAGE = Path(__file__).resolve().parents[2] / "tfdist"
 
 # ----------------------------------------------------------------- the modules implement it
 
@@ -312,7 +312,7 @@ def test_no_feature_branches_on_the_backend_name():
 def test_every_allowed_file_still_needs_its_exception():
     found = _scan()
     stale = [a for a in ALLOWED if not a.endswith("/") and a not in found]
-    assert not stale, f"remove from ALLOWED in tests/test_backends.py: {stale}"
+    assert not stale, f"remove from ALLOWED in tests/backends/test_backends.py: {stale}"
 
 
 def test_the_scan_sees_every_form_of_the_branch():

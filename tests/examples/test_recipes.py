@@ -367,7 +367,7 @@ def test_recipes_are_frozen():
 
 def _bench():
     spec = importlib.util.spec_from_file_location(
-        "bench_recipes", Path(__file__).resolve().parents[1] / "tools" / "bench_recipes.py"
+        "bench_recipes", Path(__file__).resolve().parents[2] / "tools" / "bench_recipes.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -408,7 +408,7 @@ def test_benchmark_rejects_bad_arguments_before_starting_anything():
 def test_recipe_seeds_summary_flags_any_run_below_the_goal_and_renders_every_seed():
     import sys
 
-    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
     if tools not in sys.path:
         sys.path.insert(0, tools)
     import recipe_seeds

@@ -105,7 +105,7 @@ def test_worker_tf_config_rejects_bad_input(addresses, index):
         worker_tf_config(addresses, index)
 
 
-# What Kubeflow Trainer's JAX runtime gives pod 1 of a 2-node TrainJob (tests/k8s_pods.py).
+# What Kubeflow Trainer's JAX runtime gives pod 1 of a 2-node TrainJob (tests/e2e/k8s_pods.py).
 TRAINJOB_POD_1 = {
     "JAX_COORDINATOR_ADDRESS": "job-node-0-0.job:6666",
     "JAX_NUM_PROCESSES": "2",

@@ -1,7 +1,7 @@
 """tfdist under SLURM: the step's parsing (fast, no scheduler), then a real scheduler.
 
 The ``slurm`` fixture starts a one-node SLURM cluster on this machine (slurmctld, slurmd,
-munged: tests/slurm_cluster.py) for the tests marked ``slurm``. They run what the SLURM
+munged: tests/e2e/slurm_cluster.py) for the tests marked ``slurm``. They run what the SLURM
 section of docs/multi_worker.md tells users to run, the batch script and the per-node
 recipe read from that page, and compare every result with one process running the same
 script: ``srun -n 2`` on TensorFlow and on JAX, a job preempted with

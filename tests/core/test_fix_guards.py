@@ -306,7 +306,7 @@ def _marked_fixes() -> set[str]:
     import ast
 
     names = set()
-    for path in (REPO / "tests").glob("test_*.py"):
+    for path in (REPO / "tests").rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (
                 isinstance(node, ast.Call)

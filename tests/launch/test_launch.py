@@ -1,7 +1,7 @@
 """tfdist.launch and `tfdist launch`: options, child environments, and the supervisor.
 
 The supervisor tests run real processes, but TensorFlow-free worker scripts (written
-to tmp_path), so they take seconds; tests/test_multiworker.py runs TensorFlow workers.
+to tmp_path), so they take seconds; tests/e2e/test_multiworker.py runs TensorFlow workers.
 """
 
 from __future__ import annotations

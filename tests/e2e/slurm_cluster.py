@@ -1,4 +1,4 @@
-"""A real one-node SLURM cluster on this machine, for tests/test_slurm.py.
+"""A real one-node SLURM cluster on this machine, for tests/e2e/test_slurm.py.
 
 ``start()`` finds ``munged``, ``slurmctld`` and ``slurmd`` (as root, installs the Debian
 packages ``slurm-wlm munge`` when they are missing), writes a minimal ``slurm.conf`` and

@@ -164,7 +164,7 @@ def test_a_checkpoint_resumed_one_step_late_fails_the_resume_check(tmp_path):
 def test_the_mnist_rule_is_only_conftests():
     """Every test that reads MNIST says so with @pytest.mark.mnist (tests/conftest.py
     skips it, or fails it in CI); no test file guards MNIST its own way."""
-    for path in sorted((REPO / "tests").glob("test_*.py")):
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
         for number, line in enumerate(path.read_text().splitlines(), 1):
             guard = "skipif" in line or "pytest.skip(" in line
             assert not (guard and ("MNIST" in line or "TFDS" in line)), f"{path.name}:{number}"

@@ -1,7 +1,7 @@
 """tfdist in Kubernetes pods as the Kubeflow operators start them, on this machine.
 
 The manifests are the ones docs/multi_worker.md shows (docs/k8s/*.yaml, each shown there
-verbatim): from them tests/k8s_pods.py builds each pod's environment as the operator
+verbatim): from them tests/e2e/k8s_pods.py builds each pod's environment as the operator
 would (a TFJob's ``TF_CONFIG`` with service DNS names; a TrainJob's ``JAX_*`` variables
 and ``JOB_COMPLETION_INDEX``), and runs each pod in its own network, UTS and mount
 namespaces (its host name, its /etc/hosts with the job's DNS names). Each job runs

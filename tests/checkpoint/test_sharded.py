@@ -2,7 +2,7 @@
 
 tests/scripts/sharded_job.py checks, in one process on 4 CPU devices, a restore onto
 other meshes, a damaged newest checkpoint and a model that does not fit; the kill -9,
-SIGTERM and two-process cases are in tests/test_jax_checkpoint.py (ckpt_job.py
+SIGTERM and two-process cases are in tests/checkpoint/test_jax_checkpoint.py (ckpt_job.py
 --sharded). Here also: what is refused, and the names.
 """
 
