@@ -30,7 +30,7 @@ __all__ = [
     "is_chief",
     "barrier",
     "chief_print",
-    "describe",
+    "topology",
 ]
 
 
@@ -208,14 +208,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def describe(environ: Mapping[str, str] | None = None) -> dict:
+def topology(environ: Mapping[str, str] | None = None) -> dict:
     """What this process sees: versions, devices, the distribution ``auto`` picks, the cluster.
 
     Used by ``tfdist info``. It plans without creating anything, so it never starts a
     server or waits for other workers.
 
     Example:
-        >>> describe()["strategy"]["kind"]  # doctest: +SKIP
+        >>> topology()["strategy"]["kind"]  # doctest: +SKIP
         'default'
     """
     from tfdist import __version__
@@ -231,7 +231,7 @@ def describe(environ: Mapping[str, str] | None = None) -> dict:
             "tfdist": __version__,
         },
         "backend": backend.NAME,
-        **backend.describe(env),
+        **backend.topology(env),
         "cluster": cluster.cluster_from_env(env).summary(),
         "TFDS_DATA_DIR": env.get("TFDS_DATA_DIR") or None,
     }

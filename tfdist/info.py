@@ -144,7 +144,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
     """The whole report as a JSON-friendly dict."""
     env = os.environ if environ is None else environ
     backend = backends.name(env)
-    described = distribute.describe(env)
+    described = distribute.topology(env)
     return {
         "system": {
             "os": platform.platform(),
@@ -154,7 +154,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
             "memory_gib": _memory_gib(),
         },
         "versions": {name: _version(name) for name in _PACKAGES},
-        "verified": versions.describe(),
+        "verified": versions.verified_lines(),
         "backend": backend,
         "build": _build(backend),
         "gpus": _gpus(),

@@ -189,7 +189,7 @@ def test_the_verdict_names_the_peers_behind_or_this_process():
     )
     assert line.endswith("; the job's coordination service does not answer")
     # The launcher says what the exit code means and stops the others, as for any failure.
-    assert "tfdist.watchdog" in supervise.describe(config.WATCHDOG_EXIT_CODE)
+    assert "tfdist.watchdog" in supervise.exit_meaning(config.WATCHDOG_EXIT_CODE)
     outcome = supervise.Outcome("failed", 1, config.WATCHDOG_EXIT_CODE)
     assert supervise.exit_code(outcome) == config.WATCHDOG_EXIT_CODE
 

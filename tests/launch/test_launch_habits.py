@@ -267,8 +267,8 @@ def test_kill_message_matches_the_exit_status():
     from tfdist.launch import supervise
 
     outcome = launch.Outcome("failed", 1, -9)
-    assert f"exit status {supervise.exit_code(outcome)}" in supervise.describe(-9)
-    assert json.dumps(supervise.describe(-15)).count("SIGTERM") == 1
+    assert f"exit status {supervise.exit_code(outcome)}" in supervise.exit_meaning(-9)
+    assert json.dumps(supervise.exit_meaning(-15)).count("SIGTERM") == 1
 
 
 def test_launch_help_mentions_the_torchrun_flags():

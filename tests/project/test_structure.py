@@ -171,3 +171,40 @@ def _table_layers(heading: str) -> list[set[str]]:
 def test_the_architecture_page_draws_the_layers_this_test_checks():
     assert _table_layers("| layer | rooms |") == LAYERS
     assert _table_layers("| core layer | modules |") == CORE_LAYERS
+
+
+# Module-level values that hold state: per-thread or per-context values, latches, counters,
+# weak maps, and any name a function rebinds with `global`.
+_STATEFUL_CALLS = {
+    "local",
+    "Event",
+    "ContextVar",
+    "count",
+    "WeakKeyDictionary",
+    "WeakSet",
+    "WeakValueDictionary",
+}
+
+
+def _module_state() -> set[str]:
+    found = set()
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        for node in tree.body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                value = node.value
+                if not isinstance(target, ast.Name):
+                    continue
+                call = _dotted(value.func).rpartition(".")[2] if isinstance(value, ast.Call) else ""
+                if call in _STATEFUL_CALLS or target.id in rebound:
+                    found.add(f"{name}.{target.id}")
+    return found
+
+
+def test_process_state_has_one_owner_and_the_rest_is_named():
+    from tfdist.core import process
+
+    assert _module_state() - {"tfdist.core.process._STATE"} == set(process.OUTSIDE_STATE)
+    assert all(len(why) > 30 for why in process.OUTSIDE_STATE.values())

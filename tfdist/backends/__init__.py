@@ -14,7 +14,7 @@ of the ``Backend`` protocol (listed in ``INTERFACE``):
 ``worker_index(x)``             this process's index among them (0 is the chief)
 ``is_chief()``                  whether this process does the one-off work (files, logs)
 ``barrier(n, t)``               wait until every process reaches barrier ``n`` (``t`` s)
-``describe()``                  devices and the distribution ``auto`` would pick
+``topology()``                  devices and the distribution ``auto`` would pick
 ``chief_value(n, v, t, x)``     the chief's integer ``v`` on every process (a broadcast)
 ``gather_rows(row, x)``         every process's small integer row, on every process
 ``key_value_set(k, v)``         publish ``k=v`` in the job's store (False: set already)
@@ -85,7 +85,7 @@ class Backend(Protocol):
     def barrier(self, name: str, timeout: float) -> None:
         """Waits until every process reaches barrier ``name``; RuntimeError after ``timeout`` s."""
 
-    def describe(self, environ: Mapping[str, str] | None = None) -> dict:
+    def topology(self, environ: Mapping[str, str] | None = None) -> dict:
         """Devices and the distribution ``auto`` would pick (for ``tfdist info``)."""
 
     def chief_value(self, name: str, value: int, timeout: float, explicit=None) -> int:

@@ -46,7 +46,7 @@ __all__ = [
     "worker_index",
     "is_chief",
     "barrier",
-    "describe",
+    "topology",
     "chief_value",
     "gather_rows",
     "key_value_set",
@@ -404,7 +404,7 @@ def is_chief() -> bool:
     return jax.process_index() == 0
 
 
-def describe(environ: Mapping[str, str] | None = None) -> dict:
+def topology(environ: Mapping[str, str] | None = None) -> dict:
     """Devices and the mesh tfdist's scope would use (nothing is set)."""
     env = os.environ if environ is None else environ
     dist = distribution()

@@ -45,7 +45,7 @@ __all__ = [
     "worker_index",
     "is_chief",
     "barrier",
-    "describe",
+    "topology",
     "chief_value",
     "gather_rows",
     "key_value_set",
@@ -295,7 +295,7 @@ def is_chief() -> bool:
     return cluster.is_chief()
 
 
-def describe(environ: Mapping[str, str] | None = None) -> dict:
+def topology(environ: Mapping[str, str] | None = None) -> dict:
     """Devices and the strategy ``auto`` picks (planned, never created: no server starts)."""
     env = os.environ if environ is None else environ
     p = current_plan() or plan("auto", environ=env)

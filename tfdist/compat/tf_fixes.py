@@ -68,7 +68,7 @@ def _watched(start, cluster_resolver):
             None,
             None,
             f"tfdist: worker {me} gave up after {_timeouts().register:.0f} s waiting for "
-            f"{startup_watch.describe(addresses, missing, job)} to start: start it, or "
+            f"{startup_watch.missing_workers(addresses, missing, job)} to start: start it, or "
             "raise TFDIST_REGISTER_TIMEOUT.",
         ) from (err if config.debug() else None)
 

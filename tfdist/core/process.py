@@ -3,12 +3,14 @@
 Everything tfdist remembers about this process lives in one ``ProcessState``: the
 strategy (or JAX distribution) it created, the live seeded pipelines and where the next
 one starts, the models restored by ``make_or_restore``, and the fixes applied. Modules
-read and change it through ``state()``; none keeps process state of its own.
+read and change it through ``state()``. What lives outside it on purpose (import hooks,
+threads, per-thread guards, call counters, caches) is named in ``OUTSIDE_STATE`` with the
+reason; tests/project/test_structure.py fails on any module-level state not listed there.
 
 TensorFlow-free: importing it costs nothing.
 
 Example:
-    >>> from tfdist import process
+    >>> from tfdist.core import process
     >>> process.state().applied_fixes
     []
     >>> process.reset()          # tests: forget everything tfdist remembered
@@ -23,7 +25,7 @@ from typing import Any
 
 from tfdist.core.position import Position
 
-__all__ = ["ProcessState", "state", "reset"]
+__all__ = ["OUTSIDE_STATE", "ProcessState", "state", "reset"]
 
 
 @dataclass
@@ -90,3 +92,36 @@ def reset() -> None:
     """
     global _STATE
     _STATE = ProcessState()
+
+
+# Module-level state kept outside ``ProcessState`` on purpose: name -> why ``reset()`` must
+# not (or cannot) forget it.
+_COUNTER = (
+    "a counter naming collective meetings in call order since the interpreter started "
+    "(every worker makes the same calls in the same order, so the n-th meeting has one "
+    "name everywhere); it never restarts, so no name is used twice"
+)
+OUTSIDE_STATE = {
+    "tfdist.startup._installed": "the import hooks sit on sys.meta_path for the "
+    "interpreter's life; reset() cannot take them off, so it must not forget them",
+    "tfdist.startup._setting_up": "a per-thread re-entry guard while set-up runs (set-up "
+    "itself initialises TensorFlow's context)",
+    "tfdist.core.watchdog._dog": "the process's one watchdog thread, running; reset() "
+    "cannot stop a thread",
+    "tfdist.batchnorm._warned": "a once-per-process warning latch, as Python's own "
+    "warnings registry keeps one",
+    "tfdist.batchnorm._SYNC": "per thread and task, as tf.distribute's own scopes are",
+    "tfdist.core.atomic._WRITING": "per thread: inside atomic_output, a Keras save is the "
+    "staging write itself",
+    "tfdist.core.fix_registry._journal": "per thread: the undo journal while one fix applies",
+    "tfdist.core.fix_registry._fingerprints_cache": "a read-through cache of "
+    "fingerprints.json, a file shipped with the package",
+    "tfdist.core.fix_registry._apply_all": "a registration: tfdist.compat.apply_all, set "
+    "when tfdist.compat is imported",
+    "tfdist.compat.chief_writes._TENSORBOARD_STAGING": "weak, per callback object: its "
+    "staging folder lives and dies with the callback",
+    "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
+    "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
+    "tfdist.saving._SYNCS": _COUNTER,
+    "tfdist.saving._PATH_AGREEMENTS": _COUNTER,
+}

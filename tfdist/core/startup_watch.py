@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-__all__ = ["missing_peers", "describe", "watch_startup"]
+__all__ = ["missing_peers", "missing_workers", "watch_startup"]
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -54,7 +54,7 @@ def missing_peers(addresses: Sequence[str], me: int, timeout: float = 0.5) -> li
     return missing
 
 
-def describe(addresses: Sequence[str], indexes: Sequence[int], job: str = "worker") -> str:
+def missing_workers(addresses: Sequence[str], indexes: Sequence[int], job: str = "worker") -> str:
     """``/job:worker/replica:0/task:1 (host:port)``, comma-separated."""
     return ", ".join(f"/job:{job}/replica:0/task:{i} ({addresses[i]})" for i in indexes)
 
@@ -93,7 +93,7 @@ def _watch(addresses, me: int, parent: int, interval: float) -> None:
         missing = missing_peers(addresses, me)
         if missing:
             print(
-                f"tfdist: worker {me} waiting {waited:.0f} s for {describe(addresses, missing)}"
+                f"tfdist: worker {me} waiting {waited:.0f} s for {missing_workers(addresses, missing)}"
                 " to start",
                 file=sys.stderr,
                 flush=True,

@@ -27,7 +27,7 @@ import warnings
 
 from tfdist.core import process, validate
 
-__all__ = ["VERIFIED", "in_range", "check", "describe"]
+__all__ = ["VERIFIED", "in_range", "check", "verified_lines"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def _next_minor(version: str) -> str:
     return f"{major}.{minor + 1}"
 
 
-def describe() -> list[str]:
+def verified_lines() -> list[str]:
     """One line per package: installed version, verified range, in or out (tfdist info)."""
     lines = []
     for package, (oldest, newest) in VERIFIED.items():

@@ -260,7 +260,7 @@ def _peers(dog: _Dog) -> tuple[dict, set[int]] | str:
     return second, gone
 
 
-def _describe(rank: int, entry, gone: set[int]) -> str:
+def _peer_line(rank: int, entry, gone: set[int]) -> str:
     if entry is None:
         return f"process {rank} (never reported)"
     state = "not answering" if rank in gone else "alive but not progressing"
@@ -287,7 +287,7 @@ def _stuck_line(dog: _Dog, since: float, found) -> tuple[str, bool]:
     behind = [r for r, e in sorted(entries.items()) if e is None or e[0] < dog.count]
     ahead = [r for r, e in sorted(entries.items()) if e is not None and e[0] > dog.count]
     if behind:
-        names = ", ".join(_describe(r, entries[r], gone) for r in behind)
+        names = ", ".join(_peer_line(r, entries[r], gone) for r in behind)
         return f"{head}: waiting for {names}", any(r not in gone for r in behind)
     if ahead:
         further = ", ".join(f"process {r}" for r in ahead)
@@ -295,7 +295,7 @@ def _stuck_line(dog: _Dog, since: float, found) -> tuple[str, bool]:
             f"{head}: no other process is behind and {further} got further, so this one is "
             f"stuck, in {_main_thread_at()}"
         ), False
-    names = ", ".join(_describe(r, e, gone) for r, e in sorted(entries.items()))
+    names = ", ".join(_peer_line(r, e, gone) for r, e in sorted(entries.items()))
     return (
         f"{head}: every process got as far and none progressed since ({names}); this one "
         f"is in {_main_thread_at()}"
@@ -344,7 +344,7 @@ def end_if_peer_lost(err: BaseException, phase: str) -> None:
         entries, gone = found
         if not gone:
             return
-        line = f"{head}: lost " + ", ".join(_describe(r, entries[r], gone) for r in sorted(gone))
+        line = f"{head}: lost " + ", ".join(_peer_line(r, entries[r], gone) for r in sorted(gone))
     if config.debug():
         traceback.print_exception(err)
     _end(line, note="; TFDIST_DEBUG=1 shows the traceback")

@@ -35,7 +35,7 @@ __all__ = [
     "run_group",
     "should_restart",
     "exit_code",
-    "describe",
+    "exit_meaning",
     "run",
 ]
 
@@ -62,11 +62,11 @@ class Outcome:
     codes: dict[int, int | None] = dataclasses.field(default_factory=dict)
 
 
-def describe(code: int | None) -> str:
+def exit_meaning(code: int | None) -> str:
     """What a worker's exit code means, for a log line (the status a shell would show).
 
     Example:
-        >>> describe(-9)
+        >>> exit_meaning(-9)
         'was killed by signal 9 (SIGKILL), exit status 137'
     """
     if code is None:
@@ -176,7 +176,10 @@ class GroupSupervisor:
         w = min(ended, key=lambda w: (codes[w.rank] >= 0, w.rank))
         code = codes[w.rank]
         logger.error(
-            "worker w%d (pid %d) %s; stopping the other workers", w.rank, w.proc.pid, describe(code)
+            "worker w%d (pid %d) %s; stopping the other workers",
+            w.rank,
+            w.proc.pid,
+            exit_meaning(code),
         )
         for other in running:
             other.signal(signal.SIGTERM)
@@ -309,7 +312,7 @@ def exit_code(outcome: Outcome, received: int | None = None) -> int:
 def _what(outcome: Outcome) -> str:
     if outcome.code is None:
         return f"worker w{outcome.rank} did not finish in time"
-    return f"worker w{outcome.rank} {describe(outcome.code)}"
+    return f"worker w{outcome.rank} {exit_meaning(outcome.code)}"
 
 
 def _log_end(options: LaunchOptions, outcome: Outcome) -> None:
