@@ -16,13 +16,18 @@
   cannot be written there (the sharded kernels span both processes).
 * ``restore``: ``make_or_restore`` of the newest sharded checkpoint against
   ``keras.models.load_model`` of an archive of the same model.
+* ``--idle-core``: the stall again in a process whose training is confined to CPU 0
+  (``os.sched_setaffinity`` before jax starts, so its threads inherit it) while the
+  writer's threads (tensorstore's pool, Orbax's Python threads) are moved to CPU 1 as they
+  appear: a machine with a core training leaves idle, emulated on 2 cores. Orbax's threads
+  still take the interpreter lock from training's.
 
 The model: an MLP whose first kernels are sharded over the ``model`` axis of a 1x4 mesh,
 about ``--mb`` MB of weights and optimizer state. Writes ``tools/sharded_measured.json``
 (machine, versions, date, figures) with ``--json``.
 
-    python tools/bench_sharded.py --rounds 3 --mb 60 --every 10 --processes 2 \
-        --json tools/sharded_measured.json
+    python tools/bench_sharded.py --rounds 5 --mb 60 --every 10 --processes 2 \
+        --idle-core --json tools/sharded_measured.json
 """
 
 from __future__ import annotations
@@ -121,6 +126,47 @@ def _setup(megabytes: float):
     return model, train, width
 
 
+class WriterPinner:
+    """Moves the checkpoint writer's threads to ``cpu`` every 5 ms while it runs (the
+    ``--idle-core`` emulation): tensorstore's pool and every Python thread but this
+    process's main one."""
+
+    def __init__(self, cpu: int):
+        self.cpu = cpu
+
+    def __enter__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self):
+        os.sched_setaffinity(0, {self.cpu})  # this thread too
+        while not self._stop.wait(0.005):
+            self.pin()
+
+    def pin(self):
+        main = threading.main_thread().native_id
+        tids = {t.native_id for t in threading.enumerate() if t.native_id not in (main, None)}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == "ts_pool_worker":
+                        tids.add(int(tid))
+            except OSError:
+                continue
+        for tid in tids:
+            try:
+                if os.sched_getaffinity(tid) != {self.cpu}:
+                    os.sched_setaffinity(tid, {self.cpu})
+            except OSError:  # ended meanwhile
+                continue
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def _fit_once(model, train, kind: str, directory: str, every: int) -> tuple[float, float, float]:
     """One epoch of ``STEPS`` steps checkpointed as ``kind`` ("none", "sharded", "archive"):
     (seconds per step after the first 5, peak resident MB above the start, median seconds
@@ -201,6 +247,51 @@ def measure(rounds: int = 3, megabytes: float = 60.0, every: int = 5) -> dict:
         "load_model_s": round(statistics.median(load), 3),
         "restore_vs_load_model": round(statistics.median(restore) / statistics.median(load), 3),
     }
+
+
+def measure_idle_core(rounds: int, megabytes: float, every: int) -> dict:
+    """The stall with training on CPU 0 and the writer on CPU 1 (this process must have
+    pinned itself before jax started: ``--idle-core-worker``)."""
+    model, train, _width = _setup(megabytes)
+    root = tempfile.mkdtemp(prefix="bench-sharded-idle-")
+    kinds = ["none", "sharded"]
+    times = {k: [] for k in kinds}
+    waits = []
+    for repeat in range(rounds + 1):  # the first round is a warm-up
+        for kind in kinds:
+            with WriterPinner(1):  # in both: the memory sampler's thread moves too
+                seconds, _, waited = _fit_once(model, train, kind, os.path.join(root, kind), every)
+            if repeat:
+                times[kind].append(seconds)
+                if kind == "sharded":
+                    waits.append(waited)
+    shutil.rmtree(root)
+    step = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "step_ms": {k: round(v * 1000, 2) for k, v in step.items()},
+        "stall_sharded": round(step["sharded"] / step["none"], 3),
+        "save_call_ms": round(statistics.median(waits) * 1000, 1),
+    }
+
+
+def run_idle_core(rounds: int, megabytes: float, every: int) -> dict:
+    """``measure_idle_core`` in a fresh process pinned to CPU 0 before jax starts."""
+    import subprocess
+
+    if len(os.sched_getaffinity(0)) < 2:
+        raise RuntimeError("bench_sharded: --idle-core needs 2 CPUs (training on 0, writer on 1)")
+    command = [
+        sys.executable, os.path.abspath(__file__), "--idle-core-worker",
+        "--rounds", str(rounds), "--mb", str(megabytes), "--every", str(every),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not rows:
+        raise RuntimeError(
+            f"bench_sharded: the --idle-core run failed (exit {proc.returncode}): "
+            f"{proc.stderr[-2000:]}"
+        )
+    return json.loads(rows[-1])
 
 
 def _restore_vs_load(model, width: int, root: str, rounds: int) -> tuple[list, list]:
@@ -342,8 +433,20 @@ def report(result: dict) -> str:
             f"restore: make_or_restore (sharded) {f['restore_s']} s vs keras.models.load_model "
             f"{f['load_model_s']} s = {f['restore_vs_load_model']}x (goal <= 1.3)",
             *_processes_lines(f.get("processes")),
+            *_idle_core_lines(f.get("idle_core")),
         ]
     )
+
+
+def _idle_core_lines(figures: dict | None) -> list[str]:
+    if not figures:
+        return []
+    return [
+        f"an idle core emulated (training confined to CPU 0, the writer's threads on CPU 1): "
+        f"step time (ms) none {figures['step_ms']['none']}, sharded "
+        f"{figures['step_ms']['sharded']}; save stall {figures['stall_sharded']}x; training "
+        f"waits {figures['save_call_ms']} ms in each save call"
+    ]
 
 
 def _processes_lines(figures: dict | None) -> list[str]:
@@ -370,9 +473,18 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--processes", type=int, default=0, help="also measure memory per process with N (2)"
     )
+    parser.add_argument(
+        "--idle-core", action="store_true", help="also the stall with training on CPU 0 only"
+    )
     parser.add_argument("--memory-worker", metavar="DIR", help=argparse.SUPPRESS)
+    parser.add_argument("--idle-core-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.environ.setdefault("KERAS_BACKEND", "jax")  # before keras is imported (in measure)
+    if args.idle_core_worker:
+        os.sched_setaffinity(0, {0})  # before jax: its threads inherit CPU 0
+        os.environ.setdefault("TFDIST_CPU_DEVICES", "4")
+        print(json.dumps(measure_idle_core(args.rounds, args.mb, args.every)), flush=True)
+        return 0
     if args.memory_worker:
         row = memory_worker(args.rounds, args.mb, args.every, args.memory_worker)
         print(json.dumps(row), flush=True)
@@ -383,6 +495,8 @@ def main(argv=None) -> int:
     result = {"machine": machine(), "figures": measure(args.rounds, args.mb, args.every)}
     if args.processes:
         result["figures"]["processes"] = processes
+    if args.idle_core:
+        result["figures"]["idle_core"] = run_idle_core(args.rounds, args.mb, args.every)
     print(report(result))
     if args.json:
         with open(args.json, "w") as f:

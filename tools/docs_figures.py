@@ -12,7 +12,8 @@ the date inside it; this tool renders those files into the pages' generated bloc
 * docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
   --json tools/recipe_seeds_measured.json``);
 * docs/checkpoints.md: ``tools/sharded_measured.json`` (``python tools/bench_sharded.py
-  --rounds 3 --mb 60 --every 10 --json tools/sharded_measured.json``) and
+  --rounds 5 --mb 60 --every 10 --processes 2 --idle-core --json
+  tools/sharded_measured.json``) and
   ``tools/epoch_start_measured.json`` (``python tools/bench_epoch_start.py --json
   tools/epoch_start_measured.json``).
 

@@ -50,6 +50,15 @@ def test_a_checkpoint_saved_on_2x2_resumes_on_other_meshes_like_an_uninterrupted
 
 @pytest.mark.jax
 @pytest.mark.devices
+def test_the_writer_saves_uncompressed_with_its_threads_below_training(job):
+    # What makes a save cheap beside training (docs/checkpoints.md, "Cost"): the arrays
+    # are stored without compression, and tensorstore's writer threads run at nice 10.
+    assert job["writer"]["compressors"] == ["None"]
+    assert job["writer"]["nice"] and min(job["writer"]["nice"]) >= sharded.WRITER_NICE
+
+
+@pytest.mark.jax
+@pytest.mark.devices
 def test_a_damaged_newest_falls_back_and_another_model_is_refused(job):
     damaged = job["damaged"]
     assert damaged["step"] == 8 and damaged["diff"] <= 1e-5  # from ckpt-1 (step 8)

@@ -114,6 +114,32 @@ out["process_stores"] = sorted(
     n for n in os.listdir(os.path.join(stopped, "ckpt-2-2.orbax", "state")) if "process" in n
 )
 
+
+def compressors(checkpoint):
+    """The compressors the saved arrays' zarr metadata names (read through OCDBT)."""
+    import tensorstore as ts
+
+    spec = {"driver": "ocdbt", "base": "file://" + os.path.join(checkpoint, "state")}
+    store = ts.KvStore.open(spec).result()
+    keys = [key.decode() for key in store.list().result() if key.endswith(b".zarray")]
+    return sorted({str(json.loads(store.read(key).result().value)["compressor"]) for key in keys})
+
+
+def writer_nice():
+    """The nice values of tensorstore's pool threads in this process, after the saves."""
+    values = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "ts_pool_worker":
+                values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return sorted(values)
+
+
+out["writer"] = {
+    "compressors": compressors(os.path.join(stopped, "ckpt-2-2.orbax")),
+    "nice": writer_nice(),
+}
+
 out["resumed"] = {}
 for shape in [(2, 2), (4, 1), (1, 4)]:
     copy = os.path.join(root, "on-{}x{}".format(*shape))
