@@ -225,15 +225,18 @@ def test_optimizer_state_survives_make_or_restore(tmp_path):
     assert int(restored.optimizer.iterations.numpy()) == STEPS_PER_EPOCH
 
 
-def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     model = build()
     fit(model, 2, callbacks=[tfdist.callbacks.checkpoint(tmp_path)])
     epoch1 = keras.models.load_model(tmp_path / "ckpt-1.keras").get_weights()
     newest = tmp_path / "ckpt-2.keras"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
 
-    with pytest.warns(RuntimeWarning, match=r"skipping checkpoint .*ckpt-2\.keras"):
+    with pytest.warns(RuntimeWarning, match=r"skipping checkpoint .*ckpt-2\.keras") as said:
         restored, initial_epoch = restore(tmp_path)
+    # said once: one warning, and no log record repeating it
+    assert len([w for w in said if "ckpt-2.keras" in str(w.message)]) == 1
+    assert not [r for r in caplog.records if "ckpt-2.keras" in r.getMessage()]
     assert initial_epoch == 1
     assert_same_weights(restored.get_weights(), epoch1, atol=0)
     # kept for inspection, but no longer counted as a checkpoint

@@ -320,14 +320,14 @@ def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
 
 
 def _skip_corrupt(path: str, reason: str, role: atomic.WriteRole) -> None:
-    """Warns, and on the chief renames the file ``*.corrupt``: kept, never tried again."""
+    """Warns once (one RuntimeWarning, no second log line), and on the chief renames the
+    file ``*.corrupt``: kept, never tried again."""
     warnings.warn(
         f"tfdist.make_or_restore: skipping checkpoint {path!r}, which does not read back "
         f"({reason}); falling back to the previous checkpoint.",
         RuntimeWarning,
         stacklevel=4,  # the caller of make_or_restore
     )
-    logger.warning("tfdist: skipping unreadable checkpoint %s (%s)", path, reason)
     if not role.is_chief:
         return
     target = quarantine_path(path)
