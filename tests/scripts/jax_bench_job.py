@@ -13,7 +13,9 @@ and ``images_per_s`` (steps after ``--warmup``).
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import keras
@@ -21,6 +23,9 @@ import numpy as np
 from keras import distribution as kd
 
 import tfdist  # after keras works too: tfdist's start-up hook ran before any of them
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import builders  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=("tfdist", "keras", "none"), default="tfdist")
@@ -32,25 +37,7 @@ args = parser.parse_args()
 
 
 def build():
-    keras.utils.set_random_seed(0)
-    if args.model == "convnet":
-        from tfdist.examples.recipes import fast_model
-
-        model = fast_model()  # the MNIST job's own convnet
-    else:
-        model = keras.Sequential(
-            [
-                keras.Input((784,)),
-                keras.layers.Dense(256, activation="relu"),
-                keras.layers.Dense(256, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+    return builders.bench_model(args.model)
 
 
 procs, rank = jax.process_count(), jax.process_index()

@@ -8,6 +8,7 @@ called after the scope, as TensorFlow scripts do. Prints one JSON line.
 
 import json
 import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -16,21 +17,14 @@ from keras import distribution as kd
 
 import tfdist
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import builders  # noqa: E402
+
 GLOBAL_BATCH = 32
 
 
 def build():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu", name="dense_1")(inputs)
-    outputs = keras.layers.Dense(4, name="dense_2")(hidden)
-    model = keras.Model(inputs, outputs)
-    model.compile(
-        keras.optimizers.SGD(0.1),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return builders.dense_classifier(keras.optimizers.SGD(0.1))
 
 
 def layout_map():

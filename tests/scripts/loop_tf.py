@@ -9,10 +9,10 @@ same loop on ``OneDeviceStrategy`` in the same process (the reference). Checkpoi
 Prints one JSON line per process.
 """
 
-import argparse
 import json
 import os
-import signal
+import sys
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -20,28 +20,16 @@ import tensorflow as tf
 
 import tfdist
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--dir", required=True)
-parser.add_argument("--epochs", type=int, default=3)
-parser.add_argument("--every", type=int, default=4)
-parser.add_argument("--kill-at-step", type=int, default=None)
-parser.add_argument("--sigterm-at-step", type=int, default=None)
-parser.add_argument("--one-device-too", action="store_true")
-args = parser.parse_args()
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import builders  # noqa: E402
+
+args = builders.loop_arguments(dropout=False)
 
 GLOBAL_BATCH_SIZE = 16
 rng = np.random.RandomState(0)
 features = rng.rand(160, 8).astype("float32")
 labels = (features.sum(axis=1) * 4 / 8).astype("int64") % 4
-attempt = int(os.environ.get("TFDIST_RESTART", "0"))
-
-
-def inject_fault(step):
-    """kill -9 in the first attempt; SIGTERM to worker 1 only in the second."""
-    if attempt == 0 and step == args.kill_at_step:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-run, between two saves
-    if attempt == 1 and step == args.sigterm_at_step and tfdist.worker_index() == 1:
-        os.kill(os.getpid(), signal.SIGTERM)  # a preemption notice
+attempt = builders.attempt()
 
 
 def train(strategy, directory):
@@ -89,7 +77,7 @@ def train(strategy, directory):
         for batch in dist_dataset:
             losses.append(float(distributed_train_step(batch)))
             step += 1
-            inject_fault(step)
+            builders.inject_fault(args, step)
             ckpt.maybe_save(step, every=args.every)
     return {
         "weights": [w.tolist() for w in model.get_weights()],

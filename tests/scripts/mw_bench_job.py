@@ -15,7 +15,9 @@ steps after ``--warmup``; absent with ``--first-step-only``, which stops after o
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -43,29 +45,16 @@ strategy = tfdist.strategy(communication=comm)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import builders  # noqa: E402
+
 
 def build():
-    keras.utils.set_random_seed(0)
-    if args.model == "convnet":
-        from tfdist.examples.recipes import fast_model
-
-        model = fast_model()  # the MNIST job's own convnet
-    else:
-        model = keras.Sequential(
-            [
-                keras.Input((784,)),
-                keras.layers.Dense(256, activation="relu"),
-                keras.layers.Dense(256, activation="relu"),
-                keras.layers.Dense(10),
-            ]
-        )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    return builders.bench_model(
+        args.model,
         steps_per_execution=args.steps_per_execution,
         jit_compile=args.jit_compile,
     )
-    return model
 
 
 shape = (28, 28, 1) if args.model == "convnet" else (784,)

@@ -25,21 +25,12 @@ GLOBAL_BATCH = 16
 directory = sys.argv[1]
 mode = sys.argv[2] if len(sys.argv) > 2 else "dp"
 
+import builders  # noqa: E402
 import keras  # noqa: E402
 
 
 def build_and_compile():
-    keras.utils.set_random_seed(1)
-    inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu", name="dense_1")(inputs)
-    outputs = keras.layers.Dense(4, name="dense_2")(hidden)
-    model = keras.Model(inputs, outputs)
-    model.compile(
-        keras.optimizers.Adam(0.01),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return builders.dense_classifier(keras.optimizers.Adam(0.01))
 
 
 def scope_options():

@@ -24,6 +24,7 @@ from keras import distribution as kd
 import tfdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import builders  # noqa: E402
 import equivalence  # noqa: E402
 
 EPOCHS, GLOBAL_BATCH, EXAMPLES = 2, 32, 256  # 8 steps an epoch, 16 in all
@@ -60,18 +61,6 @@ def build(width=16):
     return model
 
 
-class StopAfter(keras.callbacks.Callback):
-    """Ends the fit abruptly after global step ``step`` (no save: like a kill)."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) == self.step:
-            raise KeyboardInterrupt
-
-
 def fit(directory, shape=(2, 2), stop=None, max_to_keep=5, build_fn=build):
     with tfdist.scope(layout_map=layout_map(shape)):
         model, initial_epoch = tfdist.make_or_restore(build_fn, directory)
@@ -86,7 +75,7 @@ def fit(directory, shape=(2, 2), stop=None, max_to_keep=5, build_fn=build):
         directory, save_freq=5, max_to_keep=max_to_keep, sharded=True
     )
     try:
-        callbacks = [callback] + ([StopAfter(stop)] if stop else [])
+        callbacks = [callback] + ([builders.StopAfter(stop)] if stop else [])
         model.fit(train, epochs=EPOCHS, initial_epoch=initial_epoch, callbacks=callbacks, verbose=0)
     except KeyboardInterrupt:
         callback.wait()  # the write under way finishes, as it would before a kill -9 here

@@ -13,6 +13,7 @@ SavedModel on TensorFlow); no staging object is left behind. Both Keras backends
 import json
 import tempfile
 
+import builders
 import equivalence
 import fsspec
 import keras
@@ -41,18 +42,6 @@ def build():
     return model
 
 
-class StopAfter(keras.callbacks.Callback):
-    """Ends the fit abruptly after global step ``step`` (no save: like a kill)."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)) == self.step:
-            raise KeyboardInterrupt
-
-
 def fit(directory, *extra):
     model, initial_epoch = tfdist.make_or_restore(build, directory)
     resumed = tfdist.resume_state(model)
@@ -69,7 +58,7 @@ def names():
 
 
 reference, _ = fit(tempfile.mkdtemp(prefix="storage-job-"))
-fit(URL, StopAfter(13))  # checkpoints at steps 5 and 10 (epoch 1, batch 2)
+fit(URL, builders.StopAfter(13))  # checkpoints at steps 5 and 10 (epoch 1, batch 2)
 after_stop = names()
 resumed_model, resumed = fit(URL)
 diff = equivalence.max_difference(reference.get_weights(), resumed_model.get_weights())
@@ -78,7 +67,7 @@ after_resume = names()
 # Damage the newest: truncate it in the store; the next restore falls back.
 newest = "/bucket/run/" + tfdist.checkpoint.list_checkpoints(URL)[-1][1].rsplit("/", 1)[-1]
 fs.pipe(newest, fs.cat(newest)[:1000])
-fallback_model, fallback = fit(URL, StopAfter(-1))
+fallback_model, fallback = fit(URL, builders.StopAfter(-1))
 after_damage = names()
 
 # tfdist.save / load through the URL.
