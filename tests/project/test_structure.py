@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "tfdist"
 MAX_FUNCTION_LINES = 60
@@ -171,3 +175,16 @@ def _table_layers(heading: str) -> list[set[str]]:
 def test_the_architecture_page_draws_the_layers_this_test_checks():
     assert _table_layers("| layer | rooms |") == LAYERS
     assert _table_layers("| core layer | modules |") == CORE_LAYERS
+
+
+@pytest.mark.slow  # about 30 s from a cold cache on 2 cores
+def test_mypy_is_clean():
+    """mypy over tfdist/ with pyproject.toml's [tool.mypy] settings: no error."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy"],
+        cwd=PACKAGE.parent,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"mypy failed:\n{result.stdout}{result.stderr}"
