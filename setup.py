@@ -65,6 +65,7 @@ setup(
             "pytest-timeout",
             "pytest-xdist",
             "ruff",
+            "mypy>=1.10,<2",  # tests/project/test_structure.py type-checks tfdist/
             "keras-hub",
             "pyyaml",  # tests/e2e/test_kubernetes.py reads the manifests in docs/k8s/
         ],

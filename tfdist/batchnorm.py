@@ -45,6 +45,7 @@ import functools
 import logging
 import sys
 import threading
+import types
 
 from tfdist.core import config, process
 
@@ -169,7 +170,8 @@ def _warn_if_replicated(layer) -> None:
 
 def _stacklevel() -> int:
     """The ``stacklevel`` of the script's own line: the first frame outside the frameworks."""
-    frame, level = sys._getframe(2), 2  # stacklevel 1 is the line that calls warn
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2  # stacklevel 1 is the line that calls warn
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module.split(".")[0] not in _FRAMEWORKS and not module.startswith("__autograph"):

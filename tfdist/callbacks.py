@@ -181,7 +181,10 @@ def decay(schedule: Callable | Mapping, *, verbose: int = 0) -> Decay:
         _DECAY,
         "a callable epoch -> rate or a mapping {epoch: rate}",
     )
-    fn = (_mapping_schedule if isinstance(schedule, Mapping) else _callable_schedule)(schedule)
+    if isinstance(schedule, Mapping):
+        fn = _mapping_schedule(schedule)
+    else:
+        fn = _callable_schedule(schedule)
     validate.one_of(verbose, (0, 1), "verbose", _DECAY)
     return Decay(fn, verbose=verbose)
 

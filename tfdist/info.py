@@ -132,7 +132,7 @@ def _fix_lines(fixes: list[dict]) -> list[str]:
     for f in fixes:
         if f["state"] == "skipped":
             lines.append(f"  SKIPPED      {f['name']}: {f['why']}")
-    others = {}
+    others: dict[str, list[str]] = {}
     for f in fixes:
         if f["state"] not in ("applied", "skipped"):
             others.setdefault(f["state"], []).append(f["name"])

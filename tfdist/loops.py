@@ -32,6 +32,7 @@ import io
 import logging
 import os
 import sys
+from typing import Any
 
 import keras
 import numpy as np
@@ -252,7 +253,10 @@ def _optimizer_bytes(optimizer) -> bytes:
         # (the window's sum so far) before they are read, as Keras saves do under the fix.
         cross_replica.consolidate_accumulators(optimizer)
     buffer = io.BytesIO()
-    values = {f"v{i:05d}": numpy_value(v) for i, v in enumerate(optimizer.variables)}
+    # Any: mypy would match the arrays against savez's allow_pickle keyword as well.
+    values: dict[str, Any] = {
+        f"v{i:05d}": numpy_value(v) for i, v in enumerate(optimizer.variables)
+    }
     np.savez(buffer, **values)
     return buffer.getvalue()
 
@@ -317,13 +321,14 @@ class Checkpointer:
         validate.instance(model, keras.Model, "model", _WHERE, "a keras.Model")
         what = "a keras.optimizers.Optimizer"
         validate.instance(optimizer, keras.optimizers.Optimizer, "optimizer", _WHERE, what)
-        self.steps_per_epoch = _steps_per_epoch(pipeline, steps_per_epoch)
-        if self.steps_per_epoch is None:
+        steps = _steps_per_epoch(pipeline, steps_per_epoch)
+        if steps is None:
             raise ValueError(
                 f"{_WHERE}: pass the pipeline the loop iterates (or steps_per_epoch), so a "
                 "step can be turned into (epoch, batch). Received: pipeline=None, "
                 "steps_per_epoch=None."
             )
+        self.steps_per_epoch: int = steps
         if max_to_keep is not None:
             validate.positive_int(max_to_keep, "max_to_keep", _WHERE)
         validate.instance(preemption, bool, "preemption", _WHERE, "a bool")
@@ -479,6 +484,7 @@ class Checkpointer:
             self._watch = None
 
     def _exit_for_restart(self, step: int) -> None:
+        assert self._watch is not None  # maybe_save calls this when the watch asked to save
         self._watch.cancel()
         logger.warning(
             "tfdist: preemption checkpoint saved at step %d; exiting with code %d (restart me)",

@@ -115,6 +115,7 @@ def _build_multi_worker(p: StrategyPlan) -> tf.distribute.Strategy:
         resolver = slurm_cluster_resolver()
     else:
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    assert p.timeouts is not None  # a multi_worker plan has them (tf_plan._multi_worker_plan)
     options = tf.distribute.experimental.CommunicationOptions(
         bytes_per_pack=p.communication.bytes_per_pack,
         timeout_seconds=p.timeouts.collective,

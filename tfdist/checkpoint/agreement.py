@@ -32,6 +32,7 @@ def archive_position(path: str, info: dict) -> tuple[int, int, int]:
     if meta is not None:
         return meta["epoch"], meta["batch"], int(meta.get("step") or 0)
     position = parse_checkpoint_name(os.path.basename(path))
+    assert position is not None  # a restore candidate's path: a checkpoint name
     return position.epoch, position.batch, 0
 
 

@@ -25,6 +25,7 @@ import tempfile
 import time
 import zipfile
 import zlib
+from typing import cast
 
 import h5py
 import keras
@@ -143,6 +144,7 @@ def _read_members(zf: zipfile.ZipFile, scratch: contextlib.ExitStack | None):
     config = json.loads(zf.read(CONFIG_MEMBER).decode("utf-8"))
     weights = None
     if extract:
+        assert scratch is not None  # extract needs it
         weights = _extract_checked(zf, scratch)
         with h5py.File(weights, "r") as h5:
             _walk(h5)
@@ -185,6 +187,7 @@ def _extract_checked(zf: zipfile.ZipFile, scratch: contextlib.ExitStack) -> str:
     folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="tfdist-restore-"))
     target = os.path.join(folder, "model.weights.h5")
     crc, size = 0, 0
+    assert isinstance(zf.filename, str)  # the caller checked _extractable(zf)
     with _StoredMember(zf.filename, info) as source, open(target, "wb") as out:
         while chunk := source.read(1 << 20):
             crc, size = zlib.crc32(chunk, crc), size + len(chunk)
@@ -236,8 +239,8 @@ def weights_file(path: str, info: dict | None = None):
         yield info["weights"]
         return
     with zipfile.ZipFile(path) as zf:
-        info = zf.getinfo(WEIGHTS_MEMBER)
-        if info.compress_type != zipfile.ZIP_STORED:
+        member = zf.getinfo(WEIGHTS_MEMBER)
+        if member.compress_type != zipfile.ZIP_STORED:
             yield path
             return
         with tempfile.TemporaryDirectory(prefix="tfdist-restore-") as scratch:
@@ -247,7 +250,7 @@ def weights_file(path: str, info: dict | None = None):
             yield target
 
 
-def _open_member(zf: zipfile.ZipFile, name: str) -> io.RawIOBase:
+def _open_member(zf: zipfile.ZipFile, name: str) -> io.RawIOBase | io.BufferedIOBase:
     """A seekable reader of one member: a window on the file when stored uncompressed.
 
     Keras stores its members uncompressed, and h5py seeks back and forth; Python 3.11's
@@ -256,7 +259,8 @@ def _open_member(zf: zipfile.ZipFile, name: str) -> io.RawIOBase:
     """
     info = zf.getinfo(name)
     if info.compress_type != zipfile.ZIP_STORED or not isinstance(zf.filename, str):
-        return zf.open(info, "r")
+        # A ZipExtFile (typeshed says only IO[bytes]), which io.BufferedReader can wrap.
+        return cast(zipfile.ZipExtFile, zf.open(info, "r"))
     return _StoredMember(zf.filename, info)
 
 

@@ -133,7 +133,8 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._phantom_prone: list = []
         self._snapshot: list | None = None
         self._epoch_length: int | None = None  # batches in a full epoch, once seen
-        self._quiet = None  # a warnings.catch_warnings() open during a resumed partial epoch
+        # A warnings.catch_warnings() open during a resumed partial epoch.
+        self._quiet: warnings.catch_warnings[None] | None = None
         self._preempting = False  # the save under way is the SIGTERM one
 
     # -- Keras hooks
@@ -390,7 +391,7 @@ class ShardedCheckpoint(ResumableCheckpoint):
     preemption save, and the end of ``fit``, wait for the write to finish.
     """
 
-    def __init__(self, checkpoint_dir, **kwargs):
+    def __init__(self, checkpoint_dir, **kwargs) -> None:
         super().__init__(checkpoint_dir, **kwargs)
         check_sharded_target(self.checkpoint_dir, _WHERE)
         self._writer: ShardedWriter | None = None
@@ -425,6 +426,7 @@ class ShardedCheckpoint(ResumableCheckpoint):
     def _write(self, path: str, meta: dict) -> str:
         # The previous write is finished first, so that pruning counts it as a checkpoint.
         self._finish_writing()
+        assert self._writer is not None  # on_train_begin made it; fit saves after that
         self._writer.save(self.model, path, meta)
         return "writing in the background"
 

@@ -25,6 +25,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from tfdist import backends
 from tfdist.backends import StoreGone
@@ -93,7 +96,8 @@ class PreemptionWatch:
         self._stop = threading.Event()
         self._target: int | None = None
         self._announced = False
-        self._previous = None
+        # The SIGTERM handler start() replaced (what signal.signal returns).
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
         self._installed = False
         self._thread: threading.Thread | None = None
 

@@ -359,6 +359,7 @@ def _restore_into(model, path: str, info: dict) -> ResumeState:
             path,
         )
         position = parse_checkpoint_name(os.path.basename(path))
+        assert position is not None  # a restore candidate's path: a checkpoint name
         return ResumeState(path, position.epoch, position.batch, None)
     set_rng_state(model, meta.get("rng", []), path)
     step = meta.get("step")

@@ -106,6 +106,7 @@ def fix_names() -> list[str]:
 
 
 def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[str]:
+    received: str | Sequence[str]  # echoed in the error
     if exclude is None:
         names, where = config.compat_exclude(environ), config.COMPAT_EXCLUDE_ENV
         received = environ.get(config.COMPAT_EXCLUDE_ENV, "")

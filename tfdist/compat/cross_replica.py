@@ -145,7 +145,7 @@ def consolidate_accumulators(optimizer) -> bool:
     """
     steps = getattr(optimizer, "gradient_accumulation_steps", None)
     accumulators = upstream.keras_optimizer_all_accumulators(optimizer) if steps else []
-    if not accumulators:
+    if not steps or not accumulators:
         return False  # no accumulation, or an optimizer not built yet
     variables = [tf_var(a) for a in accumulators]
     strategy = getattr(variables[0], "distribute_strategy", None)  # tf.distribute's only

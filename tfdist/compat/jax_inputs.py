@@ -36,6 +36,7 @@ import json
 import logging
 import random
 from dataclasses import dataclass
+from typing import cast
 
 from tfdist.core import config, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
@@ -172,7 +173,9 @@ _AGREEMENTS = itertools.count()
 def _random_state() -> list:
     import numpy as np
 
-    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    # legacy=True: the tuple (numpy's stub also allows the dict of legacy=False).
+    legacy = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state(legacy=True))
+    name, keys, pos, has_gauss, gauss = legacy
     version, internal, gauss_next = random.getstate()
     return [[name, keys.tolist(), pos, has_gauss, gauss], [version, list(internal), gauss_next]]
 

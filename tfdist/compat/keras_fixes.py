@@ -7,6 +7,8 @@ used comes from ``tfdist.core.upstream``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tfdist.compat.cross_replica import (
     accumulate_in_replica_context,
     consolidate_accumulators,
@@ -136,7 +138,7 @@ def _multi_worker_mean(strategy, value):
     return strategy.reduce("MEAN", value, axis=None)
 
 
-def _multi_worker_means(strategy, values, tree):
+def _multi_worker_means(strategy, values, tree) -> Any:
     """Every value's mean over all replicas of all workers, the scalars of each dtype
     stacked into one all-reduce (a step's loss and metrics: one collective, not one each).
 
@@ -146,7 +148,7 @@ def _multi_worker_means(strategy, values, tree):
     import tensorflow as tf
 
     leaves = tree.flatten(values)
-    reduced = [None] * len(leaves)
+    reduced: list = [None] * len(leaves)
     by_dtype: dict = {}
     for index, value in enumerate(leaves):
         local = strategy.experimental_local_results(value)

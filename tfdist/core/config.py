@@ -41,6 +41,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 from tfdist.core import validate
 
@@ -355,7 +356,7 @@ class MultiWorkerTimeouts:
             >>> MultiWorkerTimeouts.from_env({"TFDIST_COLLECTIVE_TIMEOUT": "off"}).collective
         """
         env = _env(environ)
-        values = {}
+        values: dict[str, Any] = {}  # keyword arguments: float, or None for collective
         for name, var in TIMEOUT_ENV.items():
             text = _env_text(env, var)
             if not text:

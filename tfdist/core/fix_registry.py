@@ -28,9 +28,10 @@ import re
 import textwrap
 import threading
 import tokenize
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tfdist.core import config, versions
 
@@ -209,6 +210,8 @@ def fingerprint(value) -> str | None:
         starts.append(starts[-1] + len(line))
     text = source
     for (row, col), (end_row, end_col) in sorted(spans, reverse=True):
+        # ast.parse gives every node its end position.
+        assert end_row is not None and end_col is not None
         first, last = starts[row - 1] + col, starts[end_row - 1] + end_col
         text = text[:first] + text[last:]
     kept = re.sub(r"\s+", "", text)
@@ -225,8 +228,9 @@ def _signature(value) -> str | None:
 _fingerprints_cache: dict | None = None
 
 
-def verified_fingerprints() -> dict[str, dict[str, str]]:
-    """``{entry: {"keras 3.15": hash, ...}}`` as ``tools/fix_fingerprints.py`` wrote it."""
+def verified_fingerprints() -> dict[str, dict[str, dict[str, Any]]]:
+    """``{entry: {"keras 3.15": {"signature": ..., "code": hash}, ...}}`` as
+    ``tools/fix_fingerprints.py`` wrote it (a value may be None)."""
     global _fingerprints_cache
     if _fingerprints_cache is None:
         try:
@@ -300,7 +304,7 @@ _journal = threading.local()
 
 
 @contextlib.contextmanager
-def journal():
+def journal() -> Iterator[None]:
     """Undoes every ``patch`` made inside the block when the block raises.
 
     A fix that patches several names and fails half-way leaves upstream as it was.
@@ -331,7 +335,7 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
     if getattr(original, _MARK, None) == name:
         return
     raw = vars(owner).get(attr)  # the descriptor itself (staticmethod, ...), if owner's own
-    patched = make(original)
+    patched: Any = make(original)  # a function: it takes attributes
     setattr(patched, _MARK, name)
     patched.__wrapped__ = original
     setattr(owner, attr, patched)

@@ -128,7 +128,7 @@ def watch_startup(
     try:
         return wait()
     finally:
-        if on_main:
+        if old_fd is not None:  # None exactly when not on the main thread
             signal.set_wakeup_fd(old_fd)
         watcher.kill()
         watcher.wait()

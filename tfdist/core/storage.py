@@ -65,7 +65,7 @@ def is_url(path: str | os.PathLike) -> bool:
         (True, False, False)
     """
     match = _URL_RE.match(os.fspath(path))
-    return bool(match) and match.group(1).lower() != "file"
+    return match is not None and match.group(1).lower() != "file"
 
 
 def normalize(path: str | os.PathLike, where: str, name: str = "path") -> str:

@@ -157,6 +157,7 @@ def _get() -> _Dog:
             import jax
 
             timeout = config.jax_collective_timeout()
+            assert timeout is not None  # callers check enabled() first
             _dog = _Dog(timeout, jax.process_index(), jax.process_count())
             logger.info(
                 "tfdist.watchdog: on, %.0f s without a finished batch ends the job", timeout
@@ -255,7 +256,7 @@ def _peers(dog: _Dog) -> tuple[dict, set[int]] | str:
     gone = {
         r
         for r, entry in second.items()
-        if entry is None or (first.get(r) is not None and entry[1] == first[r][1])
+        if entry is None or ((before := first.get(r)) is not None and entry[1] == before[1])
     }
     return second, gone
 
@@ -268,7 +269,8 @@ def _peer_line(rank: int, entry, gone: set[int]) -> str:
 
 
 def _main_thread_at() -> str:
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    ident = threading.main_thread().ident
+    frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return "an unknown place"
     code = frame.f_code

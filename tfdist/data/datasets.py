@@ -34,7 +34,8 @@ def scale(image, label):
 
 # Elementwise, so a whole batch can go through one call: reading a dataset into memory
 # then skips vectorising it (tf.vectorized_map's tracing), with the same result.
-scale.batch_safe = True
+# (Through vars(): mypy does not model attributes set on a function.)
+vars(scale)["batch_safe"] = True
 
 
 def _reachable(url: str, timeout: float) -> str | None:

@@ -129,7 +129,7 @@ def _shuffle_seed(plan: _Plan) -> int | None:
     """The seed of a positioned pipeline's orders: its own, or one the workers agree on."""
     if not plan.positioned:
         return None
-    if plan.seeded:
+    if plan.seed is not None:  # plan.seeded
         return int(plan.seed)
     return seeds.agreed_seed(plan.strategy, plan.num_workers)
 
@@ -189,6 +189,7 @@ def _build_in_memory(plan: _Plan, state: PipelineState, shuffle_seed):
 
 
 def _cache_path(plan: _Plan) -> str:
+    assert not isinstance(plan.cache, bool)  # a file path here: cache=True is in memory
     path = os.fspath(plan.cache)
     if plan.num_workers > 1:
         # Workers on one host (or one shared disk) must not write the same cache files.
@@ -199,8 +200,8 @@ def _cache_path(plan: _Plan) -> str:
 
 def _build_streamed(plan: _Plan, state: PipelineState, shuffle_seed):
     """Batches read from the source every epoch (cached in files if asked): (ds, count, how)."""
-    count = int(plan.source.cardinality())
-    count = count if count >= 0 else None
+    cardinality = int(plan.source.cardinality())
+    count = cardinality if cardinality >= 0 else None
     ds, how = plan.source, None
     if plan.map_fn is not None and plan.map_on != "batch":
         ds = ds.map(plan.map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -208,6 +209,7 @@ def _build_streamed(plan: _Plan, state: PipelineState, shuffle_seed):
     if plan.cache:
         ds = ds.cache(_cache_path(plan))
     if plan.positioned:
+        assert state.position is not None  # new_state gives a positioned plan its variables
         ds = streamed_epochs(
             ds, state.position, seed=shuffle_seed, shuffle=plan.shuffle, skip_per_batch=plan.batch
         )

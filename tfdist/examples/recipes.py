@@ -30,6 +30,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import keras
 
@@ -58,9 +59,20 @@ DEFAULT_RECIPE = "fast"
 
 
 # What the checks below say an argument must be (``tfdist.core.validate`` message shape).
-_INT_FROM_0 = {"low": 0, "what": "an int >= 0"}
-_POSITIVE = {"low": 0.0, "low_ok": False, "what": "a finite number > 0.0"}
-_FROM_0 = {"low": 0.0, "what": "a finite number >= 0.0"}
+class _IntBounds(TypedDict):  # validate.integer's keyword arguments
+    low: int
+    what: str
+
+
+class _NumberBounds(TypedDict, total=False):  # validate.number's keyword arguments
+    low: float
+    low_ok: bool
+    what: str
+
+
+_INT_FROM_0: _IntBounds = {"low": 0, "what": "an int >= 0"}
+_POSITIVE: _NumberBounds = {"low": 0.0, "low_ok": False, "what": "a finite number > 0.0"}
+_FROM_0: _NumberBounds = {"low": 0.0, "what": "a finite number >= 0.0"}
 
 
 # --- the tutorial recipe ------------------------------------------------------------

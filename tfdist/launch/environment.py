@@ -115,11 +115,12 @@ def cluster_addresses(options: LaunchOptions, ports: Sequence[int] | None = None
     check_options(options, "cluster_addresses")
     split = [split_host(h) for h in options.hosts]
     if options.fixed_ports:
-        return [
-            f"{host}:{(port if port is not None else options.port) + i}"
-            for host, port in split
-            for i in range(options.nproc)
-        ]
+        addresses: list[str] = []
+        for host, port in split:
+            first = port if port is not None else options.port
+            assert first is not None  # fixed_ports: each host names its port, or port is set
+            addresses.extend(f"{host}:{first + i}" for i in range(options.nproc))
+        return addresses
     if ports is None or len(ports) != options.nproc:
         raise ValueError(
             f"cluster_addresses: ports must list {options.nproc} ports when no fixed port is "
@@ -265,6 +266,7 @@ def worker_envs(
         if not options.verbose:  # TensorFlow's C++ INFO/WARNING banner off
             child = quiet.quiet_environment(child)
         if gpus:
+            assert per is not None  # _gpus_per_worker's count when GPUs are visible
             child["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[local * per : (local + 1) * per])
             child.pop(CPU_DEVICES_ENV, None)
         elif per is not None:

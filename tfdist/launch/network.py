@@ -114,12 +114,15 @@ def _hold(flags: int, timeout: float) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert holder.stdout is not None  # stdout=PIPE above
     ready, _, _ = select.select([holder.stdout], [], [], timeout)
     line = holder.stdout.readline().strip() if ready else ""
     return holder, line or f"error: no answer within {timeout:.0f} s"
 
 
 def _release(holder: subprocess.Popen) -> None:
+    # A holder from _hold: its stdin and stdout are pipes.
+    assert holder.stdin is not None and holder.stdout is not None
     holder.stdin.close()  # the holder's cue to exit
     try:
         holder.wait(timeout=_NAMESPACE_TIMEOUT_S)
@@ -141,7 +144,9 @@ class PrivateNetwork:
     """
 
     def __init__(self, net_fd: int, user_fd: int | None):
-        self.net_fd, self.user_fd = net_fd, user_fd
+        # Both None once closed (close).
+        self.net_fd: int | None = net_fd
+        self.user_fd: int | None = user_fd
 
     @classmethod
     def create(cls, timeout: float = _NAMESPACE_TIMEOUT_S) -> PrivateNetwork:
@@ -219,7 +224,8 @@ def firewall_table() -> str:
 
 def _peer_addresses(options: LaunchOptions) -> tuple[list[str], list[str]]:
     """IPv4 and IPv6 addresses of the job's non-loopback hosts (names resolved)."""
-    v4, v6 = set(), set()
+    v4: set[str] = set()
+    v6: set[str] = set()
     for host, _ in map(split_host, options.hosts):
         if is_loopback(host):
             continue
@@ -231,7 +237,7 @@ def _peer_addresses(options: LaunchOptions) -> tuple[list[str], list[str]]:
                 f"Received: hosts={list(options.hosts)!r}. Use IP addresses in --hosts."
             ) from None
         for family, *_, sockaddr in infos:
-            (v6 if family == socket.AF_INET6 else v4).add(sockaddr[0])
+            (v6 if family == socket.AF_INET6 else v4).add(str(sockaddr[0]))  # an IP address
     return sorted(v4), sorted(v6)
 
 

@@ -126,6 +126,7 @@ class GroupSupervisor:
         while True:
             self.step(time.monotonic())
             if self.phase is Phase.DONE:
+                assert self.outcome is not None  # step sets it with DONE
                 return self.outcome
             time.sleep(_POLL_S)
 
@@ -144,11 +145,13 @@ class GroupSupervisor:
             decided = self.decided or Outcome("ok")
             self.outcome = dataclasses.replace(decided, codes=final)
             self.phase = Phase.DONE
-        elif self.phase is Phase.STOPPING and now >= self._kill_at:
-            for w in running:
-                logger.warning("worker w%d did not exit in time: SIGKILL", w.rank)
-                w.signal(signal.SIGKILL)
-            self.phase = Phase.KILLED
+        elif self.phase is Phase.STOPPING:
+            assert self._kill_at is not None  # _stop sets it with STOPPING
+            if now >= self._kill_at:
+                for w in running:
+                    logger.warning("worker w%d did not exit in time: SIGKILL", w.rank)
+                    w.signal(signal.SIGKILL)
+                self.phase = Phase.KILLED
 
     def _stop(self, decided: Outcome, kill_at: float) -> None:
         self.decided, self._kill_at, self.phase = decided, kill_at, Phase.STOPPING
@@ -156,6 +159,7 @@ class GroupSupervisor:
     def _forward_signal(self, now: float, running: list[Worker]) -> None:
         self._forwarded = self.signals.count
         received = self.signals.received
+        assert received is not None  # set with each count (LauncherSignals)
         if self.decided is None or self.decided.kind != "signalled":
             logger.warning(
                 "got %s: forwarding it to the workers (SIGKILL in %.0f s)",
@@ -191,6 +195,7 @@ class GroupSupervisor:
             return
         if self.phase is Phase.RUNNING:
             self._first_done_at, self.phase = now, Phase.FINISHING
+        assert self._first_done_at is not None  # set on entering FINISHING, just above
         if now - self._first_done_at <= self.options.finish_timeout:
             return
         logger.error(
@@ -260,7 +265,7 @@ def _open_logs(options: LaunchOptions, restart: int) -> dict[int, TextIO]:
             f"launch: log_dir must be a writable directory ({err.strerror}). Received: "
             f"log_dir={options.log_dir!r}"
         ) from None
-    logs = {}
+    logs: dict[int, TextIO] = {}
     for rank in options.ranks():
         path = os.path.join(options.log_dir, f"worker-{rank}.log")
         logs[rank] = open(path, "w" if restart == 0 else "a", encoding="utf-8")  # noqa: SIM115

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Any, TextIO
 
 from tfdist.core import quiet
 
@@ -225,10 +225,10 @@ class LauncherSignals:
     Handlers are only installed from the main thread; elsewhere nothing is recorded.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.received: int | None = None  # the last signal
         self.count = 0
-        self._previous = {}
+        self._previous: dict[int, Any] = {}  # signal -> the handler it had
 
     def __enter__(self) -> LauncherSignals:
         if threading.current_thread() is threading.main_thread():

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def _client() -> Any:
+    """jax's distributed client; None before ``jax.distributed.initialize``, when the
+    caller's method lookup fails with AttributeError, as it always has."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
 
 def jax_wait_at_barrier(name: str, timeout_ms: int) -> None:
     """The same through jax's distributed client (``sync_global_devices`` has no timeout)."""
-    from jax._src import distributed
-
-    distributed.global_state.client.wait_at_barrier(name, timeout_ms)
+    _client().wait_at_barrier(name, timeout_ms)
 
 
 def jax_key_value_set(key: str, value: str) -> None:
@@ -15,9 +23,7 @@ def jax_key_value_set(key: str, value: str) -> None:
 
     Raises jax's runtime error (``ALREADY_EXISTS`` in its message) when ``key`` is set.
     """
-    from jax._src import distributed
-
-    distributed.global_state.client.key_value_set(key, value)
+    _client().key_value_set(key, value)
 
 
 def jax_key_value_get(key: str, timeout_ms: int) -> str:
@@ -26,16 +32,12 @@ def jax_key_value_get(key: str, timeout_ms: int) -> str:
     Raises jax's runtime error (``DEADLINE_EXCEEDED`` in its message) when it does not
     appear in time, another one when the service is gone.
     """
-    from jax._src import distributed
-
-    return distributed.global_state.client.blocking_key_value_get(key, timeout_ms)
+    return _client().blocking_key_value_get(key, timeout_ms)
 
 
 def jax_key_value_put(key: str, value: str) -> None:
     """Sets ``key=value`` in jax's coordination store, replacing an earlier value."""
-    from jax._src import distributed
-
-    distributed.global_state.client.key_value_set(key, value, allow_overwrite=True)
+    _client().key_value_set(key, value, allow_overwrite=True)
 
 
 def jax_key_value_try_get(key: str) -> str | None:
@@ -43,10 +45,8 @@ def jax_key_value_try_get(key: str) -> str | None:
 
     Raises jax's runtime error when the coordination service does not answer.
     """
-    from jax._src import distributed
-
     try:
-        return distributed.global_state.client.key_value_try_get(key)
+        return _client().key_value_try_get(key)
     except Exception as err:  # noqa: BLE001 - jax's one error type; "NOT_FOUND" is no error
         if "NOT_FOUND" in str(err):
             return None

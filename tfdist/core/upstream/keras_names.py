@@ -61,7 +61,7 @@ def keras_progbar_logger_class():
 def keras_seed_generators(model) -> list:
     """Every ``SeedGenerator`` of a model's layers (dropout, random augmentation), whose
     states a checkpoint must hold for an exact resume. Keras saves none of them."""
-    generators = []
+    generators: list = []
     for layer in model._flatten_layers(include_self=True, recursive=True):
         generators.extend(getattr(layer, "_seed_generators", ()))
     return generators
