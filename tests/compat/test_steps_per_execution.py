@@ -8,7 +8,8 @@ ending with a batch of 12, predict; plus ``tfdist.callbacks.checkpoint(save_freq
 Each cell must equal one device within ``TOLERANCE`` (weights, History, every batch-end
 index and logs the callbacks saw, evaluate, predict, the checkpoint files) and reports
 the topology it ran. ``tests/scripts/ckpt_job.py`` with K = 4 on 2 workers is killed -9
-mid-epoch and resumed by ``tfdist launch --max-restarts 1``.
+mid-epoch, or gets SIGTERM inside an execution, and is resumed by ``tfdist launch
+--max-restarts 1``.
 
 Without ``keras_steps_per_execution_under_strategy`` the first ``fit`` on 2 devices fails
 with the placeholder error of keras#19246.
@@ -148,8 +149,42 @@ def test_upstream_fails_with_a_placeholder_error(tmp_path):
     assert "You must feed a value for placeholder tensor" in error, error
 
 
-KILL_JOB = ("--save-freq", "7", "--epochs", "2", "--per-replica-batch", "2", "--examples", "54")
-KILL_JOB += ("--steps-per-execution", "4")  # 13 steps per epoch: executions of 4, 4, 4, 1
+CKPT_JOB = ("--save-freq", "7", "--epochs", "2", "--per-replica-batch", "2", "--examples", "54")
+CKPT_JOB += ("--steps-per-execution", "4")  # 13 steps per epoch: executions of 4, 4, 4, 1
+
+
+def _two_workers_and_reference(tmp_path, *faults: str) -> tuple[dict, subprocess.CompletedProcess]:
+    """``ckpt_job.py`` with ``CKPT_JOB`` under ``tfdist launch -n 2 --max-restarts 1`` with
+    ``faults``, and, side by side (each mostly waits), the same job never interrupted on
+    2 logical devices in one process: (its result, the launcher's process)."""
+    script = [sys.executable, str(SCRIPTS / "ckpt_job.py"), *CKPT_JOB]
+    temp = tmp_path / "tmp"  # where worker 1 stages its discarded copy of each save
+    temp.mkdir()
+    reference = subprocess.Popen(
+        [*script, "--dir", str(tmp_path / "reference")], env=child_env(TFDIST_CPU_DEVICES="2"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        proc = launch_cli(
+            "-n", "2", "--max-restarts", "1", *script[1:], "--dir", str(tmp_path / "ckpt"),
+            *faults, timeout=600, TMPDIR=str(temp),
+        )  # fmt: skip
+        out, err = reference.communicate(timeout=300)
+    finally:
+        if reference.poll() is None:
+            reference.kill()
+            reference.communicate()
+    assert reference.returncode == 0, err[-4000:]
+    result = last_json_line(out)
+    assert result["replicas"] == 2 and result["iterations"] == 26
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return result, proc
+
+
+def _worker_results(stdout: str, worker: str) -> list[dict]:
+    """The result lines worker ``worker`` printed, one per attempt."""
+    return [json.loads(line.partition(" ")[2]) for line in stdout.splitlines()
+            if line.startswith(f"[{worker}] {{") and '"weights"' in line]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -159,34 +194,50 @@ def test_two_workers_killed_mid_epoch_resume_exactly(tmp_path):
     launcher restarts both from the step-21 checkpoint (epoch 1, batch 8: saved at the
     end of the execution in which step 21 = 3 x 7 fell) and the job ends with the weights
     of a run never interrupted (2 logical devices, one process)."""
-    script = [sys.executable, str(SCRIPTS / "ckpt_job.py"), *KILL_JOB]
-    temp = tmp_path / "tmp"  # where worker 1 stages its discarded copy of each save
-    temp.mkdir()
-    reference = subprocess.Popen(  # side by side with the killed job: each mostly waits
-        [*script, "--dir", str(tmp_path / "reference")], env=child_env(TFDIST_CPU_DEVICES="2"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        proc = launch_cli(
-            "-n", "2", "--max-restarts", "1", *script[1:], "--dir", str(tmp_path / "ckpt"),
-            "--sigkill-at-step", "25", "--sigkill-rank", "1", timeout=600, TMPDIR=str(temp),
-        )  # fmt: skip
-        out, err = reference.communicate(timeout=300)
-    finally:
-        if reference.poll() is None:
-            reference.kill()
-            reference.communicate()
-    assert reference.returncode == 0, err[-4000:]
-    reference = last_json_line(out)
-    assert reference["replicas"] == 2 and reference["iterations"] == 26
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    reference, proc = _two_workers_and_reference(
+        tmp_path, "--sigkill-at-step", "25", "--sigkill-rank", "1"
+    )
     assert '[w1] {"dying_at_step": 25}' in proc.stdout
     for worker in ("w0", "w1"):
-        lines = [line for line in proc.stdout.splitlines()
-                 if line.startswith(f"[{worker}] {{") and '"weights"' in line]  # fmt: skip
-        resumed = json.loads(lines[-1].partition(" ")[2])
+        resumed = _worker_results(proc.stdout, worker)[-1]
         assert resumed["replicas"] == 2 and resumed["exit_code"] == 0
         assert resumed["restored"] == {"path": "ckpt-2-8.keras", "epoch": 1, "batch": 8, "step": 21}
         assert [step for *_, step in resumed["trained"]] == [25, 26]
+        assert resumed["iterations"] == 26
+        equivalence.assert_close(reference["weights"], resumed["weights"], TOLERANCE, worker)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_sigterm_inside_an_execution_saves_at_an_agreed_boundary_and_resumes_exactly(tmp_path):
+    """K = 4 on 2 workers (executions end at steps 4, 8, 12, 13 of the first epoch).
+    Worker 1 sends itself SIGTERM from inside step 6, while the execution of steps 5-8
+    runs. Its handler runs when that execution returns; at the step-8 boundary it
+    announces "save after step 9", so both workers save at the end of the execution
+    holding step 9 (step 12: epoch 0, batch 12) and exit 75; the launcher's restart
+    resumes there and ends with the weights of a run never interrupted."""
+    reference, proc = _two_workers_and_reference(
+        tmp_path, "--sigterm-in-step", "6", "--sigterm-rank", "1"
+    )
+    output = proc.stdout + proc.stderr
+    assert '[w1] {"sigterm_in_step": 6}' in proc.stdout  # sent while step 6 ran
+    assert '[w0] {"sigterm_in_step"' not in proc.stdout
+    assert "[w1] tfdist: SIGTERM received" in output
+    assert "[w0] tfdist: SIGTERM received" not in output
+    assert "exited with code 75 (saved, restart requested)" in proc.stderr
+    for worker in ("w0", "w1"):
+        preempted, resumed = _worker_results(proc.stdout, worker)
+        assert preempted["exit_code"] == 75 and preempted["iterations"] == 12
+        # the batch ends before the save: step 6 fell inside an execution, not at its end
+        assert [step for *_, step in preempted["trained"]] == [4, 8]
+        assert preempted["checkpoints"] == ["ckpt-1-12.keras", "ckpt-1-8.keras"]  # save_freq 7: 8
+        assert resumed["replicas"] == 2 and resumed["exit_code"] == 0
+        assert resumed["restored"] == {
+            "path": "ckpt-1-12.keras",
+            "epoch": 0,
+            "batch": 12,
+            "step": 12,
+        }
+        assert [step for *_, step in resumed["trained"]] == [13, 17, 21, 25, 26]
         assert resumed["iterations"] == 26
         equivalence.assert_close(reference["weights"], resumed["weights"], TOLERANCE, worker)

@@ -10,6 +10,10 @@ and can hurt itself on purpose:
                           the staging file half written
     --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
                           with --sigterm-rank R only worker R does
+    --sigterm-in-step N   TensorFlow: send itself SIGTERM from inside training step N (a
+                          ``tf.py_function`` in the model's graph), so that with
+                          ``--steps-per-execution K`` it arrives while an execution runs;
+                          prints ``{"sigterm_in_step": N}``; --sigterm-rank applies
     --sharded             sharded, asynchronous Orbax checkpoints (JAX) instead of archives
     --model-parallel B    JAX: a 2x2 ModelParallel (first kernel sharded), global batch B
 
@@ -53,6 +57,7 @@ parser.add_argument(
 )
 parser.add_argument("--sigkill-in-save", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
+parser.add_argument("--sigterm-in-step", type=int, default=None)
 parser.add_argument("--sigterm-rank", type=int, default=None, help="only this worker (default all)")
 parser.add_argument(
     "--dir-per-rank", action="store_true", help="misconfiguration: worker R uses DIR-rankR"
@@ -122,8 +127,30 @@ if args.dir_per_rank and rank:
 class DropIndex(keras.layers.Layer):
     """Splits the example index off the features (the model trains on the first 8)."""
 
-    def call(self, inputs):
+    def call(self, inputs, training=None):
+        if training and signal_in_step is not None:  # in every worker's graph
+            tf.py_function(signal_in_step, [], [])  # stateful: runs in every step
         return inputs[:, :8]
+
+
+def _signal_in_step():
+    """Counts this process's training steps (one call per local replica and step) and
+    sends SIGTERM from inside step ``--sigterm-in-step``: the graph is still running."""
+    steps_seen["n"] += 1
+    local_replicas = max(tfdist.num_replicas() // tfdist.num_workers(), 1)
+    if (
+        args.sigterm_rank in (None, rank)
+        and steps_seen["n"] == args.sigterm_in_step * local_replicas
+    ):
+        print(json.dumps({"sigterm_in_step": args.sigterm_in_step}), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+steps_seen = {"n": 0}
+# TensorFlow only: on 2 JAX processes neither jax.debug.callback nor io_callback ran.
+signal_in_step = (
+    _signal_in_step if ON_TF and first_attempt and args.sigterm_in_step is not None else None
+)
 
 
 def build_and_compile():
