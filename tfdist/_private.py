@@ -804,6 +804,15 @@ REQUIRED["jax"] += [
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter.enqueuer",
 ]
+# What keras_tf_generator_batches_copied wraps (tfdist.compat.tf_inputs): the function
+# from_generator iterates for a PyDataset, and the generator adapter's batch source.
+REQUIRED["keras"] += [
+    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter._get_iterator",
+    _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+]
+SOURCE_ATTRIBUTES += [
+    _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.generator",
+]
 # ======================================== end of section: numpy, PyDataset and generator inputs
 
 
