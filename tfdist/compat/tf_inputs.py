@@ -15,9 +15,9 @@ JAX processes. One worker, or ``shuffle=False``, is left as upstream has it.
 ``tf.data.Dataset.from_generator``, which Keras's ``fit`` builds from a ``PyDataset`` or a
 generator, hands TensorFlow the yielded numpy arrays without a copy when they start on a
 64-byte boundary. Under a strategy with several replicas each global batch is cut into
-per-replica slices; the slice that starts at the array's first byte is then given to ops
-that reuse their input's memory for their output (the loss's ``y_true - y_pred``), which
-overwrite the user's array in place: a script that yields views of its training arrays
+per-replica slices; the slice that starts at the array's first byte reaches the step as
+a tensor TensorFlow treats as its own, and the step's ops, which may write their result
+into an input's memory, overwrite the user's array in place (the labels, here): a script that yields views of its training arrays
 (``Y[start:end]``) trains its next epoch, and any later ``fit``, on overwritten labels.
 Whether it happens depends on where the array lies in memory, so it came and went between
 runs of the same job. The fix ``keras_tf_generator_batches_copied`` copies every numpy
@@ -135,7 +135,7 @@ def fix_batches_copied() -> None:
     conversion keeps a 64-byte-aligned array's memory as the tensor's; once a strategy
     cuts the batch into replicas' slices, the first slice's memory can be reused in place
     by the step's ops, writing into the user's array (2 replicas, ``Y[0:16]`` yielded:
-    rows 0-7 end as loss terms). A copy per batch leaves that memory to TensorFlow alone.
+    rows 0-7 change). A copy per batch leaves that memory to TensorFlow alone.
     Keras's ``PyDatasetAdapter._get_iterator`` (what ``from_generator`` iterates) and the
     generator adapter's ``generator`` (read by ``get_tf_dataset``'s iterator) are wrapped.
     """
