@@ -1,4 +1,5 @@
-"""A shuffled ``PyDataset`` on several TensorFlow workers: one order, every example once.
+"""A ``PyDataset`` or a Python generator on several TensorFlow replicas: one shuffle
+order on every worker, and the user's arrays left as they are.
 
 Keras's ``fit(PyDataset)`` shuffles the batch order of each epoch with Python's global
 ``random``, drawn when tf.data's generator thread starts the epoch. Under
@@ -11,11 +12,24 @@ fix ``keras_tf_workers_agree_shuffle`` sets every worker's Python random state t
 chief's right before each shuffled epoch's draw, as ``tfdist.compat.jax_inputs`` does for
 JAX processes. One worker, or ``shuffle=False``, is left as upstream has it.
 
+``tf.data.Dataset.from_generator``, which Keras's ``fit`` builds from a ``PyDataset`` or a
+generator, hands TensorFlow the yielded numpy arrays without a copy when they start on a
+64-byte boundary. Under a strategy with several replicas each global batch is cut into
+per-replica slices; the slice that starts at the array's first byte reaches the step as
+a tensor TensorFlow treats as its own, and the step's ops, which may write their result
+into an input's memory, overwrite the user's array in place (the labels, here): a script that yields views of its training arrays
+(``Y[start:end]``) trains its next epoch, and any later ``fit``, on overwritten labels.
+Whether it happens depends on where the array lies in memory, so it came and went between
+runs of the same job. The fix ``keras_tf_generator_batches_copied`` copies every numpy
+array a ``PyDataset`` or a generator yields before TensorFlow sees it (one copy of a batch
+per step).
+
 Every private name used comes from ``tfdist.core.upstream``.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -23,7 +37,7 @@ import random
 from tfdist.core import config, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random"]
+__all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random", "fix_batches_copied"]
 
 _AGREEMENTS = itertools.count()
 
@@ -95,6 +109,51 @@ def fix_workers_agree_shuffle() -> None:
     )
 
 
+def _owned(batch):
+    """``batch`` with each numpy array replaced by a copy only TensorFlow holds."""
+    import numpy as np
+
+    return upstream.keras_tree().map_structure(
+        lambda value: value.copy() if isinstance(value, np.ndarray) else value, batch
+    )
+
+
+def _copying(generator_function):
+    @functools.wraps(generator_function)
+    def batches(*args, **kwargs):
+        for batch in generator_function(*args, **kwargs):
+            yield _owned(batch)
+
+    batches.tfdist_copies = True
+    return batches
+
+
+def fix_batches_copied() -> None:
+    """Copies the numpy arrays a ``PyDataset`` or a generator yields to TensorFlow.
+
+    Both adapters hand their batches to ``tf.data.Dataset.from_generator``, whose
+    conversion keeps a 64-byte-aligned array's memory as the tensor's; once a strategy
+    cuts the batch into replicas' slices, the first slice's memory can be reused in place
+    by the step's ops, writing into the user's array (2 replicas, ``Y[0:16]`` yielded:
+    rows 0-7 change). A copy per batch leaves that memory to TensorFlow alone.
+    Keras's ``PyDatasetAdapter._get_iterator`` (what ``from_generator`` iterates) and the
+    generator adapter's ``generator`` (read by ``get_tf_dataset``'s iterator) are wrapped.
+    """
+    adapters = upstream.keras_shareable_adapter_classes()
+    py_dataset, generator = adapters[1], adapters[2]
+    patch(py_dataset, "_get_iterator", "keras_tf_generator_batches_copied", _copying)
+
+    def make(original):
+        def get_tf_dataset(self):
+            if not getattr(self.generator, "tfdist_copies", False):
+                self.generator = _copying(self.generator)
+            return original(self)
+
+        return get_tf_dataset
+
+    patch(generator, "get_tf_dataset", "keras_tf_generator_batches_copied", make)
+
+
 FIXES = [
     Fix(
         "keras_tf_workers_agree_shuffle",
@@ -104,6 +163,19 @@ FIXES = [
         fix_workers_agree_shuffle,
         targets=targets(
             "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
+        ),
+    ),
+    Fix(
+        "keras_tf_generator_batches_copied",
+        "Keras 3 fit(PyDataset or generator) on TensorFlow with several replicas: the "
+        "step's ops overwrite the numpy arrays the generator yields (when 64-byte "
+        "aligned), so later epochs train on corrupted labels",
+        on_keras_backend("tensorflow"),
+        fix_batches_copied,
+        targets=targets(
+            "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._get_iterator",
+            "keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+            "keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.generator (instance)",
         ),
     ),
 ]

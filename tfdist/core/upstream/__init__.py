@@ -21,6 +21,7 @@ import importlib
 
 from tfdist.core.upstream import jax_names, keras_names, tf_names
 from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __all__
+    jax_distributed_client,
     jax_key_value_get,
     jax_key_value_put,
     jax_key_value_set,
@@ -161,6 +162,7 @@ __all__ = [
     "keras_jax_epoch_iterator_class",
     "tf_wait_at_barrier",
     "jax_wait_at_barrier",
+    "jax_distributed_client",
     "keras_trainer_class",
     "keras_jax_trainer_class",
     "keras_distribution_class",
@@ -404,6 +406,15 @@ REQUIRED["jax"] += [
 
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter.enqueuer",
+]
+# What keras_tf_generator_batches_copied wraps (tfdist.compat.tf_inputs): the function
+# from_generator iterates for a PyDataset, and the generator adapter's batch source.
+REQUIRED["keras"] += [
+    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter._get_iterator",
+    _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
+]
+SOURCE_ATTRIBUTES += [
+    _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.generator",
 ]
 
 # ======================================== end of section: numpy, PyDataset and generator inputs

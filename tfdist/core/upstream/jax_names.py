@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def _client() -> Any:
-    """jax's distributed client; None before ``jax.distributed.initialize``, when the
-    caller's method lookup fails with AttributeError, as it always has."""
+def jax_distributed_client() -> Any:
+    """jax's distributed client (``jax._src.distributed.global_state.client``): the
+    helpers below use its store and barrier, which jax's public API does not expose. None
+    before ``jax.distributed.initialize``; a method looked up on it then fails with
+    AttributeError."""
     from jax._src import distributed
 
     return distributed.global_state.client
@@ -15,7 +17,7 @@ def _client() -> Any:
 
 def jax_wait_at_barrier(name: str, timeout_ms: int) -> None:
     """The same through jax's distributed client (``sync_global_devices`` has no timeout)."""
-    _client().wait_at_barrier(name, timeout_ms)
+    jax_distributed_client().wait_at_barrier(name, timeout_ms)
 
 
 def jax_key_value_set(key: str, value: str) -> None:
@@ -23,7 +25,7 @@ def jax_key_value_set(key: str, value: str) -> None:
 
     Raises jax's runtime error (``ALREADY_EXISTS`` in its message) when ``key`` is set.
     """
-    _client().key_value_set(key, value)
+    jax_distributed_client().key_value_set(key, value)
 
 
 def jax_key_value_get(key: str, timeout_ms: int) -> str:
@@ -32,12 +34,12 @@ def jax_key_value_get(key: str, timeout_ms: int) -> str:
     Raises jax's runtime error (``DEADLINE_EXCEEDED`` in its message) when it does not
     appear in time, another one when the service is gone.
     """
-    return _client().blocking_key_value_get(key, timeout_ms)
+    return jax_distributed_client().blocking_key_value_get(key, timeout_ms)
 
 
 def jax_key_value_put(key: str, value: str) -> None:
     """Sets ``key=value`` in jax's coordination store, replacing an earlier value."""
-    _client().key_value_set(key, value, allow_overwrite=True)
+    jax_distributed_client().key_value_set(key, value, allow_overwrite=True)
 
 
 def jax_key_value_try_get(key: str) -> str | None:
@@ -46,7 +48,7 @@ def jax_key_value_try_get(key: str) -> str | None:
     Raises jax's runtime error when the coordination service does not answer.
     """
     try:
-        return _client().key_value_try_get(key)
+        return jax_distributed_client().key_value_try_get(key)
     except Exception as err:  # noqa: BLE001 - jax's one error type; "NOT_FOUND" is no error
         if "NOT_FOUND" in str(err):
             return None
