@@ -128,7 +128,7 @@ def check_dns(cluster: k8s_pods.Cluster) -> None:
 
 def engine_in(cluster: k8s_pods.Cluster, pod: k8s_pods.Pod) -> dict:
     """What ``tfdist info`` reports as the engine (``tfdist.core.engines``), read in ``pod``."""
-    code = "import json; from tfdist import engines; print(json.dumps(engines.detect().summary()))"
+    code = "import json; from tfdist.core import engines; print(json.dumps(engines.detect().summary()))"
     proc = cluster.exec(pod, [sys.executable, "-c", code])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)

@@ -206,6 +206,8 @@ class ShardedWriter:
 
     def wait(self) -> None:
         self._checkpointer.wait_until_finished()
+        # The pool may have grown during the write: its new threads are lowered too.
+        lower_writer_priority()
 
 
 def _state_handler(ocp):
