@@ -187,6 +187,7 @@ _STATEFUL_CALLS = {
     "WeakKeyDictionary",
     "WeakSet",
     "WeakValueDictionary",
+    "IteratorReleaser",
 }
 
 
