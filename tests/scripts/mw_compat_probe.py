@@ -10,11 +10,13 @@ then, on every worker:
    (invalid reduction dimension);
 3. with the two fit fixes but not ``keras_progbar_chief_only``: ``fit(verbose=2)``
    between the markers ``STAGE progbar-unfixed`` / ``STAGE progbar-fixed`` prints an
-   epoch line on every worker;
+   epoch line on every worker; nor ``keras_compile_in_model_scope``: a model compiled
+   again outside the scope (a plain-function loss, ``optimizer="sgd"``) reports each
+   worker's own loss;
 4. with every fix: ``fit`` with validation data and a metric, ``evaluate``,
-   ``predict``, and ``fit`` of an ``SGD(gradient_accumulation_steps=2)`` model, each
-   compared with the same model trained in this process without a strategy (one
-   device, same global batch).
+   ``predict``, ``fit`` of an ``SGD(gradient_accumulation_steps=2)`` model, and the
+   second compile outside the scope, each compared with the same model trained in this
+   process without a strategy (one device, same global batch).
 
 Prints one JSON line: worker, replicas, errors, and the largest differences from the
 one-device reference.
@@ -73,6 +75,18 @@ def in_scope(accumulate=None):
         return build(accumulate)
 
 
+def squared_error(y_true, y_pred):
+    """A plain-function loss, as a user writes one."""
+    return keras.ops.mean(keras.ops.square(y_true - y_pred), axis=-1)
+
+
+def recompiled(model):
+    """Compiled again outside any scope (the transfer-learning layout), then fit."""
+    model.compile(optimizer="sgd", loss=squared_error, metrics=["mae"])
+    history = train(model).history
+    return {"history": history, "weights": [w.tolist() for w in model.get_weights()]}
+
+
 def failure(fn):
     try:
         fn()
@@ -91,10 +105,11 @@ errors = {"unfixed": failure(lambda: train(in_scope()))}
 compat.apply_all(exclude=[n for n in compat.fix_names() if n != "keras_symbolic_build_from_spec"])
 errors["symbolic_build_fixed"] = failure(lambda: train(in_scope()))
 
-compat.apply_all(exclude=["keras_progbar_chief_only"])
+compat.apply_all(exclude=["keras_progbar_chief_only", "keras_compile_in_model_scope"])
 print("STAGE progbar-unfixed", flush=True)
 train(in_scope(), verbose=2)
 sys.stdout.flush()
+recompiled_unfixed = recompiled(in_scope())
 compat.apply_all(exclude=[])
 print("STAGE progbar-fixed", flush=True)
 model = in_scope()
@@ -104,11 +119,13 @@ evaluated = model.evaluate(x_val, y_val, batch_size=GLOBAL_BATCH, verbose=0)
 predicted = model.predict(x_val, batch_size=GLOBAL_BATCH, verbose=0)
 accumulating = in_scope(accumulate=2)
 train(accumulating)
+recompiled_fixed = recompiled(in_scope())
 
 reference = build()  # no strategy scope: one device, the same global batch
 ref_history = train(reference, validation_data=(x_val, y_val))
 ref_accumulating = build(accumulate=2)
 train(ref_accumulating)
+ref_recompiled = recompiled(build())
 diffs = {
     "weights": equivalence.max_difference(reference.get_weights(), model.get_weights()),
     "history": equivalence.max_difference(ref_history, history),
@@ -117,6 +134,7 @@ diffs = {
     "accumulated_weights": equivalence.max_difference(
         ref_accumulating.get_weights(), accumulating.get_weights()
     ),
+    "recompiled": equivalence.max_difference(ref_recompiled, recompiled_fixed),
 }
 print(
     json.dumps(
@@ -126,6 +144,10 @@ print(
             "applied": compat.applied(),
             "errors": errors,
             "diffs": diffs,
+            "recompiled": {
+                "unfixed": recompiled_unfixed,
+                "reference": ref_recompiled,
+            },
             "trained": max_diff(reference.get_weights()[0], build().get_weights()[0]),
             "pid": os.getpid(),
         }

@@ -8,7 +8,9 @@ CPUs it records, before and after ``tfdist.compat.apply_all(exclude=[])``:
 * the upstream error of ``SGD(gradient_accumulation_steps=2)``, then the fixed
   result, compared with the same model trained without a strategy;
 * a dataset whose element spec has an unknown rank (the fallback path of the
-  spec-based build), compared with training without a strategy.
+  spec-based build), compared with training without a strategy;
+* a model built in the scope and compiled outside it with ``optimizer="adam"``: the
+  upstream error, then the fixed run against the same model without a strategy.
 
 Prints one JSON line.
 """
@@ -81,6 +83,15 @@ def build(accumulate=None, scope=True, reshaping=False):
     return model
 
 
+def compiled_outside(optimizer, scope=True):
+    """Built in the scope (or without one), compiled after it, then fit: logs, weights, steps."""
+    model = build(scope=scope)
+    model.compile(optimizer=optimizer, loss="mse")
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    steps = int(model.optimizer.iterations.numpy())
+    return {"history": history.history, "weights": model.get_weights(), "steps": steps}
+
+
 def iterations_of_fit():
     iterations["count"] = 0
     build().fit(counting_dataset(), epochs=2, verbose=0)
@@ -104,6 +115,8 @@ result["accumulation_unfixed"] = failure(
     lambda: build(accumulate=2).fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
 )
 
+result["adam_outside_unfixed"] = failure(lambda: compiled_outside("adam"))
+
 result["applied"] = compat.apply_all(exclude=[])
 result["iterations_fixed"] = iterations_of_fit()
 
@@ -121,5 +134,7 @@ unknown.fit(unknown_rank_dataset(), epochs=2, verbose=0)
 known = build(scope=False, reshaping=True)
 known.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 result["unknown_rank_diff"] = max_diff(unknown.get_weights(), known.get_weights())
+adam_reference = compiled_outside("adam", scope=False)
+result["adam_outside_diff"] = max_diff(adam_reference, compiled_outside("adam"))
 result["replicas"] = mirrored.num_replicas_in_sync
 print(json.dumps(result), flush=True)
