@@ -89,3 +89,34 @@ def test_the_releaser_drops_an_iterator_on_its_thread_once_nothing_else_holds_it
     gc.collect()
     assert dropped.wait(30), "the releaser did not drop the iterator within 30 s"
     assert deaths == [RELEASE_THREAD] and releaser.held() == 0
+
+
+def test_a_destruction_under_way_at_exit_finishes_before_the_interpreter_finalizes():
+    # A daemon thread inside tf.data's destructor at exit is unwound through TensorFlow's
+    # C++ frames, which aborts the process ("FATAL: exception not rethrown", seen at the
+    # end of `tfdist train mnist --devices 2`); the release thread is joined instead.
+    proc = run_python(
+        """
+        import time
+        from tfdist.compat.epoch_start import IteratorReleaser
+
+        class SlowToDestroy:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                raise StopIteration
+
+            def __del__(self):
+                time.sleep(1.0)  # as tf.data's destructor waits for its autotuning thread
+                print("destroyed", flush=True)
+
+        releaser = IteratorReleaser(poll_s=0.01)
+        iterator = releaser.keep(SlowToDestroy())
+        del iterator
+        time.sleep(0.2)  # the release thread is inside __del__ now
+        print("main thread done", flush=True)
+        """,
+        timeout=60,
+    )
+    assert proc.stdout.split() == ["main", "thread", "done", "destroyed"], proc.stdout

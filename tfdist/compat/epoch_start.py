@@ -15,12 +15,14 @@ per-device ones a ``MultiDeviceIterator`` builds) the wait is gone, which names 
 thread it waits for.
 
 The fix ``keras_tf_iterators_released_in_background`` keeps a reference to every iterator
-``TFEpochIterator`` makes; a daemon thread drops it once Keras no longer holds it, so the
+``TFEpochIterator`` makes; a thread of tfdist's drops it once Keras no longer holds it, so the
 destructor's wait happens on that thread (TensorFlow releases the GIL while it deletes a
 tensor handle) and training goes on. Nothing else changes: Keras makes the same
 iterators in the same order (one shuffle order each), uses them as before, and every
-iterator is still destroyed, a fraction of a second later. At interpreter exit the
-iterators still held are dropped as upstream drops them.
+iterator is still destroyed, a fraction of a second later. The thread ends one poll
+after the main thread (Python joins it before finalizing, so an exit waits for a
+destruction under way, as upstream's exit waits for it on the main thread); iterators
+still in use then are dropped as upstream drops them.
 
 Every private name used comes from ``tfdist.core.upstream``.
 """
@@ -40,12 +42,12 @@ THREAD_NAME = "tfdist-iterator-release"
 
 
 class IteratorReleaser:
-    """Holds iterators and drops each one on a daemon thread once nothing else holds it.
+    """Holds iterators and drops each one on its own thread once nothing else holds it.
 
     Example:
         >>> releaser = IteratorReleaser(poll_s=0.01)
         >>> it = releaser.keep(iter([1, 2]))
-        >>> del it          # the daemon thread drops the last reference soon after
+        >>> del it          # its thread drops the last reference soon after
     """
 
     # getrefcount's argument, the comprehension's variable and our list.
@@ -63,7 +65,11 @@ class IteratorReleaser:
         with self._lock:
             self._held.append(iterator)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                # Not a daemon: a daemon thread inside a destructor at interpreter exit is
+                # unwound through TensorFlow's C++ frames, which aborts the process
+                # ("FATAL: exception not rethrown"). Python joins this thread before
+                # finalizing; it ends one poll after the main thread does.
+                self._thread = threading.Thread(target=self._run, name=THREAD_NAME)
                 self._thread.start()
                 atexit.register(self.release_all)
         return iterator
@@ -74,10 +80,12 @@ class IteratorReleaser:
             return len(self._held)
 
     def _run(self) -> None:
-        while True:
+        main = threading.main_thread()
+        while main.is_alive():
             self._wake.wait(self.poll_s)
             self._wake.clear()
             self._release_unused()
+        self._release_unused()  # what the main thread let go of last
 
     def _release_unused(self) -> None:
         with self._lock:
@@ -111,7 +119,7 @@ class _KeptDataset:
 def fix_iterators_released_in_background() -> None:
     """Routes every iterator Keras's TensorFlow ``EpochIterator`` makes through
     ``RELEASER``, so that its destruction (and tf.data's wait for the iterator's
-    autotuning thread) happens on a daemon thread, not in the next epoch's first step.
+    autotuning thread) happens on the releaser's thread, not in the next epoch's first step.
     ``_get_iterator`` is only ever called as ``iter(self._get_iterator())``.
     """
 
