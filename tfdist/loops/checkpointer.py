@@ -1,27 +1,14 @@
-"""Custom training loops in the TensorFlow and Keras-JAX guides' style, on 1 device, N
-devices and N workers with the same result, and their exact resume.
+"""``Checkpointer``: ``make_or_restore``'s guarantees for a custom training loop.
 
-TensorFlow (``strategy.run``): ``distribute(pipeline)`` hands a ``tfdist.data.pipeline``
-of GLOBAL batches to tfdist's strategy; ``average_loss(per_example_loss)`` divides by
-the step's global batch (summed over replicas, so a short last batch counts right).
-
-JAX (``model.stateless_call``/``optimizer.stateless_apply`` under ``jax.jit``): ``mesh()``
-spans ``jax.devices()`` of every process; ``replicate(tree)`` places the train state
-replicated on it; ``shard_batch(batch)`` places a global batch split along its first
-axis. Every process passes the SAME global batch (what ``tfdist.data.pipeline`` yields
-on JAX) and keeps only the rows its own devices hold.
-
-``Checkpointer`` gives a loop ``make_or_restore``'s guarantees: atomic ``.keras``
-archives written by the chief only (with the optimizer state, the step and the RNG
-state in extra members), a damaged newest archive skipped for the previous one, every
-worker agreeing on what it restores, the data pipeline moved to the step's batch, and
-SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE`` (75).
-docs/custom_loops.md has both recipes; tests/test_custom_loops.py runs them.
+Atomic ``.keras`` archives written by the chief only (with the optimizer state, the step
+and the RNG state in extra members), a damaged newest archive skipped for the previous
+one, every worker agreeing on what it restores, the data pipeline moved to the step's
+batch, and SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE``
+(75).
 
 Example:
     >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
     >>> step = ckpt.restore()                                                    # doctest: +SKIP
-    >>> ckpt.maybe_save(step, every=100)                                         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -53,179 +40,15 @@ from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
 from tfdist.compat import cross_replica
 from tfdist.core import atomic, cluster, config, validate
 from tfdist.core.position import Position
+from tfdist.loops.jax import to_host
 
-__all__ = [
-    "distribute",
-    "average_loss",
-    "mesh",
-    "replicate",
-    "shard_batch",
-    "to_host",
-    "Checkpointer",
-    "OPTIMIZER_MEMBER",
-]
+__all__ = ["Checkpointer", "OPTIMIZER_MEMBER"]
 
 logger = logging.getLogger(__name__)
 
 # The archive member holding the optimizer's variables (a loop's model is not compiled,
 # so ``model.save`` leaves the optimizer out); Keras ignores members it does not know.
 OPTIMIZER_MEMBER = "tfdist/optimizer.npz"
-BATCH_AXIS = "batch"
-
-# --------------------------------------------------------------------------- TensorFlow
-
-
-def distribute(dataset, *, strategy=None):
-    """``strategy.experimental_distribute_dataset`` with tfdist's strategy, for a pipeline
-    of GLOBAL batches (``tfdist.data.pipeline``): each replica gets its slice of each.
-
-    Example:
-        >>> dist_train = distribute(tfdist.data.pipeline(ds, global_batch=64, seed=0))  # doctest: +SKIP
-        >>> for batch in dist_train: strategy.run(step, args=(batch,))  # doctest: +SKIP
-    """
-    import tensorflow as tf
-
-    what = "a tf.data.Dataset of global batches, e.g. tfdist.data.pipeline(...)"
-    validate.instance(dataset, tf.data.Dataset, "dataset", "tfdist.loops.distribute", what)
-    return _distribute.current(strategy).experimental_distribute_dataset(dataset)
-
-
-def average_loss(per_example_loss, *, global_batch_size=None, sample_weight=None):
-    """``tf.nn.compute_average_loss`` over the step's GLOBAL batch, inside ``strategy.run``.
-
-    Without ``global_batch_size``, the global batch is the sum of every replica's batch
-    (one small all-reduce), so a short last batch is averaged over its true size.
-
-    Example:
-        >>> def step_fn(x, y):                                        # doctest: +SKIP
-        ...     loss = average_loss(loss_fn(y, model(x, training=True)))
-    """
-    import tensorflow as tf
-
-    if global_batch_size is None:
-        context = tf.distribute.get_replica_context()  # the default one without a strategy
-        if context is None:  # in a strategy's scope, outside strategy.run
-            raise RuntimeError(
-                "tfdist.loops.average_loss: call it inside strategy.run (replica context). "
-                f"Received: per_example_loss={per_example_loss!r:.80}. Or pass "
-                "global_batch_size=... explicitly."
-            )
-        local = tf.shape(per_example_loss, out_type=tf.int64)[0]
-        global_batch_size = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    return tf.nn.compute_average_loss(
-        per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size
-    )
-
-
-# --------------------------------------------------------------------------- JAX
-
-
-def mesh(axis_name: str = BATCH_AXIS):
-    """A 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` of EVERY process (not local ones).
-
-    Example:
-        >>> mesh().devices.size  # 2 processes x 2 devices  # doctest: +SKIP
-        4
-    """
-    import jax
-
-    validate.instance(axis_name, str, "axis_name", "tfdist.loops.mesh", "a mesh axis name")
-    return jax.sharding.Mesh(np.array(jax.devices()), (axis_name,))
-
-
-def to_host(value) -> np.ndarray:
-    """A host copy of a variable, a tensor or a jax array spanning processes.
-
-    Example:
-        >>> float(to_host(loss))  # a replicated scalar of a jitted step  # doctest: +SKIP
-        0.93
-    """
-    value = getattr(value, "value", value)
-    if not getattr(value, "is_fully_addressable", True):  # a jax array over processes
-        if value.sharding.is_fully_replicated:
-            return np.asarray(value.addressable_shards[0].data)  # each shard is the whole
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-    return np.asarray(keras.ops.convert_to_numpy(value))
-
-
-def replicate(tree, *, on=None):
-    """Places every leaf of ``tree`` (arrays, tensors, ``keras.Variable``s) whole on every
-    device of ``mesh()`` (``NamedSharding`` with ``P()``): the train state.
-
-    Every process must pass the same values (they are built from the same seed, or
-    restored from the same checkpoint).
-
-    Example:
-        >>> state = replicate(([v.value for v in model.trainable_variables], ...))  # doctest: +SKIP
-    """
-    import jax
-
-    sharding = jax.sharding.NamedSharding(on or mesh(), jax.sharding.PartitionSpec())
-
-    def place(leaf):
-        value = to_host(leaf)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    return jax.tree_util.tree_map(place, tree, is_leaf=_is_variable)
-
-
-def _is_variable(leaf) -> bool:
-    return isinstance(leaf, keras.Variable)
-
-
-def _process_rows(sharding, shape) -> slice:
-    """The rows of a global batch of ``shape`` this process's devices hold."""
-    starts, stops = [], []
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        rows = index[0]
-        starts.append(rows.start or 0)
-        stops.append(shape[0] if rows.stop is None else rows.stop)
-    first, last = min(starts), max(stops)
-    if sum(b - a for a, b in sorted(set(zip(starts, stops, strict=True)))) != last - first:
-        raise ValueError(
-            f"tfdist.loops.shard_batch: this process's devices hold non-contiguous rows "
-            f"{sorted(zip(starts, stops, strict=True))} of the batch. Received: shape={shape}. "
-            "Use tfdist.loops.mesh(), which orders devices by process."
-        )
-    return slice(first, last)
-
-
-def shard_batch(batch, *, on=None):
-    """Places a GLOBAL batch split along its first axis over ``mesh()``'s devices.
-
-    Every process passes the same global batch (numpy arrays or tensors: what
-    ``tfdist.data.pipeline`` yields on JAX, in every process) and contributes only the
-    rows its own devices hold (``jax.make_array_from_process_local_data``).
-
-    Raises:
-        ValueError: the batch's first axis is not divisible by the mesh's devices.
-
-    Example:
-        >>> x, y = shard_batch((images, labels))  # global arrays, 1/N per device  # doctest: +SKIP
-    """
-    import jax
-
-    grid = on or mesh()
-    sharding = jax.sharding.NamedSharding(grid, jax.sharding.PartitionSpec(grid.axis_names[0]))
-    devices = grid.devices.size
-
-    def place(leaf):
-        value = np.asarray(keras.ops.convert_to_numpy(leaf))
-        if value.ndim == 0 or value.shape[0] % devices:
-            raise ValueError(
-                f"tfdist.loops.shard_batch: every array's first axis must be divisible by "
-                f"the {devices} devices of the mesh. Received: shape={value.shape}. Use a "
-                "global batch that is a multiple of the devices (drop_remainder=True)."
-            )
-        rows = _process_rows(sharding, value.shape)
-        return jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
-
-    return jax.tree_util.tree_map(place, batch)
-
-
-# --------------------------------------------------------------------------- Checkpointer
 
 _WHERE = "tfdist.loops.Checkpointer"
 
