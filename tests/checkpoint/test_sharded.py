@@ -124,6 +124,14 @@ def test_a_failed_restore_leaves_no_read_to_complete_into_a_closed_loop():
     assert not isinstance(asyncio.get_event_loop_policy(), sharded._FinishingPolicy)
 
 
+def test_a_checkpoint_that_does_not_fit_names_its_reader_and_the_differences():
+    saved, mine = [["d/kernel", [6, 16], "float32"]], [["d/kernel", [6, 8], "float32"]]
+    said = sharded._does_not_fit("ckpt/ckpt-1.orbax", saved, mine, "tfdist.loops.Checkpointer")
+    assert said.startswith("tfdist.loops.Checkpointer: sharded checkpoint 'ckpt/ckpt-1.orbax'")
+    assert "does not fit the loop's model and optimizer" in said
+    assert "#0 d/kernel [[6, 8], 'float32'] vs saved d/kernel [[6, 16], 'float32']" in said
+
+
 def test_sharded_names_are_apart_from_archives_and_unfinished_writes(tmp_path):
     assert sharded.sharded_name(2, 50) == "ckpt-3-50.orbax"
     assert sharded.sharded_name(1) == "ckpt-1.orbax"
