@@ -1,6 +1,7 @@
 """Custom training loops (tfdist.loops) in the guides' style: the same weights on 1 device,
 N devices and N workers/processes, and exact resume after a kill -9, a SIGTERM (save at an agreed
-step, exit 75) and a damaged newest checkpoint.
+step, exit 75) and a damaged newest checkpoint (on JAX, the killed job writes sharded,
+asynchronous checkpoints and is killed with a write under way).
 
 The scripts are tests/scripts/loop_tf.py and loop_jax.py (docs/custom_loops.md shows
 them). Each process trains every variant it can (one device and all devices in one
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
 import zipfile
+from dataclasses import dataclass
 
 import keras
 import numpy as np
@@ -26,6 +29,8 @@ from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, laun
 TOLERANCE = 1e-5
 STEPS = 30  # 3 epochs of 160 examples in global batches of 16
 KILL_AT = 13  # between the saves of steps 12 and 16: step 13 is trained again
+SHARDED_KILL_AT = 16  # a save step: its write (ckpt-2-6.orbax) is under way at the kill
+DAMAGED = "ckpt-2-8.orbax"  # newer than any checkpoint at the kill: tried first
 SIGTERM_AT = 20
 
 
@@ -46,19 +51,26 @@ def run_script(script, directory, *extra, **env):
     return last_json_line(proc.stdout)
 
 
+def worker_lines(proc) -> list[tuple[str, dict]]:
+    """``(worker, JSON line)`` of every JSON line the workers printed under tfdist launch."""
+    found = []
+    for line in proc.stdout.splitlines():
+        worker, _, rest = line.partition(" ")
+        if worker.startswith("[w") and rest.startswith("{"):
+            found.append((worker.strip("[]"), json.loads(rest)))
+    return found
+
+
 def worker_results(proc):
     """({worker: [final results]}, {worker: [what each attempt restored]}) from tfdist
     launch's output."""
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     found, restores = {}, {}
-    for line in proc.stdout.splitlines():
-        worker, _, rest = line.partition(" ")
-        if worker.startswith("[w") and rest.startswith("{"):
-            result, name = json.loads(rest), worker.strip("[]")
-            if "restored" in result:
-                restores.setdefault(name, []).append(result)
-            else:
-                found.setdefault(name, []).append(result)
+    for name, result in worker_lines(proc):
+        if "restored" in result:
+            restores.setdefault(name, []).append(result)
+        elif "distributed" in result:
+            found.setdefault(name, []).append(result)
     assert sorted(found) == ["w0", "w1"], proc.stdout[-3000:]
     return found, restores
 
@@ -73,7 +85,59 @@ def check_topology(result: dict, expected: dict) -> None:
         assert got == value, (path, got, value)
 
 
-def damage_newest_and_resume(script, directory, single, extra, env, topology):
+@dataclass(frozen=True)
+class LoopJob:
+    """A custom-loop job and how each test runs it."""
+
+    script: str
+    single_env: dict  # the single process's devices
+    launch: list  # tfdist launch's arguments
+    env: dict  # every run's environment
+    # What the single process ("single") and each launched one ("launched") must report
+    # it ran on (see check_topology).
+    topology: dict
+    extra: tuple = ()  # the script's switches
+    # The job killed -9 in attempt 0 (and sent SIGTERM in attempt 1): its own switches,
+    # and the suffix of the checkpoints it writes.
+    kill: tuple = ("--kill-at-step", str(KILL_AT))
+    suffix: str = ".keras"
+
+
+TF_LOOP = LoopJob(
+    "loop_tf.py",
+    {"TFDIST_CPU_DEVICES": "2"},
+    ["-n", "2"],
+    {},
+    {
+        "single": {"workers": 1, "one_device.replicas": 1, "distributed.replicas": 2},
+        "launched": {"workers": 2, "distributed.replicas": 2},
+    },
+)
+# With Dropout: its masks come from the global batch's shape under jit (the same on
+# every mesh), and its RNG state is part of the checkpoint.
+JAX_LOOP = LoopJob(
+    "loop_jax.py",
+    {"TFDIST_CPU_DEVICES": "4"},
+    ["-n", "2", "--devices-per-worker", "2"],
+    {"KERAS_BACKEND": "jax"},
+    {
+        "single": {
+            "processes": 1,
+            "devices": 4,
+            "one_device.devices": 1,
+            "distributed.devices": 4,
+        },
+        "launched": {"processes": 2, "devices": 4, "distributed.devices": 4},
+    },
+    ("--dropout",),
+    # Sharded checkpoints, every process killed right after step 16's save call, that
+    # write under way; worker 0 first adds a damaged copy of the newest finished one.
+    ("--sharded", "--kill-in-write", str(SHARDED_KILL_AT), "--plant-damaged", DAMAGED),
+    ".orbax",
+)
+
+
+def damage_newest_and_resume(job: LoopJob, directory, single):
     """A newest archive that is a valid zip with a garbage member (a valid CRC) is skipped
     for the previous one, kept as ``*.corrupt``, and the resumed run ends the same."""
     newest = directory / "dist" / "ckpt-3-8.keras"
@@ -81,8 +145,9 @@ def damage_newest_and_resume(script, directory, single, extra, env, topology):
         warnings.simplefilter("ignore")  # zipfile: "Duplicate name" (the last one is read)
         with zipfile.ZipFile(newest, "a") as archive:
             archive.writestr("tfdist/optimizer.npz", b"garbage")
-    resumed = run_script(script, directory, *extra, **env)
-    check_topology(resumed, {k: v for k, v in topology.items() if "one_device" not in k})
+    resumed = run_script(job.script, directory, *job.extra, **job.single_env, **job.env)
+    expected = job.topology["single"]
+    check_topology(resumed, {k: v for k, v in expected.items() if "one_device" not in k})
     resumed = resumed["distributed"]
     assert resumed["restored_from"] == "ckpt-3-4.keras"  # step 24: the previous one
     assert os.path.exists(str(newest) + ".corrupt")
@@ -91,13 +156,12 @@ def damage_newest_and_resume(script, directory, single, extra, env, topology):
     assert max_diff(resumed["weights"], full["weights"]) <= TOLERANCE
 
 
-def check_loop(script, tmp_path, single_env, launch_args, env, topology, extra=()):
-    """One device vs all devices of one process vs N workers; kill -9, SIGTERM, damage.
-    ``topology``: what the single process (``"single"``) and each launched process
-    (``"launched"``) must report it ran on (see ``check_topology``)."""
-    single_dir = tmp_path / "single"
-    single = run_script(script, single_dir, "--one-device-too", *extra, **single_env, **env)
-    check_topology(single, topology["single"])
+def run_single(job: LoopJob, directory):
+    """One process: the one-device reference, and all the process's devices matching it."""
+    single = run_script(
+        job.script, directory, "--one-device-too", *job.extra, **job.single_env, **job.env
+    )
+    check_topology(single, job.topology["single"])
     reference = single["one_device"]
     assert reference["step"] == STEPS and reference["restored_from"] is None
     assert max_diff(single["distributed"]["weights"], reference["weights"]) <= TOLERANCE
@@ -105,39 +169,65 @@ def check_loop(script, tmp_path, single_env, launch_args, env, topology, extra=(
     assert reference["checkpoints"] == [
         "ckpt-2-2.keras", "ckpt-2-6.keras", "ckpt-2.keras", "ckpt-3-4.keras", "ckpt-3-8.keras"
     ]  # fmt: skip
+    return single
 
-    job = [str(SCRIPTS / script), *extra]
-    plain, _ = worker_results(launch_cli(*launch_args, *job, "--dir", str(tmp_path / "n"), **env))
-    # Attempt 0 is killed (-9) after step 13; in attempt 1 worker 1 gets SIGTERM after
-    # step 20: every worker saves after step 21 and exits 75; attempt 2 ends the job.
-    faults = ["--kill-at-step", str(KILL_AT), "--sigterm-at-step", str(SIGTERM_AT)]
+
+def check_loop(job: LoopJob, tmp_path, single, single_dir):
+    """``single`` (``run_single`` in ``single_dir``) vs N workers, uninterrupted and after
+    kill -9 and SIGTERM; then a damaged newest archive."""
+    reference = single["one_device"]
+    command = [*job.launch, str(SCRIPTS / job.script), *job.extra]
+    plain, _ = worker_results(launch_cli(*command, "--dir", str(tmp_path / "n"), **job.env))
+    # Attempt 0 is killed (-9) after step 13 (or in step 16's write); in attempt 1 worker 1
+    # gets SIGTERM after step 20: every worker saves after step 21 and exits 75; attempt 2
+    # ends the job.
+    faults = [*job.kill, "--sigterm-at-step", str(SIGTERM_AT)]
     restarts = ["--max-restarts", "2"]
-    proc = launch_cli(*launch_args, *restarts, *job, "--dir", str(tmp_path / "k"), *faults, **env)
+    proc = launch_cli(*restarts, *command, "--dir", str(tmp_path / "k"), *faults, **job.env)
     killed, restores = worker_results(proc)
     output = proc.stdout + proc.stderr
-    assert "[w1] tfdist: SIGTERM received" in output
+    # (once Orbax is imported, the root logger has a handler: a level prefix comes first)
+    assert re.search(r"\[w1\] \S*tfdist: SIGTERM received", output), output[-3000:]
     # (Worker 0 may print the line too: once worker 1 has exited 75, the launcher stops a
     # worker still winding down with SIGTERM. Both saving at the agreed step is what counts.)
     for worker in ("w0", "w1"):
         (uninterrupted,) = plain[worker]
-        check_topology(uninterrupted, topology["launched"])
+        check_topology(uninterrupted, job.topology["launched"])
         uninterrupted = uninterrupted["distributed"]
         assert max_diff(uninterrupted["weights"], reference["weights"]) <= TOLERANCE
         assert [(r["attempt"], r["restored"], r["at_step"]) for r in restores[worker]] == [
             (0, None, 0),
-            (1, "ckpt-2-2.keras", 12),  # the save before the kill: epoch 1, batch 2
-            (2, "ckpt-3-1.keras", SIGTERM_AT + 1),  # the agreed preemption save
+            (1, "ckpt-2-2" + job.suffix, 12),  # the save before the kill: epoch 1, batch 2
+            (2, "ckpt-3-1" + job.suffix, SIGTERM_AT + 1),  # the agreed preemption save
         ]
         (resumed,) = killed[worker]  # attempts 0 and 1 ended before printing
-        check_topology(resumed, topology["launched"])
+        check_topology(resumed, job.topology["launched"])
         resumed = resumed["distributed"]
         assert resumed["step"] == STEPS
         equivalence.assert_close(uninterrupted["losses"][21:], resumed["losses"], 1e-5, "losses")
         assert max_diff(resumed["weights"], uninterrupted["weights"]) <= TOLERANCE
-    damage_newest_and_resume(
-        script, single_dir, single, extra, {**single_env, **env}, topology["single"]
-    )
-    return single
+    if job.suffix == ".orbax":
+        check_sharded_faults(proc, tmp_path / "k" / "dist")
+    damage_newest_and_resume(job, single_dir, single)
+
+
+def check_sharded_faults(proc, directory) -> None:
+    """What the sharded job's faults left and said: the write killed mid-way never became
+    a checkpoint (the relaunch restored the one before, above) and was removed; the
+    damaged copy was skipped with one warning per process, no asyncio tracebacks."""
+    output = proc.stdout + proc.stderr
+    dying = [line for worker, line in worker_lines(proc) if "dying_in_write" in line]
+    assert dying and all(
+        d == {"dying_in_write": "ckpt-2-6.orbax", "landed": False} for d in dying
+    ), dying
+    assert re.search(r"\[w0\] \S*tfdist: removing \S+/ckpt-2-6\.orbax\.orbax-checkp", output)
+    assert re.search(rf"\[w0\] .*skipping checkpoint '\S+/{re.escape(DAMAGED)}'", output)
+    skipped = [line[:4] for line in output.splitlines() if "skipping checkpoint" in line]
+    assert sorted(set(skipped)) == sorted(skipped), skipped  # once per process at most
+    assert "Event loop is closed" not in output
+    names = os.listdir(directory)
+    assert DAMAGED + ".corrupt" in names, names
+    assert all(n.endswith((".orbax", ".corrupt")) for n in names), names  # no unfinished
 
 
 @pytest.mark.slow
@@ -146,32 +236,18 @@ def check_loop(script, tmp_path, single_env, launch_args, env, topology, extra=(
 def test_tensorflow_loop_matches_one_device_on_two_devices_two_workers_and_after_kill(
     tmp_path,
 ):
-    topology = {
-        "single": {"workers": 1, "one_device.replicas": 1, "distributed.replicas": 2},
-        "launched": {"workers": 2, "distributed.replicas": 2},
-    }
-    check_loop("loop_tf.py", tmp_path, {"TFDIST_CPU_DEVICES": "2"}, ["-n", "2"], {}, topology)
+    single = run_single(TF_LOOP, tmp_path / "single")
+    check_loop(TF_LOOP, tmp_path, single, tmp_path / "single")
 
 
 @pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.multiworker
 def test_jax_loop_matches_one_device_on_four_devices_two_processes_and_after_kill(tmp_path):
-    launch = ["-n", "2", "--devices-per-worker", "2"]
-    env = {"KERAS_BACKEND": "jax"}
-    # With Dropout: its masks come from the global batch's shape under jit (the same on
-    # every mesh), and its RNG state is part of the checkpoint.
-    devices = {"TFDIST_CPU_DEVICES": "4"}
-    topology = {
-        "single": {
-            "processes": 1,
-            "devices": 4,
-            "one_device.devices": 1,
-            "distributed.devices": 4,
-        },
-        "launched": {"processes": 2, "devices": 4, "distributed.devices": 4},
-    }
-    check_loop("loop_jax.py", tmp_path, devices, launch, env, topology, ["--dropout"])
+    """As on TensorFlow, with sharded asynchronous checkpoints in the killed job: killed
+    -9 with a write under way, which never becomes a checkpoint."""
+    single = run_single(JAX_LOOP, tmp_path / "single")
+    check_loop(JAX_LOOP, tmp_path, single, tmp_path / "single")
 
 
 def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):
@@ -183,6 +259,14 @@ def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):
         tfdist.loops.Checkpointer(tmp_path, model=model, optimizer=optimizer)
     with pytest.raises(TypeError, match=r"optimizer must be .*Received: optimizer='sgd'"):
         tfdist.loops.Checkpointer(tmp_path, model=model, optimizer="sgd", steps_per_epoch=2)
+    with pytest.raises(ValueError, match=r"sharded=True needs the JAX backend.*'tensorflow'"):
+        tfdist.loops.Checkpointer(
+            tmp_path, model=model, optimizer=optimizer, steps_per_epoch=2, sharded=True
+        )
+    with pytest.raises(TypeError, match=r"sharded must be a bool.*Received: sharded='yes'"):
+        tfdist.loops.Checkpointer(
+            tmp_path, model=model, optimizer=optimizer, steps_per_epoch=2, sharded="yes"
+        )
     with pytest.raises(TypeError, match=r"dataset must be .*Received"):
         tfdist.loops.distribute([1, 2, 3])
     with (

@@ -8,9 +8,13 @@ SIGTERM and two-process cases are in tests/checkpoint/test_jax_checkpoint.py (ck
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 import sys
+import threading
+import time
 
 import pytest
 
@@ -30,7 +34,13 @@ def job():
         KERAS_BACKEND="jax",
         TFDIST_CPU_DEVICES="4",
     )
-    return last_json_line(proc.stdout)
+    result = last_json_line(proc.stdout)
+    output = proc.stdout + proc.stderr
+    result["said"] = {
+        "skipping": output.count("skipping checkpoint"),
+        "event_loop_closed": output.count("Event loop is closed"),
+    }
+    return result
 
 
 @pytest.mark.jax
@@ -63,11 +73,63 @@ def test_a_damaged_newest_falls_back_and_another_model_is_refused(job):
     damaged = job["damaged"]
     assert damaged["step"] == 8 and damaged["diff"] <= 1e-5  # from ckpt-1 (step 8)
     assert "ckpt-2-2.orbax.corrupt" in damaged["names"]
+    # Said once (the warning), without Orbax's asyncio tracebacks after it.
+    assert job["said"] == {"skipping": 1, "event_loop_closed": 0}
     other = job["other"]
     assert other is not None, "a model of another width was restored"
     assert "does not fit the model build_fn returns" in other["error"]
     assert re.search(r"dense_one/kernel \[\[6, 8\].*saved .*\[\[6, 16\]", other["error"])
     assert other["names"] == job["stopped"]  # nothing moved or deleted
+
+
+def _restore_like_orbax() -> list[str]:
+    """What Orbax does with a damaged checkpoint: a restore in a loop of its own, closed as
+    soon as one read fails, while another read (a tensorstore future, completed by another
+    thread) is still under way. Returns what that completion met."""
+    loop = asyncio.new_event_loop()
+    slow = loop.create_future()
+    met = []
+
+    def complete_later():
+        time.sleep(0.5)
+        try:
+            loop.call_soon_threadsafe(slow.set_result, None)
+        except RuntimeError as err:
+            met.append(str(err))
+
+    async def fails():
+        raise ValueError("the first array's data file is cut in half")
+
+    async def reads():
+        await slow
+
+    async def restore():  # each array's read a task, as Orbax's gather makes them
+        await asyncio.gather(fails(), reads())
+
+    thread = threading.Thread(target=complete_later)
+    thread.start()
+    try:
+        with contextlib.suppress(ValueError):
+            loop.run_until_complete(restore())
+    finally:
+        loop.close()
+    thread.join()
+    return met
+
+
+def test_a_failed_restore_leaves_no_read_to_complete_into_a_closed_loop():
+    assert _restore_like_orbax() == ["Event loop is closed"]  # what tensorstore printed
+    with sharded.reads_finish_before_their_loop_closes():
+        assert _restore_like_orbax() == []  # the loop waited for the read
+    assert not isinstance(asyncio.get_event_loop_policy(), sharded._FinishingPolicy)
+
+
+def test_a_checkpoint_that_does_not_fit_names_its_reader_and_the_differences():
+    saved, mine = [["d/kernel", [6, 16], "float32"]], [["d/kernel", [6, 8], "float32"]]
+    said = sharded._does_not_fit("ckpt/ckpt-1.orbax", saved, mine, "tfdist.loops.Checkpointer")
+    assert said.startswith("tfdist.loops.Checkpointer: sharded checkpoint 'ckpt/ckpt-1.orbax'")
+    assert "does not fit the loop's model and optimizer" in said
+    assert "#0 d/kernel [[6, 8], 'float32'] vs saved d/kernel [[6, 16], 'float32']" in said
 
 
 def test_sharded_names_are_apart_from_archives_and_unfinished_writes(tmp_path):

@@ -11,7 +11,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import signal
 
 import keras
@@ -75,8 +77,9 @@ class StopAfter(keras.callbacks.Callback):
 # ------------------------------------------------------------------ the custom loops' jobs
 
 
-def loop_arguments(*, dropout: bool) -> argparse.Namespace:
-    """The custom-loop jobs' command line (``--dropout`` where the job has that variant)."""
+def loop_arguments(*, dropout: bool, sharded: bool = False) -> argparse.Namespace:
+    """The custom-loop jobs' command line (``--dropout``, and ``--sharded`` with its
+    faults ``--kill-in-write``/``--plant-damaged``, where the job has those variants)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--epochs", type=int, default=3)
@@ -86,12 +89,46 @@ def loop_arguments(*, dropout: bool) -> argparse.Namespace:
     parser.add_argument("--one-device-too", action="store_true")
     if dropout:
         parser.add_argument("--dropout", action="store_true")
+    if sharded:
+        parser.add_argument("--sharded", action="store_true")
+        parser.add_argument("--kill-in-write", type=int, default=None)
+        parser.add_argument("--plant-damaged", default=None)
     return parser.parse_args()
 
 
 def attempt() -> int:
     """Which start of the job this is (``tfdist launch`` counts restarts)."""
     return int(os.environ.get("TFDIST_RESTART", "0"))
+
+
+def kill_in_write(args: argparse.Namespace, step: int, path: str) -> None:
+    """kill -9 in the first attempt right after step ``--kill-in-write``'s save call
+    returned, its sharded write to ``path`` under way in the background; says first
+    whether that write had landed (it must not have: the kill is mid-write).
+
+    With ``--plant-damaged NAME``, worker 0 first copies the newest finished checkpoint
+    to ``NAME`` with its array data files cut in half: a damaged newest checkpoint that
+    the relaunch must skip."""
+    if attempt() != 0 or step != args.kill_in_write:
+        return
+    if args.plant_damaged and tfdist.worker_index() == 0:
+        from tfdist.checkpoint.sharded import sharded_entries
+
+        directory = os.path.dirname(path)
+        _position, newest = sharded_entries(directory)[-1]
+        cut_data_files_in_half(shutil.copytree(newest, os.path.join(directory, args.plant_damaged)))
+    landed = os.path.exists(path)
+    print(json.dumps({"dying_in_write": os.path.basename(path), "landed": landed}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def cut_data_files_in_half(checkpoint: str) -> None:
+    """Damages a sharded checkpoint: every array data file to half its size."""
+    for folder, _, files in os.walk(os.path.join(checkpoint, "state")):
+        if os.path.basename(folder) == "d":
+            for name in files:
+                path = os.path.join(folder, name)
+                os.truncate(path, os.path.getsize(path) // 2)
 
 
 def inject_fault(args: argparse.Namespace, step: int) -> None:

@@ -7,7 +7,10 @@ KERAS_BACKEND=jax; docs/custom_loops.md shows it).
 one device in the same process (the reference). Checkpoints every ``--every`` steps;
 ``--kill-at-step K`` SIGKILLs the first attempt after step K;
 ``--sigterm-at-step S`` sends SIGTERM to worker 1 of the second attempt after step S; ``--dropout`` adds a
-Dropout layer (its RNG state is part of the checkpoint). Prints one JSON line per process.
+Dropout layer (its RNG state is part of the checkpoint); ``--sharded`` writes sharded,
+asynchronous checkpoints, ``--kill-in-write K`` SIGKILLs the first attempt right after
+step K's save call, its write under way, and ``--plant-damaged NAME`` has worker 0 first
+leave a damaged copy of the newest checkpoint under NAME. Prints one JSON line per process.
 """
 
 import json
@@ -20,11 +23,12 @@ import keras
 import numpy as np
 
 import tfdist
+from tfdist.checkpoint.sharded import sharded_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
 import builders  # noqa: E402
 
-args = builders.loop_arguments(dropout=True)
+args = builders.loop_arguments(dropout=True, sharded=True)
 
 GLOBAL_BATCH_SIZE = 16
 rng = np.random.RandomState(0)
@@ -50,7 +54,7 @@ def train(mesh, directory):
     optimizer.build(model.trainable_variables)
 
     ckpt = tfdist.loops.Checkpointer(
-        directory, model=model, optimizer=optimizer, pipeline=train_data
+        directory, model=model, optimizer=optimizer, pipeline=train_data, sharded=args.sharded
     )
     step = ckpt.restore()  # before the state is read from the model
     restored_from = ckpt.restored_from
@@ -88,8 +92,11 @@ def train(mesh, directory):
             losses.append(float(tfdist.loops.to_host(loss)))
             step += 1
             builders.inject_fault(args, step)
-            ckpt.maybe_save(step, every=args.every, state=state)
+            if ckpt.maybe_save(step, every=args.every, state=state) and args.sharded:
+                name = sharded_name(*divmod(step, ckpt.steps_per_epoch))
+                builders.kill_in_write(args, step, os.path.join(directory, name))
     ckpt.write_state(state)  # the trained values back into the model
+    ckpt.wait()  # sharded: the last write finished (close() at exit would wait too)
     return {
         "weights": [w.tolist() for w in model.get_weights()],
         "step": step,

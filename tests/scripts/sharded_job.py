@@ -138,12 +138,7 @@ for shape in [(2, 2), (4, 1), (1, 4)]:
 # A damaged newest checkpoint: every data file of ckpt-2-2 cut to half its size.
 damaged = os.path.join(root, "damaged")
 shutil.copytree(stopped, damaged)
-for folder, _, files in os.walk(os.path.join(damaged, "ckpt-2-2.orbax", "state")):
-    for name in files:
-        path = os.path.join(folder, name)
-        if os.path.basename(folder) == "d":  # the array data files
-            with open(path, "r+b") as f:
-                f.truncate(os.path.getsize(path) // 2)
+builders.cut_data_files_in_half(os.path.join(damaged, "ckpt-2-2.orbax"))
 model, step, _ = fit(damaged)
 out["damaged"] = {"step": step, "diff": diff(model, reference), "names": names(damaged)}
 

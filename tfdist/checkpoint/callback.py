@@ -44,10 +44,10 @@ from tfdist.checkpoint.rng import numpy_value, phantom_prone_variables, rng_stat
 from tfdist.checkpoint.sharded import (
     ShardedWriter,
     check_sharded_target,
-    remove_tree,
-    sharded_entries,
+    prune_sharded,
+    remove_stale_writes,
+    saved_variables,
     sharded_name,
-    stale_writes,
 )
 from tfdist.core import atomic, cluster, config, storage, validate
 from tfdist.core.position import Position
@@ -226,7 +226,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         every process, instead of at the first save."""
         spanning = [
             v.path
-            for v in [*self.model.weights, *self.model.optimizer.variables]
+            for v in saved_variables(self.model)
             if not getattr(v.value, "is_fully_addressable", True)
             and not getattr(v.value, "is_fully_replicated", False)  # a copy here: fetchable
         ]
@@ -399,9 +399,7 @@ class ShardedCheckpoint(ResumableCheckpoint):
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)
         if self.role.is_chief:
-            for stale in stale_writes(self.checkpoint_dir):  # a killed job's unfinished write
-                logger.warning("tfdist: removing %s, a checkpoint write that never finished", stale)
-                remove_tree(stale)
+            remove_stale_writes(self.checkpoint_dir)  # a killed job's unfinished writes
         if self._writer is None:
             self._writer = ShardedWriter()
 
@@ -427,7 +425,7 @@ class ShardedCheckpoint(ResumableCheckpoint):
         # The previous write is finished first, so that pruning counts it as a checkpoint.
         self._finish_writing()
         assert self._writer is not None  # on_train_begin made it; fit saves after that
-        self._writer.save(self.model, path, meta)
+        self._writer.save(saved_variables(self.model), path, meta)
         return "writing in the background"
 
     def _finish_writing(self) -> None:
@@ -438,11 +436,7 @@ class ShardedCheckpoint(ResumableCheckpoint):
             self._prune(keep=None)
 
     def _prune(self, keep) -> None:
-        if self.max_to_keep is None:
-            return
-        found = sharded_entries(self.checkpoint_dir)
-        for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
-            remove_tree(path)
+        prune_sharded(self.checkpoint_dir, self.max_to_keep)
 
     def _exit_for_restart(self) -> None:
         self._finish_writing()  # the preemption checkpoint must be whole before exiting

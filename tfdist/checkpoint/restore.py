@@ -33,7 +33,12 @@ from tfdist.checkpoint.names import (
     quarantine_path,
 )
 from tfdist.checkpoint.rng import set_rng_state
-from tfdist.checkpoint.sharded import assign_sharded, read_sharded, sharded_entries
+from tfdist.checkpoint.sharded import (
+    assign_sharded,
+    read_sharded,
+    saved_variables,
+    sharded_entries,
+)
 from tfdist.core import atomic, process, storage, validate
 
 __all__ = [
@@ -260,20 +265,39 @@ def _newest_readable(
     newest position first. Deterministic given the bytes, so workers on shared storage
     skip the same files.
     """
-    for _position, path, sharded in reversed(_candidates(directory)):
+    return _newest(
+        directory,
+        role,
+        lambda path: _inspect_copy(path, downloads),
+        lambda path: _read_sharded(path, model),
+    )
+
+
+def _newest(
+    directory: str,
+    role: atomic.WriteRole,
+    inspect: Callable,
+    inspect_sharded: Callable | None,
+    where: str = "tfdist.make_or_restore",
+) -> tuple[str, dict] | None:
+    """The one restore rule: newest first, a candidate its reader rejects
+    (``CorruptCheckpoint``) skipped with a warning naming ``where`` and, on the chief,
+    renamed ``*.corrupt``. Sharded candidates only with ``inspect_sharded``."""
+    for _position, path, sharded in reversed(_candidates(directory, inspect_sharded is not None)):
         try:
             if sharded:
-                return path, _read_sharded(path, model)
-            return path, _inspect_copy(path, downloads)
+                assert inspect_sharded is not None  # _candidates lists them only then
+                return path, inspect_sharded(path)
+            return path, inspect(path)
         except CorruptCheckpoint as err:
-            _skip_corrupt(path, str(err), role)
+            _skip_corrupt(path, str(err), role, where)
     return None
 
 
-def _candidates(directory: str) -> list[tuple]:
+def _candidates(directory: str, with_sharded: bool = True) -> list[tuple]:
     """``(position, path, sharded)`` of every restore candidate, oldest first."""
     found = [(position, path, False) for position, path in checkpoint_entries(directory)]
-    if storage.is_url(directory):
+    if storage.is_url(directory) or not with_sharded:
         return found
     sharded = sharded_entries(directory)
     if sharded and not backends.get().saves_sharded():
@@ -297,7 +321,7 @@ def _read_sharded(path: str, model) -> dict:
             f"checkpoint {path!r} is restored into the variables it has. Give the model a "
             "keras.Input, or call model.build(input_shape) inside build_fn."
         )
-    return read_sharded(path, model)
+    return read_sharded(path, saved_variables(model))
 
 
 def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
@@ -319,14 +343,14 @@ def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
     return info
 
 
-def _skip_corrupt(path: str, reason: str, role: atomic.WriteRole) -> None:
+def _skip_corrupt(path: str, reason: str, role: atomic.WriteRole, where: str) -> None:
     """Warns once (one RuntimeWarning, no second log line), and on the chief renames the
     file ``*.corrupt``: kept, never tried again."""
     warnings.warn(
-        f"tfdist.make_or_restore: skipping checkpoint {path!r}, which does not read back "
+        f"{where}: skipping checkpoint {path!r}, which does not read back "
         f"({reason}); falling back to the previous checkpoint.",
         RuntimeWarning,
-        stacklevel=4,  # the caller of make_or_restore
+        stacklevel=5,  # the caller of make_or_restore (or of Checkpointer.restore)
     )
     if not role.is_chief:
         return
@@ -347,7 +371,7 @@ def _skip_corrupt(path: str, reason: str, role: atomic.WriteRole) -> None:
 def _restore_into(model, path: str, info: dict) -> ResumeState:
     """Loads weights, optimizer state and RNG state of ``path`` into ``model``."""
     if info.get("sharded"):
-        assign_sharded(model, info)
+        assign_sharded(saved_variables(model), info)
     else:
         _build_from_archive(model, path, info)
         _load_weights(model, path, info)
@@ -436,12 +460,20 @@ def _load_weights(model, path: str, info: dict) -> None:
 # --------------------------------------------------------------------------- reusable by loops
 
 
-def newest_readable(directory: str, role: atomic.WriteRole, inspect: Callable = inspect_archive):
+def newest_readable(
+    directory: str,
+    role: atomic.WriteRole,
+    inspect: Callable = inspect_archive,
+    inspect_sharded: Callable | None = None,
+    where: str = "tfdist.make_or_restore",
+):
     """``(path, info)`` of the newest checkpoint ``inspect`` reads back, or None.
 
     ``make_or_restore``'s rule for any reader (``tfdist.loops.Checkpointer``): newest first,
     a file ``inspect`` rejects (``CorruptCheckpoint``) is skipped with a warning and, on the
-    chief, renamed ``*.corrupt``. Local directories only: ``inspect`` reads paths.
+    chief, renamed ``*.corrupt``. With ``inspect_sharded`` (JAX), ``.orbax`` directories
+    are candidates too, read by it (``read_sharded``). ``where`` names the caller in the
+    warning. Local directories only: ``inspect`` reads paths.
 
     Raises:
         ValueError: ``directory`` is a URL (every good checkpoint would fail ``inspect``
@@ -457,12 +489,7 @@ def newest_readable(directory: str, role: atomic.WriteRole, inspect: Callable = 
             f"make_or_restore and tfdist.callbacks.checkpoint). Received: directory="
             f"{directory!r}. Mount the bucket (gcsfuse, s3fs-fuse) and pass its local path."
         )
-    for _position, path in reversed(checkpoint_entries(directory)):
-        try:
-            return path, inspect(path)
-        except CorruptCheckpoint as err:
-            _skip_corrupt(path, str(err), role)
-    return None
+    return _newest(directory, role, inspect, inspect_sharded, where)
 
 
 __all__ += ["newest_readable"]

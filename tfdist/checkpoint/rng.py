@@ -54,9 +54,12 @@ def numpy_value(value) -> np.ndarray:
     return np.asarray(keras.ops.convert_to_numpy(value))
 
 
-def rng_state(model) -> list[list[int]]:
-    """The state of every seed generator of ``model``, as JSON-ready lists."""
-    return [numpy_value(g.state).tolist() for g in seed_generators(model)]
+def rng_state(model, read=numpy_value) -> list[list[int]]:
+    """The state of every seed generator of ``model``, as JSON-ready lists.
+
+    ``read(variable)``: its value on the host (a custom loop reads its train state's).
+    """
+    return [np.asarray(read(g.state)).tolist() for g in seed_generators(model)]
 
 
 def set_rng_state(model, states: list, path: str) -> None:

@@ -1,6 +1,7 @@
 """Sharded, asynchronous checkpoints on JAX: each process writes its own shards (Orbax).
 
-``tfdist.callbacks.checkpoint(dir, sharded=True)`` writes ``ckpt-{epoch}.orbax`` and
+``tfdist.callbacks.checkpoint(dir, sharded=True)`` (and a custom loop's
+``tfdist.loops.Checkpointer(..., sharded=True)``) writes ``ckpt-{epoch}.orbax`` and
 ``ckpt-{epoch}-{batch}.orbax`` directories instead of ``.keras`` archives. The model's
 weights and the optimizer's variables are saved as they lie on the devices (an
 ``orbax.checkpoint`` PyTree: every process writes the shards it holds, nothing is
@@ -10,11 +11,12 @@ into ``<name>.orbax-checkpoint-tmp`` and renames it when every process has finis
 directory with a checkpoint's name is a complete checkpoint; a killed job leaves only a
 temporary directory, removed by the chief at the next start.
 
-``make_or_restore`` reads these directories as it reads archives (newest first, a damaged
-one skipped and renamed ``*.corrupt``, every worker agreeing) and restores each array with
-the sharding the freshly built model gives it: a checkpoint saved on a 2x2 mesh restores on
-4x1, on one device or on another process count (Orbax reshards). The resume position,
-global step and dropout RNG state travel in the checkpoint's JSON item, as in archives.
+``make_or_restore`` (and ``Checkpointer.restore``) reads these directories as it reads
+archives (newest first, a damaged one skipped and renamed ``*.corrupt``, every worker
+agreeing) and restores each array with the sharding the freshly built model gives it: a
+checkpoint saved on a 2x2 mesh restores on 4x1, on one device or on another process count
+(Orbax reshards). The resume position, global step and dropout RNG state travel in the
+checkpoint's JSON item, as in archives.
 
 JAX only: Orbax saves ``jax.Array``s. TensorFlow models keep the ``.keras`` archives.
 
@@ -26,8 +28,12 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import os
 import shutil
+import sys
 
 from tfdist import backends
 from tfdist.checkpoint.archive import CorruptCheckpoint
@@ -40,11 +46,16 @@ __all__ = [
     "parse_sharded_name",
     "sharded_entries",
     "stale_writes",
+    "remove_stale_writes",
+    "prune_sharded",
     "check_sharded_target",
+    "saved_variables",
     "ShardedWriter",
     "read_sharded",
     "variable_table",
 ]
+
+logger = logging.getLogger(__name__)
 
 SUFFIX = ".orbax"
 FORMAT_VERSION = "tfdist-sharded/1"
@@ -113,6 +124,33 @@ def stale_writes(checkpoint_dir: str) -> list[str]:
     )
 
 
+def remove_stale_writes(checkpoint_dir: str) -> list[str]:
+    """Removes the writes a killed job left unfinished (the chief calls it before restoring).
+
+    Example:
+        >>> remove_stale_writes("/no/such/dir")
+        []
+    """
+    stale = stale_writes(checkpoint_dir)
+    for path in stale:
+        logger.warning("tfdist: removing %s, a checkpoint write that never finished", path)
+        remove_tree(path)
+    return stale
+
+
+def prune_sharded(checkpoint_dir: str, max_to_keep: int | None) -> None:
+    """Removes the oldest finished sharded checkpoints beyond ``max_to_keep`` (None: none).
+
+    Example:
+        >>> prune_sharded("/no/such/dir", 5)
+    """
+    if max_to_keep is None:
+        return
+    found = sharded_entries(checkpoint_dir)
+    for _position, path in found[: max(len(found) - max_to_keep, 0)]:
+        remove_tree(path)
+
+
 def check_sharded_target(checkpoint_dir: str, where: str) -> None:
     """Sharded checkpoints need the JAX backend, ``orbax-checkpoint`` and a local path.
 
@@ -150,17 +188,25 @@ def _orbax(where: str = "tfdist.checkpoint.sharded"):
     return ocp
 
 
-def variable_table(model) -> list[list]:
-    """``[path, shape, dtype]`` of every saved variable: the model's, then the optimizer's.
+def saved_variables(model, optimizer=None) -> list:
+    """The variables a sharded checkpoint holds, in its order: the model's weights, then
+    the optimizer's variables (``optimizer``: a custom loop's, which the model, not
+    compiled, does not hold; by default ``model.optimizer``).
+
+    Example:
+        >>> variables = saved_variables(model, optimizer)  # doctest: +SKIP
+    """
+    optimizer = model.optimizer if optimizer is None else optimizer
+    return [*model.weights, *optimizer.variables]
+
+
+def variable_table(variables) -> list[list]:
+    """``[path, shape, dtype]`` of every saved variable (``saved_variables``' list).
 
     Written into each checkpoint, so that a restore tells a model that does not fit (another
     architecture or optimizer: other shapes, dtypes or count) from a damaged checkpoint.
     """
-    return [[v.path, list(v.shape), str(v.dtype)] for v in _saved_variables(model)]
-
-
-def _saved_variables(model) -> list:
-    return [*model.weights, *model.optimizer.variables]
+    return [[v.path, list(v.shape), str(v.dtype)] for v in variables]
 
 
 class ShardedWriter:
@@ -178,7 +224,7 @@ class ShardedWriter:
 
     Example:
         >>> writer = ShardedWriter()                          # doctest: +SKIP
-        >>> writer.save(model, "ckpt/ckpt-1.orbax", {"epoch": 1, ...})  # doctest: +SKIP
+        >>> writer.save(saved_variables(model), "ckpt/ckpt-1.orbax", {"epoch": 1, ...})  # doctest: +SKIP
         >>> writer.wait()                                     # doctest: +SKIP
     """
 
@@ -191,12 +237,23 @@ class ShardedWriter:
             )
         )
 
-    def save(self, model, path: str, meta: dict) -> None:
+    def save(self, variables: list, path: str, meta: dict, values: list | None = None) -> None:
+        """Starts writing ``variables`` (``saved_variables``) to ``path``; ``values``: the
+        arrays to write in their place (a custom loop's train state), by default theirs.
+
+        Every process calls it. Under several processes each value must be a ``jax.Array``
+        over the processes' devices (Orbax refuses a process-local one).
+        """
         ocp = self._ocp
         self._checkpointer.wait_until_finished()
-        variables = _saved_variables(model)
-        state = {"variables": [v.value for v in variables]}
-        meta = dict(meta, format=FORMAT_VERSION, variables=variable_table(model))
+        values = [v.value for v in variables] if values is None else list(values)
+        if len(values) != len(variables):
+            raise ValueError(
+                f"ShardedWriter.save: {len(values)} values for {len(variables)} variables. "
+                f"Received: path={path!r}. Pass one value per variable, in their order."
+            )
+        state = {"variables": values}
+        meta = dict(meta, format=FORMAT_VERSION, variables=variable_table(variables))
         self._checkpointer.save(
             path,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
@@ -258,11 +315,13 @@ def lower_writer_priority(nice: int | None = None) -> int:
     return changed
 
 
-def read_sharded(path: str, model) -> dict:
-    """Reads a sharded checkpoint onto ``model``'s devices: ``{"resume": meta, "arrays": [...]}``.
+def read_sharded(path: str, variables: list, where: str = "make_or_restore") -> dict:
+    """Reads a sharded checkpoint onto ``variables``' devices (``saved_variables``' list):
+    ``{"resume": meta, "arrays": [...]}``.
 
-    Each array is restored with the sharding of the model's variable (another mesh or
-    process count than the one that saved it reshards). Nothing is assigned yet.
+    Each array is restored with the sharding of its variable (another mesh or process
+    count than the one that saved it reshards). Nothing is assigned yet. ``where`` names
+    the caller in the error of a checkpoint that does not fit.
 
     Raises:
         CorruptCheckpoint: the checkpoint does not read back (missing, truncated or
@@ -270,7 +329,7 @@ def read_sharded(path: str, model) -> dict:
         ValueError: it reads back but was written for another model or optimizer.
 
     Example:
-        >>> read_sharded("ckpt/ckpt-2.orbax", model)["resume"]["epoch"]  # doctest: +SKIP
+        >>> read_sharded("ckpt/ckpt-2.orbax", saved_variables(model))["resume"]["epoch"]  # doctest: +SKIP
         2
     """
     ocp = _orbax()
@@ -280,23 +339,23 @@ def read_sharded(path: str, model) -> dict:
         raise CorruptCheckpoint("not a directory")
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     try:
-        meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-            "meta"
-        ]
+        with reads_finish_before_their_loop_closes():
+            meta = checkpointer.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+                "meta"
+            ]
         if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
             raise CorruptCheckpoint(f"its metadata is not tfdist's ({str(meta)[:80]})")
     except CorruptCheckpoint:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to read is the checkpoint's
         raise CorruptCheckpoint(f"{type(err).__name__}: {err}") from None
-    expected = variable_table(model)
+    expected = variable_table(variables)
     saved = meta.get("variables") or []
     # Matched by order, shape and dtype, as .keras archives are, not by path: the same
     # model built again in one process has other layer names ("dense_1"); a match by
     # path skipping what differs is how keras#23251 restored the wrong weights.
     if [row[1:] for row in saved] != [row[1:] for row in expected]:
-        raise ValueError(_does_not_fit(path, saved, expected))
-    variables = _saved_variables(model)
+        raise ValueError(_does_not_fit(path, saved, expected, where))
     target = {
         "variables": [
             jax.ShapeDtypeStruct(v.value.shape, v.value.dtype, sharding=v.value.sharding)
@@ -304,31 +363,89 @@ def read_sharded(path: str, model) -> dict:
         ]
     }
     try:
-        restored = checkpointer.restore(
-            path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
-        )["state"]["variables"]
+        with reads_finish_before_their_loop_closes():
+            restored = checkpointer.restore(
+                path, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+            )["state"]["variables"]
     except Exception as err:  # noqa: BLE001 - the table matched: the files are damaged
         raise CorruptCheckpoint(f"{type(err).__name__}: {str(err)[:300]}") from None
     return {"resume": meta, "arrays": list(restored), "sharded": True}
 
 
-def assign_sharded(model, info: dict) -> None:
-    """Assigns the arrays ``read_sharded`` returned to ``model``'s variables."""
-    for variable, value in zip(_saved_variables(model), info["arrays"], strict=True):
+# Orbax runs each restore in an asyncio loop of its own and closes it as soon as the
+# restore raises. With a damaged checkpoint, the first array that fails to read ends the
+# restore while the reads of the other arrays (tensorstore futures) are still under way;
+# each of them then completes into the closed loop, and tensorstore prints a traceback
+# "RuntimeError: Event loop is closed" (13 for the test job's checkpoint cut in half, one
+# run in three; every run with a model of 20 arrays). A loop made while
+# ``reads_finish_before_their_loop_closes`` is open lets its pending tasks finish first.
+_READS_TIMEOUT_S = 60.0
+
+
+class _FinishingLoop(asyncio.SelectorEventLoop):
+    """An event loop that, closed with tasks pending, first lets them finish (a while)."""
+
+    def close(self) -> None:
+        pending = [task for task in asyncio.all_tasks(self) if not task.done()]
+        if pending and not self.is_running() and not self.is_closed():
+            done, _ = self.run_until_complete(asyncio.wait(pending, timeout=_READS_TIMEOUT_S))
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # the restore's error already says it: read, not logged
+        super().close()
+
+
+class _FinishingPolicy(asyncio.DefaultEventLoopPolicy):
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return _FinishingLoop()
+
+
+@contextlib.contextmanager
+def reads_finish_before_their_loop_closes():
+    """Event loops made inside (Orbax makes one per restore) finish their pending tasks
+    before they close, so that a restore that fails leaves no read to call back into a
+    closed loop. Python 3.14 deprecates event loop policies: there it does nothing.
+
+    Example:
+        >>> with reads_finish_before_their_loop_closes():
+        ...     pass
+    """
+    if sys.version_info >= (3, 14):
+        yield
+        return
+    previous = asyncio.get_event_loop_policy()
+    asyncio.set_event_loop_policy(_FinishingPolicy())
+    try:
+        yield
+    finally:
+        asyncio.set_event_loop_policy(previous)
+
+
+def assign_sharded(variables: list, info: dict) -> None:
+    """Assigns the arrays ``read_sharded`` returned to the ``variables`` it read them for."""
+    for variable, value in zip(variables, info["arrays"], strict=True):
         variable.assign(value)
 
 
-def _does_not_fit(path: str, saved: list, expected: list) -> str:
+# Who reads, and what the checkpoint must fit, in the error of one that does not.
+_FITS = {
+    "make_or_restore": ("the model build_fn returns", "the build_fn"),
+    "tfdist.loops.Checkpointer": ("the loop's model and optimizer", "the model and optimizer"),
+}
+
+
+def _does_not_fit(path: str, saved: list, expected: list, where: str) -> str:
     differences = [
         f"#{i} {mine[0]} {mine[1:]} vs saved {theirs[0]} {theirs[1:]}"
         for i, (mine, theirs) in enumerate(zip(expected, saved, strict=False))  # counts may differ
         if mine[1:] != theirs[1:]
     ]
+    fits, wrote = _FITS.get(where, ("the model and optimizer", "the model and optimizer"))
     return (
-        f"make_or_restore: sharded checkpoint {path!r} reads back but does not fit the model "
-        f"build_fn returns (another architecture or optimizer): {differences[:5]} "
-        f"({len(saved)} variables saved, {len(expected)} in the model). Restore with the "
-        "build_fn that wrote it, or pass a new checkpoint_dir; nothing was deleted."
+        f"{where}: sharded checkpoint {path!r} reads back but does not fit {fits} (another "
+        f"architecture or optimizer): {differences[:5]} ({len(saved)} variables saved, "
+        f"{len(expected)} in the model). Restore with {wrote} that wrote it, or pass a new "
+        "checkpoint directory; nothing was deleted."
     )
 
 
@@ -337,4 +454,4 @@ def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ += ["assign_sharded", "remove_tree"]
+__all__ += ["assign_sharded", "remove_tree", "reads_finish_before_their_loop_closes"]

@@ -1,27 +1,17 @@
-"""Custom training loops in the TensorFlow and Keras-JAX guides' style, on 1 device, N
-devices and N workers with the same result, and their exact resume.
+"""``Checkpointer``: ``make_or_restore``'s guarantees for a custom training loop.
 
-TensorFlow (``strategy.run``): ``distribute(pipeline)`` hands a ``tfdist.data.pipeline``
-of GLOBAL batches to tfdist's strategy; ``average_loss(per_example_loss)`` divides by
-the step's global batch (summed over replicas, so a short last batch counts right).
-
-JAX (``model.stateless_call``/``optimizer.stateless_apply`` under ``jax.jit``): ``mesh()``
-spans ``jax.devices()`` of every process; ``replicate(tree)`` places the train state
-replicated on it; ``shard_batch(batch)`` places a global batch split along its first
-axis. Every process passes the SAME global batch (what ``tfdist.data.pipeline`` yields
-on JAX) and keeps only the rows its own devices hold.
-
-``Checkpointer`` gives a loop ``make_or_restore``'s guarantees: atomic ``.keras``
-archives written by the chief only (with the optimizer state, the step and the RNG
-state in extra members), a damaged newest archive skipped for the previous one, every
-worker agreeing on what it restores, the data pipeline moved to the step's batch, and
-SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE`` (75).
-docs/custom_loops.md has both recipes; tests/test_custom_loops.py runs them.
+Atomic ``.keras`` archives written by the chief only (with the optimizer state, the step
+and the RNG state in extra members), a damaged newest archive skipped for the previous
+one, every worker agreeing on what it restores, the data pipeline moved to the step's
+batch, and SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE``
+(75). With ``sharded=True`` (JAX) the same, with sharded, asynchronous Orbax checkpoints
+(``tfdist.checkpoint.sharded``: the writer and reader ``fit``'s callback and
+``make_or_restore`` use): each process writes its own shards, training goes on while
+they are written, and a write a kill interrupts never becomes a checkpoint.
 
 Example:
     >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
     >>> step = ckpt.restore()                                                    # doctest: +SKIP
-    >>> ckpt.maybe_save(step, every=100)                                         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tfdist import compat, saving
+from tfdist import backends, compat, saving
 from tfdist import distribute as _distribute
 from tfdist.checkpoint.agreement import check_workers_agree
 from tfdist.checkpoint.archive import (
@@ -50,182 +40,28 @@ from tfdist.checkpoint.names import check_save_target, checkpoint_name, list_che
 from tfdist.checkpoint.preemption import PreemptionWatch
 from tfdist.checkpoint.restore import newest_readable, set_data_position
 from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
+from tfdist.checkpoint.sharded import (
+    ShardedWriter,
+    assign_sharded,
+    check_sharded_target,
+    prune_sharded,
+    read_sharded,
+    remove_stale_writes,
+    saved_variables,
+    sharded_name,
+)
 from tfdist.compat import cross_replica
 from tfdist.core import atomic, cluster, config, validate
 from tfdist.core.position import Position
+from tfdist.loops.jax import replicate, to_host
 
-__all__ = [
-    "distribute",
-    "average_loss",
-    "mesh",
-    "replicate",
-    "shard_batch",
-    "to_host",
-    "Checkpointer",
-    "OPTIMIZER_MEMBER",
-]
+__all__ = ["Checkpointer", "OPTIMIZER_MEMBER"]
 
 logger = logging.getLogger(__name__)
 
 # The archive member holding the optimizer's variables (a loop's model is not compiled,
 # so ``model.save`` leaves the optimizer out); Keras ignores members it does not know.
 OPTIMIZER_MEMBER = "tfdist/optimizer.npz"
-BATCH_AXIS = "batch"
-
-# --------------------------------------------------------------------------- TensorFlow
-
-
-def distribute(dataset, *, strategy=None):
-    """``strategy.experimental_distribute_dataset`` with tfdist's strategy, for a pipeline
-    of GLOBAL batches (``tfdist.data.pipeline``): each replica gets its slice of each.
-
-    Example:
-        >>> dist_train = distribute(tfdist.data.pipeline(ds, global_batch=64, seed=0))  # doctest: +SKIP
-        >>> for batch in dist_train: strategy.run(step, args=(batch,))  # doctest: +SKIP
-    """
-    import tensorflow as tf
-
-    what = "a tf.data.Dataset of global batches, e.g. tfdist.data.pipeline(...)"
-    validate.instance(dataset, tf.data.Dataset, "dataset", "tfdist.loops.distribute", what)
-    return _distribute.current(strategy).experimental_distribute_dataset(dataset)
-
-
-def average_loss(per_example_loss, *, global_batch_size=None, sample_weight=None):
-    """``tf.nn.compute_average_loss`` over the step's GLOBAL batch, inside ``strategy.run``.
-
-    Without ``global_batch_size``, the global batch is the sum of every replica's batch
-    (one small all-reduce), so a short last batch is averaged over its true size.
-
-    Example:
-        >>> def step_fn(x, y):                                        # doctest: +SKIP
-        ...     loss = average_loss(loss_fn(y, model(x, training=True)))
-    """
-    import tensorflow as tf
-
-    if global_batch_size is None:
-        context = tf.distribute.get_replica_context()  # the default one without a strategy
-        if context is None:  # in a strategy's scope, outside strategy.run
-            raise RuntimeError(
-                "tfdist.loops.average_loss: call it inside strategy.run (replica context). "
-                f"Received: per_example_loss={per_example_loss!r:.80}. Or pass "
-                "global_batch_size=... explicitly."
-            )
-        local = tf.shape(per_example_loss, out_type=tf.int64)[0]
-        global_batch_size = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
-    return tf.nn.compute_average_loss(
-        per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size
-    )
-
-
-# --------------------------------------------------------------------------- JAX
-
-
-def mesh(axis_name: str = BATCH_AXIS):
-    """A 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` of EVERY process (not local ones).
-
-    Example:
-        >>> mesh().devices.size  # 2 processes x 2 devices  # doctest: +SKIP
-        4
-    """
-    import jax
-
-    validate.instance(axis_name, str, "axis_name", "tfdist.loops.mesh", "a mesh axis name")
-    return jax.sharding.Mesh(np.array(jax.devices()), (axis_name,))
-
-
-def to_host(value) -> np.ndarray:
-    """A host copy of a variable, a tensor or a jax array spanning processes.
-
-    Example:
-        >>> float(to_host(loss))  # a replicated scalar of a jitted step  # doctest: +SKIP
-        0.93
-    """
-    value = getattr(value, "value", value)
-    if not getattr(value, "is_fully_addressable", True):  # a jax array over processes
-        if value.sharding.is_fully_replicated:
-            return np.asarray(value.addressable_shards[0].data)  # each shard is the whole
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(value, tiled=True))
-    return np.asarray(keras.ops.convert_to_numpy(value))
-
-
-def replicate(tree, *, on=None):
-    """Places every leaf of ``tree`` (arrays, tensors, ``keras.Variable``s) whole on every
-    device of ``mesh()`` (``NamedSharding`` with ``P()``): the train state.
-
-    Every process must pass the same values (they are built from the same seed, or
-    restored from the same checkpoint).
-
-    Example:
-        >>> state = replicate(([v.value for v in model.trainable_variables], ...))  # doctest: +SKIP
-    """
-    import jax
-
-    sharding = jax.sharding.NamedSharding(on or mesh(), jax.sharding.PartitionSpec())
-
-    def place(leaf):
-        value = to_host(leaf)
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-    return jax.tree_util.tree_map(place, tree, is_leaf=_is_variable)
-
-
-def _is_variable(leaf) -> bool:
-    return isinstance(leaf, keras.Variable)
-
-
-def _process_rows(sharding, shape) -> slice:
-    """The rows of a global batch of ``shape`` this process's devices hold."""
-    starts, stops = [], []
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        rows = index[0]
-        starts.append(rows.start or 0)
-        stops.append(shape[0] if rows.stop is None else rows.stop)
-    first, last = min(starts), max(stops)
-    if sum(b - a for a, b in sorted(set(zip(starts, stops, strict=True)))) != last - first:
-        raise ValueError(
-            f"tfdist.loops.shard_batch: this process's devices hold non-contiguous rows "
-            f"{sorted(zip(starts, stops, strict=True))} of the batch. Received: shape={shape}. "
-            "Use tfdist.loops.mesh(), which orders devices by process."
-        )
-    return slice(first, last)
-
-
-def shard_batch(batch, *, on=None):
-    """Places a GLOBAL batch split along its first axis over ``mesh()``'s devices.
-
-    Every process passes the same global batch (numpy arrays or tensors: what
-    ``tfdist.data.pipeline`` yields on JAX, in every process) and contributes only the
-    rows its own devices hold (``jax.make_array_from_process_local_data``).
-
-    Raises:
-        ValueError: the batch's first axis is not divisible by the mesh's devices.
-
-    Example:
-        >>> x, y = shard_batch((images, labels))  # global arrays, 1/N per device  # doctest: +SKIP
-    """
-    import jax
-
-    grid = on or mesh()
-    sharding = jax.sharding.NamedSharding(grid, jax.sharding.PartitionSpec(grid.axis_names[0]))
-    devices = grid.devices.size
-
-    def place(leaf):
-        value = np.asarray(keras.ops.convert_to_numpy(leaf))
-        if value.ndim == 0 or value.shape[0] % devices:
-            raise ValueError(
-                f"tfdist.loops.shard_batch: every array's first axis must be divisible by "
-                f"the {devices} devices of the mesh. Received: shape={value.shape}. Use a "
-                "global batch that is a multiple of the devices (drop_remainder=True)."
-            )
-        rows = _process_rows(sharding, value.shape)
-        return jax.make_array_from_process_local_data(sharding, value[rows], value.shape)
-
-    return jax.tree_util.tree_map(place, batch)
-
-
-# --------------------------------------------------------------------------- Checkpointer
 
 _WHERE = "tfdist.loops.Checkpointer"
 
@@ -283,6 +119,16 @@ def _inspect(path: str) -> dict:
     return info
 
 
+def _spanning(value):
+    """``value`` as Orbax can write it from every process: under several processes, a
+    process-local array (a variable not in the loop's state) is placed on ``mesh()``."""
+    import jax
+
+    if jax.process_count() > 1 and getattr(value, "is_fully_addressable", False):
+        return replicate(value)
+    return value
+
+
 class Checkpointer:
     """Exact resume for a custom training loop: ``restore() -> step``, ``maybe_save(step)``.
 
@@ -292,9 +138,12 @@ class Checkpointer:
         pipeline: the seeded ``tfdist.data.pipeline`` the loop iterates; its length
             gives ``steps_per_epoch`` and restoring moves it to the step's batch.
         steps_per_epoch: batches per epoch when ``pipeline`` does not know it.
-        max_to_keep: archives kept (None: all).
+        max_to_keep: checkpoints kept (None: all).
         preemption: turn SIGTERM into a save at an agreed step and exit 75.
         strategy: TensorFlow: the loop's strategy (``tfdist.strategy()`` when None).
+        sharded: JAX: write sharded, asynchronous Orbax checkpoints
+            (``ckpt-{epoch}[-{batch}].orbax``, every process its own shards) instead of
+            archives; training goes on while a checkpoint is written.
 
     Example:
         >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
@@ -317,6 +166,7 @@ class Checkpointer:
         preemption: bool = True,
         preemption_timeout: float = config.PREEMPTION_TIMEOUT_S,
         strategy=None,
+        sharded: bool = False,
     ):
         validate.instance(model, keras.Model, "model", _WHERE, "a keras.Model")
         what = "a keras.optimizers.Optimizer"
@@ -333,27 +183,40 @@ class Checkpointer:
             validate.positive_int(max_to_keep, "max_to_keep", _WHERE)
         validate.instance(preemption, bool, "preemption", _WHERE, "a bool")
         self.timeout = validate.positive_number(preemption_timeout, "preemption_timeout", _WHERE)
+        validate.instance(sharded, bool, "sharded", _WHERE, "a bool")
         self.role = atomic.write_role()
         self.directory = check_save_target(directory, _WHERE, writable=self.role.is_chief)
+        if sharded:
+            check_sharded_target(self.directory, _WHERE)
         self.model, self.optimizer = model, optimizer
-        self.max_to_keep, self.preemption = max_to_keep, preemption
+        self.max_to_keep, self.preemption, self.sharded = max_to_keep, preemption, sharded
         self.restored_from: str | None = None
         self.strategy = strategy
         self._watch: PreemptionWatch | None = None
+        self._writer: ShardedWriter | None = None
+        self._closing_at_exit = False
 
     # -- restore
 
     def restore(self) -> int:
-        """Restores the newest archive that reads back (every worker the same one) and
+        """Restores the newest checkpoint that reads back (every worker the same one) and
         moves the data pipelines to its step; returns that step (0: fresh start).
 
-        Call it once, after building the model and optimizer and before the loop.
+        Call it once, after building the model and optimizer and before the loop. On JAX,
+        ``.orbax`` checkpoints are candidates too (whatever ``sharded`` says), as for
+        ``make_or_restore``.
         """
+        reads_sharded = backends.get().saves_sharded()
         if self.role.is_chief:
             atomic.remove_stale_staging(self.directory)
+            if reads_sharded:
+                remove_stale_writes(self.directory)  # a killed job's unfinished writes
         with self._scope():
             self._build_optimizer()
-            chosen = newest_readable(self.directory, self.role, _inspect)
+            inspect_sharded = self._read_sharded if reads_sharded else None
+            chosen = newest_readable(
+                self.directory, self.role, _inspect, inspect_sharded, where=_WHERE
+            )
             check_workers_agree(self._strategy(), chosen, self.directory)
             step = 0 if chosen is None else self._load(*chosen)
         epoch, batch = divmod(step, self.steps_per_epoch)
@@ -376,7 +239,23 @@ class Checkpointer:
         if not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)
 
+    def _saved_variables(self) -> list:
+        return saved_variables(self.model, self.optimizer)
+
+    def _read_sharded(self, path: str) -> dict:
+        return read_sharded(path, self._saved_variables(), where=_WHERE)
+
     def _load(self, path: str, info: dict) -> int:
+        if info.get("sharded"):
+            assign_sharded(self._saved_variables(), info)
+        else:
+            self._load_archive(path, info)
+        meta = info["resume"]
+        set_rng_state(self.model, meta.get("rng", []), path)
+        self.restored_from = path
+        return int(meta["step"])
+
+    def _load_archive(self, path: str, info: dict) -> None:
         self.model.load_weights(path)
         variables, values = self.optimizer.variables, info["optimizer"]
         if len(variables) != len(values) or any(
@@ -389,10 +268,6 @@ class Checkpointer:
             )
         for variable, value in zip(variables, values, strict=True):
             variable.assign(value)
-        meta = info["resume"]
-        set_rng_state(self.model, meta.get("rng", []), path)
-        self.restored_from = path
-        return int(meta["step"])
 
     # -- save
 
@@ -401,7 +276,7 @@ class Checkpointer:
         exits with ``RESTART_EXIT_CODE``. Returns whether it saved.
 
         ``state``: on JAX, the loop's ``(trainable, non_trainable, optimizer)`` values,
-        written into the model and optimizer before a save (not read otherwise).
+        saved in place of the model's and optimizer's (not read otherwise).
         """
         step = validate.non_negative_int(step, "step", f"{_WHERE}.maybe_save")
         every = validate.positive_int(every, "every", f"{_WHERE}.maybe_save")
@@ -414,16 +289,17 @@ class Checkpointer:
         return True
 
     def save(self, step: int, *, state=None) -> str:
-        """Writes the archive of ``step`` (every worker calls it; the chief's file lands)."""
+        """Writes the checkpoint of ``step``; every worker calls it. An archive: written
+        into the model first (``state``), the chief's file lands. ``sharded``: the write
+        goes on in the background once the arrays are copied off the devices (``wait``)."""
         step = validate.non_negative_int(step, "step", f"{_WHERE}.save")
+        position = Position(*divmod(step, self.steps_per_epoch))
+        if self.sharded:
+            return self._save_sharded(step, position, state)
         if state is not None:
             self.write_state(state)
-        epoch, batch = divmod(step, self.steps_per_epoch)
-        path = os.path.join(self.directory, checkpoint_name(epoch, batch))
-        replicas = _distribute.num_replicas(strategy=self._strategy())
-        meta = resume_metadata(
-            Position(epoch, batch), step=step, rng=rng_state(self.model), replicas=replicas
-        )
+        path = os.path.join(self.directory, checkpoint_name(position.epoch, position.batch))
+        meta = self._metadata(position, step, rng_state(self.model))
         with atomic.atomic_output(path, role=self.role) as staging:
             self.model.save(staging)
             atomic.add_archive_member(staging, OPTIMIZER_MEMBER, _optimizer_bytes(self.optimizer))
@@ -433,18 +309,59 @@ class Checkpointer:
             self._prune(keep=path)
         return path
 
+    def _metadata(self, position: Position, step: int, rng: list) -> dict:
+        replicas = _distribute.num_replicas(strategy=self._strategy())
+        return resume_metadata(position, step=step, rng=rng, replicas=replicas)
+
+    def _save_sharded(self, step: int, position: Position, state) -> str:
+        """Starts the write of ``step``'s sharded checkpoint, the previous one finished."""
+        path = os.path.join(self.directory, sharded_name(position.epoch, position.batch))
+        self.wait()  # one write at a time; the finished one counts when pruning
+        # The train state as it is on the devices: nothing is written into the model.
+        current = {id(variable): value for variable, value in self._state_pairs(state)}
+
+        def read(variable):
+            return to_host(current.get(id(variable), variable))
+
+        meta = self._metadata(position, step, rng_state(self.model, read=read))
+        variables = self._saved_variables()
+        values = [_spanning(current.get(id(v), v.value)) for v in variables]
+        if self._writer is None:
+            self._writer = ShardedWriter()
+            self._close_at_exit()
+        self._writer.save(variables, path, meta, values=values)
+        return path
+
+    def wait(self) -> None:
+        """Blocks until the sharded checkpoint being written is finished (archives are
+        finished when ``save`` returns); ``close``, and the SIGTERM exit, call it.
+
+        Example:
+            >>> ckpt.wait()  # the last checkpoint is whole on disk  # doctest: +SKIP
+        """
+        if self._writer is None:
+            return
+        self._writer.wait()
+        if self.role.is_chief:
+            prune_sharded(self.directory, self.max_to_keep)
+
     def write_state(self, state) -> None:
         """Writes a JAX loop's ``(trainable, non_trainable, optimizer)`` values into the
-        model and optimizer (``save(state=...)`` does it before each save)."""
+        model and optimizer (``save(state=...)`` does it before each archive)."""
+        for variable, value in self._state_pairs(state):
+            variable.assign(to_host(value))
+
+    def _state_pairs(self, state) -> list[tuple]:
+        """``(variable, value)`` of every leaf of a JAX loop's state (none for None)."""
+        if state is None:
+            return []
         trainable, non_trainable, optimizer = state
         pairs = [
             (self.model.trainable_variables, trainable),
             (self.model.non_trainable_variables, non_trainable),
             (self.optimizer.variables, optimizer),
         ]
-        for variables, values in pairs:
-            for variable, value in zip(variables, values, strict=True):
-                variable.assign(to_host(value))
+        return [pair for variables, values in pairs for pair in zip(variables, values, strict=True)]
 
     def _prune(self, keep: str) -> None:
         if self.max_to_keep is None:
@@ -469,22 +386,31 @@ class Checkpointer:
             timeout=self.timeout,
         )
         self._watch.start()
+        self._close_at_exit()
+
+    def _close_at_exit(self) -> None:
         # Before the runtime shuts down at exit (atexit runs last-registered first): a
-        # watcher thread still waiting in the coordination store would abort the process.
-        atexit.register(self.close)
+        # watcher thread still waiting in the coordination store would abort the process,
+        # and a sharded write needs it to finish.
+        if not self._closing_at_exit:
+            self._closing_at_exit = True
+            atexit.register(self.close)
 
     def close(self) -> None:
-        """Stops the SIGTERM watch (its handler and watcher thread); also run at exit.
+        """Waits for the checkpoint being written and stops the SIGTERM watch (its handler
+        and watcher thread); also run at exit.
 
         Example:
             >>> ckpt.close()  # doctest: +SKIP
         """
+        self.wait()
         if self._watch is not None:
             self._watch.stop()
             self._watch = None
 
     def _exit_for_restart(self, step: int) -> None:
         assert self._watch is not None  # maybe_save calls this when the watch asked to save
+        self.wait()  # the preemption checkpoint must be whole before exiting
         self._watch.cancel()
         logger.warning(
             "tfdist: preemption checkpoint saved at step %d; exiting with code %d (restart me)",
