@@ -32,7 +32,7 @@ LAYERS = [
 # The floor's own layers: within tfdist.core, imports flow down these too.
 CORE_LAYERS = [
     {"validate", "position", "quiet", "upstream", "engines", "startup_watch"},
-    {"config", "storage", "process"},
+    {"config", "storage", "process", "cross_replica"},
     {"cluster", "versions", "full_epochs", "shard_policy", "watchdog"},
     {"atomic", "fix_registry"},
 ]

@@ -17,8 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from tfdist.compat import cross_replica
-from tfdist.core import upstream
+from tfdist.core import cross_replica, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "FIX_NAME", "fix_clip_after_all_reduce", "clips_per_replica_upstream"]

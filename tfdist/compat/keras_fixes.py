@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tfdist.compat.cross_replica import (
+from tfdist.core import upstream
+from tfdist.core.cross_replica import (
     accumulate_in_replica_context,
     consolidate_accumulators,
     tf_var,
 )
-from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [

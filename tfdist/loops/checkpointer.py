@@ -50,8 +50,7 @@ from tfdist.checkpoint.sharded import (
     saved_variables,
     sharded_name,
 )
-from tfdist.compat import cross_replica
-from tfdist.core import atomic, cluster, config, validate
+from tfdist.core import atomic, cluster, config, cross_replica, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
 
