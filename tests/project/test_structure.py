@@ -7,6 +7,7 @@ module or function that broke one.
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 import subprocess
 import sys
@@ -226,3 +227,17 @@ def test_mypy_is_clean():
         timeout=600,
     )
     assert result.returncode == 0, f"mypy failed:\n{result.stdout}{result.stderr}"
+
+
+def test_compat_holds_fix_records_only():
+    # Each compat module exports its FIXES, non-empty, and the package applies every one.
+    from tfdist import compat
+
+    listed = {fix.name for fix in compat.FIXES}
+    for path in sorted((PACKAGE / "compat").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"tfdist.compat.{path.stem}")
+        fixes = getattr(module, "FIXES", None)
+        assert fixes, f"tfdist/compat/{path.name} exports no FIXES: move it out of compat/"
+        assert {fix.name for fix in fixes} <= listed, path.name
