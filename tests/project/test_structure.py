@@ -188,7 +188,6 @@ _STATEFUL_CALLS = {
     "WeakKeyDictionary",
     "WeakSet",
     "WeakValueDictionary",
-    "IteratorReleaser",
 }
 
 

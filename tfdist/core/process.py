@@ -120,9 +120,6 @@ OUTSIDE_STATE = {
     "when tfdist.compat is imported",
     "tfdist.compat.chief_writes._TENSORBOARD_STAGING": "weak, per callback object: its "
     "staging folder lives and dies with the callback",
-    "tfdist.compat.epoch_start.RELEASER": "the thread that drops finished tf.data "
-    "iterators and the ones it still holds; reset() cannot stop a thread, and forgetting "
-    "the iterators would move their destruction back onto the thread that forgets them",
     "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
     "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
     "tfdist.saving._SYNCS": _COUNTER,

@@ -64,7 +64,6 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_set_initial_epoch,
     keras_shareable_adapter_classes,
     keras_symbolic_build,
-    keras_tf_epoch_iterator_class,
     keras_tf_optimizer_module,
     keras_tf_trainer_module,
     keras_trainer_class,
@@ -161,7 +160,6 @@ __all__ = [
     "keras_optimizer_update_step",
     "keras_jax_distribution_lib",
     "keras_jax_epoch_iterator_class",
-    "keras_tf_epoch_iterator_class",
     "tf_wait_at_barrier",
     "jax_wait_at_barrier",
     "jax_distributed_client",
@@ -417,12 +415,6 @@ REQUIRED["keras"] += [
 ]
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.generator",
-]
-
-# What keras_tf_iterators_released_in_background wraps (tfdist.compat.epoch_start): the
-# method whose result Keras's epoch loop calls iter() on, once per iterator it makes.
-REQUIRED["keras"] += [
-    "keras.src.backend.tensorflow.trainer:TFEpochIterator._get_iterator",
 ]
 
 # ======================================== end of section: numpy, PyDataset and generator inputs

@@ -200,12 +200,6 @@ def keras_jax_epoch_iterator_class():
     return importlib.import_module("keras.src.backend.jax.trainer").JAXEpochIterator
 
 
-def keras_tf_epoch_iterator_class():
-    """``TFEpochIterator``: makes ``fit``'s distributed data iterators on TensorFlow (the
-    fix ``keras_tf_iterators_released_in_background`` wraps its ``_get_iterator``)."""
-    return importlib.import_module("keras.src.backend.tensorflow.trainer").TFEpochIterator
-
-
 def keras_checkpoint_file_path(callback, epoch: int, batch, logs) -> str:
     """The file a ``ModelCheckpoint`` save goes to: its ``filepath`` formatted with the
     epoch, batch and logs, by upstream's own code (the name every worker must agree on)."""
