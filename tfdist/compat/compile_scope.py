@@ -61,7 +61,10 @@ def fix_compile_in_model_scope() -> None:
 
         return compile
 
-    patch(upstream.keras_tf_trainer_module().TensorFlowTrainer, "compile", FIX_NAME, make)
+    # Trainer.compile itself, not an override on TensorFlowTrainer: Keras's loading skips
+    # compile_from_config when ``cls.compile != Trainer.compile`` ("compile() was not
+    # called as part of model loading"), which an override would make every model fail.
+    patch(upstream.keras_trainer_class(), "compile", FIX_NAME, make)
 
 
 FIXES = [
@@ -74,7 +77,7 @@ FIXES = [
         on_keras_backend("tensorflow"),
         fix_compile_in_model_scope,
         targets=targets(
-            "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.compile",
+            "keras.src.trainers.trainer:Trainer.compile",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
         ),
     ),
