@@ -9,6 +9,9 @@ beside the job (a machine that is also doing other work).
 
     python tools/bench_epoch_start.py --epochs 6 --load 2 --json tools/epoch_start_measured.json
 
+Each topology runs with tfdist's fix ``tf_multi_device_iterators_end_promptly`` and
+without it (``upstream``), alternated in the same run.
+
 What it showed (docs/benchmarks.md renders the file): Keras creates two iterators per epoch
 when ``steps_per_epoch`` is not given (``EpochIterator._enumerate_iterator`` makes one at the
 end of each epoch and discards it at the next epoch's start), and under ``MirroredStrategy``
@@ -117,9 +120,18 @@ def _busy(stop_at: float) -> None:
         pass
 
 
-def run_topology(devices: int, epochs: int, load: int, timeout: float = 900) -> dict:
-    """One measured process on ``devices`` logical devices, ``load`` busy loops beside it."""
+# The fix this tool measures (tfdist.compat.epoch_start); "upstream" runs exclude it.
+FIX = "tf_multi_device_iterators_end_promptly"
+VARIANTS = {"tfdist": "", "upstream": FIX}
+
+
+def run_topology(
+    devices: int, epochs: int, load: int, timeout: float = 900, exclude: str = ""
+) -> dict:
+    """One measured process on ``devices`` logical devices, ``load`` busy loops beside it;
+    ``exclude``: tfdist fixes switched off (``TFDIST_COMPAT_EXCLUDE``)."""
     env = dict(os.environ, TFDIST_CPU_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2")
+    env["TFDIST_COMPAT_EXCLUDE"] = exclude
     code = (
         "import json, sys; sys.path.insert(0, 'tools'); import bench_epoch_start as b; "
         f"print({RESULT!r} + json.dumps(b.job({epochs})))"
@@ -149,24 +161,42 @@ def run_topology(devices: int, epochs: int, load: int, timeout: float = 900) -> 
     return json.loads(line[len(RESULT) :])
 
 
-def measure(epochs: int = 6, load: int = 0) -> dict:
-    """Both topologies, one after the other; epoch 0 (tracing) is reported apart."""
-    rows = {}
-    for devices in (1, 2):
-        result = run_topology(devices, epochs, load)
-        later = result["epochs"][1:]
-        rows[str(devices)] = {
-            "replicas": result["replicas"],
-            "epochs": result["epochs"],
-            "first_over_median": [e["first_s"] / e["median_s"] for e in later],
-            "iterators_per_epoch": [e["iterators"] for e in later],
-            "iterator_s": [e["iterator_s"] for e in later],
-        }
+def measure(epochs: int = 6, load: int = 0, rounds: int = 1) -> dict:
+    """Both topologies, with tfdist's fix and without it (upstream), alternated in one run
+    (``rounds`` times each); epoch 0 (tracing) is reported apart."""
+    rows: dict[str, dict] = {}
+    for round_index in range(rounds):
+        for devices in (1, 2):
+            order = list(VARIANTS.items())
+            if round_index % 2:  # neither side always runs second
+                order.reverse()
+            for variant, exclude in order:
+                result = run_topology(devices, epochs, load, exclude=exclude)
+                later = result["epochs"][1:]
+                row = rows.setdefault(
+                    f"{devices} {variant}",
+                    {
+                        "devices": devices,
+                        "variant": variant,
+                        "replicas": result["replicas"],
+                        "epochs": [],
+                        "first_over_median": [],
+                        "first_s": [],
+                        "iterators_per_epoch": [],
+                        "iterator_s": [],
+                    },
+                )
+                row["epochs"] += result["epochs"]
+                row["first_over_median"] += [e["first_s"] / e["median_s"] for e in later]
+                row["first_s"] += [e["first_s"] for e in later]
+                row["iterators_per_epoch"] += [e["iterators"] for e in later]
+                row["iterator_s"] += [e["iterator_s"] for e in later]
     return {
         "machine": machine(),
         "load": load,
         "loadavg_1min": os.getloadavg()[0],  # what else the machine was doing
         "epochs": epochs,
+        "rounds": rounds,
         "topologies": rows,
     }
 
@@ -175,15 +205,18 @@ def report(payload: dict) -> str:
     """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them)."""
     lines = [
         f"{payload['epochs']} epochs of the guides' convnet on MNIST train[:25%], one fit "
-        f"call, {payload['load']} busy loop(s) beside it (1-minute mean of runnable processes at the end: "
+        f"call per process, {payload.get('rounds', 1)} process(es) per line, alternated; "
+        f"{payload['load']} busy loop(s) beside it (1-minute mean of runnable processes at the end: "
         f"{payload['loadavg_1min']:.1f} on {payload['machine']['cores']} cores); epochs after "
-        "the first:"
+        f"the first; `tfdist` with the fix `{FIX}`, `upstream` without it:"
     ]
-    for devices, row in payload["topologies"].items():
+    for row in payload["topologies"].values():
         ratios, made, cost = row["first_over_median"], row["iterators_per_epoch"], row["iterator_s"]
+        firsts = row["first_s"]
         lines.append(
-            f"{devices} device(s) ({row['replicas']} replicas): first step / median step "
-            f"{statistics.median(ratios):.3g} ({min(ratios):.3g}-{max(ratios):.3g}); "
+            f"{row['devices']} device(s), {row['variant']}: first step / median step "
+            f"{statistics.median(ratios):.3g} ({min(ratios):.3g}-{max(ratios):.3g}, "
+            f"n={len(ratios)}), longest first step {max(firsts):.2f} s; "
             f"{min(made)}-{max(made)} iterators created per epoch, "
             f"{min(cost):.2f}-{max(cost):.2f} s creating them"
         )
@@ -194,13 +227,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--load", type=int, default=0, help="busy loops beside the job")
+    parser.add_argument("--rounds", type=int, default=1, help="processes per line")
     parser.add_argument("--json", help="write the figures (with machine and date) here")
     args = parser.parse_args(argv)
     if args.epochs < 2:
         parser.error(f"--epochs must be at least 2 (epoch 0 traces); received {args.epochs}")
     if args.load < 0:
         parser.error(f"--load must be 0 or more busy loops; received {args.load}")
-    payload = measure(args.epochs, args.load)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1; received {args.rounds}")
+    payload = measure(args.epochs, args.load, args.rounds)
     print(report(payload))
     if args.json:
         with open(args.json, "w") as f:

@@ -15,7 +15,8 @@ the date inside it; this tool renders those files into the pages' generated bloc
   --rounds 5 --mb 60 --every 10 --processes 2 --idle-core --json
   tools/sharded_measured.json``) and
   ``tools/epoch_start_measured.json`` (``python tools/bench_epoch_start.py --json
-  tools/epoch_start_measured.json``).
+  tools/epoch_start_measured.json``) and ``tools/epoch_start_loaded_measured.json`` (the
+  same with ``--load 2``).
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -42,6 +43,8 @@ STABLE = 0.15  # a row is stable when its min and max lie within 15 % of its med
 RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
 SHARDED_JSON = TOOLS / "sharded_measured.json"
 EPOCH_START_JSON = TOOLS / "epoch_start_measured.json"
+# The same tool with --load 2 (busy loops beside the job); rendered after the quiet run.
+EPOCH_START_LOADED_JSON = TOOLS / "epoch_start_loaded_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -185,6 +188,8 @@ def blocks() -> dict[str, tuple[Path, str]]:
     sharded = sharded_block(json.loads(SHARDED_JSON.read_text()))
     found["sharded checkpoints"] = (DOCS / "checkpoints.md", sharded)
     epoch_start = epoch_start_block(json.loads(EPOCH_START_JSON.read_text()))
+    if EPOCH_START_LOADED_JSON.exists():
+        epoch_start += ["", *epoch_start_block(json.loads(EPOCH_START_LOADED_JSON.read_text()))]
     found["epoch start"] = (DOCS / "benchmarks.md", epoch_start)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))

@@ -22,7 +22,7 @@ Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fi
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
 ``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``,
-``steps_per_execution``, ``compile_scope``, ``datasets`` (a dataset with a
+``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``datasets`` (a dataset with a
 declared length); this module lists them
 and applies them.
 
@@ -44,6 +44,7 @@ from tfdist.compat import (
     chief_writes,
     clipping,
     compile_scope,
+    epoch_start,
     jax_fixes,
     jax_inputs,
     jax_watchdog,
@@ -92,6 +93,7 @@ FIXES: list[Fix] = [
     *tf_inputs.FIXES,
     *jit_compile.FIXES,
     *steps_per_execution.FIXES,
+    *epoch_start.FIXES,
     *compile_scope.FIXES,
     *batchnorm.FIXES,
 ]

@@ -92,6 +92,7 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_legacy_rebatch,
     tf_mark_server_started,
     tf_maybe_merge_call,
+    tf_multi_device_iterator_module,
     tf_per_replica_component_spec,
     tf_per_replica_spec_class,
     tf_set_communication_options,
@@ -136,6 +137,7 @@ __all__ = [
     "keras_model_class",
     "keras_py_dataset_adapter_class",
     "tf_distributed_dataset_class",
+    "tf_multi_device_iterator_module",
     "tf_legacy_rebatch",
     "keras_tf_optimizer_module",
     "keras_tree",
@@ -209,6 +211,9 @@ REQUIRED = {
         "tensorflow.python.data.experimental.ops.distribute:_LegacyRebatchDataset",
         "tensorflow.python.distribute.input_lib:DistributedDataset."
         "_create_cloned_datasets_from_dataset",
+        # tf_multi_device_iterators_end_promptly (tfdist.compat.epoch_start)
+        "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__",
+        "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
     ],
     "keras": [
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",

@@ -168,6 +168,16 @@ def tf_legacy_rebatch(dataset, pieces: int):
     return distribute._LegacyRebatchDataset(dataset, pieces)
 
 
+def tf_multi_device_iterator_module():
+    """``multi_device_iterator_ops``: tf.distribute feeds several local devices (and a
+    multi-worker job's own devices) through its ``OwnedMultiDeviceIterator``, which builds
+    one small dataset per device with ``_create_device_dataset``; the epoch-start fix sets
+    options on both (no public hook reaches the datasets tf.distribute makes itself)."""
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    return multi_device_iterator_ops
+
+
 def tf_distributed_dataset_class():
     """``input_lib.DistributedDataset``: the even-split fix replaces its
     ``_make_rebatch_fn`` (how a global batch is cut into the replicas' batches)."""
