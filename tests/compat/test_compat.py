@@ -72,6 +72,7 @@ def test_fixes_are_recorded_per_package():
         "tf_multi_worker_logical_cpus",
         "tf_multi_worker_auto_shard",
         "tf_distribute_partial_batch_evenly",
+        "tf_multi_device_iterators_end_promptly",
     ]
     assert {fix.package for fix in compat.FIXES} == {"tensorflow", "keras"}
 
