@@ -118,9 +118,12 @@ def writer_nice():
     """The nice values of tensorstore's pool threads in this process, after the saves."""
     values = set()
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip() == "ts_pool_worker":
-                values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() == "ts_pool_worker":
+                    values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except OSError:  # the thread ended after listdir (seen on jax 0.12)
+            continue
     return sorted(values)
 
 
