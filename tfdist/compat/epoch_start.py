@@ -70,12 +70,10 @@ def fix_multi_device_iterators_end_promptly() -> None:
     module = upstream.tf_multi_device_iterator_module()
 
     def make_init(original):
-        def __init__(self, *args, **kwargs):
-            if args and args[0] is not None:
-                args = (without_autotuning(args[0], unless_chosen=True), *args[1:])
-            elif kwargs.get("dataset") is not None:
-                kwargs["dataset"] = without_autotuning(kwargs["dataset"], unless_chosen=True)
-            original(self, *args, **kwargs)
+        def __init__(self, dataset=None, *args, **kwargs):
+            if dataset is not None:  # None: rebuilt from components (nothing to iterate)
+                dataset = without_autotuning(dataset, unless_chosen=True)
+            original(self, dataset, *args, **kwargs)
 
         return __init__
 
