@@ -1,7 +1,8 @@
-"""Every walkthrough notebook runs top to bottom on a real kernel, twice, with small parameters.
+"""Every walkthrough notebook runs top to bottom on a real kernel, with small parameters.
 
-The second run goes into the same working folder, as a reader who reruns a notebook does
-(notebook 01 then resumes from its checkpoints and has nothing left to train). Each has one
+Notebook 01 runs twice (``RERUN``): the second run goes into the same working folder, as
+a reader who reruns a notebook does, and resumes from its checkpoints with nothing left to
+train. Each has one
 cell tagged ``parameters`` whose values the test overrides (fewer epochs, a slice of
 MNIST), the way papermill would. The notebooks are stored WITH the outputs of a full run
 (``python tools/run_notebooks.py``), so a reader on the web sees them; the test checks
@@ -35,6 +36,10 @@ OVERRIDES = {
 
 
 ANSI_OR_REDRAW = re.compile(r"\x1b\[|\r|\x08")
+# Notebooks that resume from what their first run left in the working folder (checkpoints):
+# a rerun takes a path the first run did not. 02 empties its folder first, and 03 and 04
+# only overwrite their outputs: a rerun of those repeats the first run.
+RERUN = {"01_mirrored_mnist"}
 # Notebooks whose outputs must include a figure (curves, digits, confusion matrix).
 WITH_FIGURES = {"01_mirrored_mnist", "03_multi_worker_mnist"}
 # What tools/run_notebooks.py records about the run that produced the stored outputs.
@@ -104,7 +109,7 @@ def _execute(path: Path, tmp_path: Path) -> None:
     [pytest.param(p, marks=[pytest.mark.jax] if "jax" in p.stem else []) for p in NOTEBOOKS],
     ids=[p.stem for p in NOTEBOOKS],
 )
-def test_notebook_runs_top_to_bottom_twice(path, tmp_path, monkeypatch):
+def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
     # The kernel inherits this environment: quiet TensorFlow, no cluster from the shell.
     env = child_env()
     for key in list(os.environ):
@@ -112,4 +117,5 @@ def test_notebook_runs_top_to_bottom_twice(path, tmp_path, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     _execute(path, tmp_path)
-    _execute(path, tmp_path)  # a rerun into the same folder must work as well
+    if path.stem in RERUN:
+        _execute(path, tmp_path)  # a rerun into the same folder must work as well
