@@ -70,7 +70,6 @@ CI_NEWEST_JAX_TESTS = [
     "tests/compat/test_jax_inputs.py",
     "tests/data/test_data_jax.py",
     "tests/checkpoint/test_sharded.py",
-    "tests/e2e/test_jax_faults.py",
     "tests/backends/test_layouts.py",
 ]
 
