@@ -2,9 +2,8 @@
 
 Notebook 01 runs twice (``RERUN``): the second run goes into the same working folder, as
 a reader who reruns a notebook does, and resumes from its checkpoints with nothing left to
-train. Each has one
-cell tagged ``parameters`` whose values the test overrides (fewer epochs, a slice of
-MNIST), the way papermill would. The notebooks are stored WITH the outputs of a full run
+train. Each has one cell tagged ``parameters`` whose values the test overrides (fewer
+epochs, a slice of MNIST), the way papermill would. The notebooks are stored WITH the outputs of a full run
 (``python tools/run_notebooks.py``), so a reader on the web sees them; the test checks
 they are there and readable, not that a rerun reproduces them byte for byte.
 """
