@@ -31,6 +31,18 @@ import equivalence  # noqa: E402, F401 - re-exported: `from conftest import equi
 # Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
 _CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
 
+# Children skip two optional upstream imports tfdist never uses (tests/lean_imports says
+# which and why): on os.environ, so that every child inherits it, however it is started.
+LEAN_IMPORTS = str(Path(__file__).resolve().parent / "lean_imports")
+
+
+def _with_lean_imports(pythonpath: str | None) -> str:
+    parts = [p for p in (pythonpath or "").split(os.pathsep) if p]
+    return os.pathsep.join(parts if LEAN_IMPORTS in parts else [*parts, LEAN_IMPORTS])
+
+
+os.environ["PYTHONPATH"] = _with_lean_imports(os.environ.get("PYTHONPATH"))
+
 
 def child_env(**overrides: str) -> dict[str, str]:
     """os.environ without cluster settings, plus ``overrides`` (None values remove a key)."""
@@ -42,6 +54,8 @@ def child_env(**overrides: str) -> dict[str, str]:
             env.pop(key, None)
         else:
             env[key] = str(value)
+    if "PYTHONPATH" in overrides:
+        env["PYTHONPATH"] = _with_lean_imports(env.get("PYTHONPATH"))
     return env
 
 

@@ -1,0 +1,45 @@
+"""Test children skip two optional upstream imports that tfdist never uses.
+
+The suite starts hundreds of Python processes, and each pays for what ``import tensorflow``
+pulls in. Two of those imports are optional upstream (each sits in ``try/except
+ImportError``) and unused by tfdist and the tests:
+
+- jax, imported by tf.lite (``tensorflow/lite/python/util.py``, for TFLite's jax
+  conversion) and by Keras's ``OrbaxCheckpoint`` module (a compatibility patch);
+- matplotlib.pyplot, imported by ``keras.src.visualization`` (``plot_image_gallery``).
+
+Measured on a 2-core machine: ``import tensorflow, keras`` 8.5-10 s with them, 6.8-7.0 s
+without. Only those importers are refused: a script, Keras's JAX backend, Orbax or a
+notebook that imports jax or matplotlib itself gets it as usual. tests/conftest.py puts
+this folder on the children's ``PYTHONPATH``; ``TFDIST_TEST_FULL_IMPORTS=1`` turns it off.
+"""
+
+import os
+import sys
+
+# Top-level package -> the modules whose import of it is refused.
+_SKIPPED = {
+    "jax": ("tensorflow.lite.", "keras.src.callbacks.orbax_checkpoint"),
+    "matplotlib": ("keras.src.visualization.",),
+}
+
+
+class _SkipOptionalImports:
+    """A meta-path finder that raises ImportError for ``_SKIPPED``'s importers only."""
+
+    def find_spec(self, name, path=None, target=None):
+        importers = _SKIPPED.get(name.partition(".")[0])
+        if importers is None or name.partition(".")[0] in sys.modules:
+            return None
+        frame = sys._getframe(1)
+        # The first frame outside importlib's machinery is the importing module's.
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen"):
+            frame = frame.f_back
+        importer = frame.f_globals.get("__name__", "") if frame is not None else ""
+        if importer.startswith(importers):
+            raise ImportError(f"{name}: optional import skipped in tfdist's tests ({importer})")
+        return None
+
+
+if os.environ.get("TFDIST_TEST_FULL_IMPORTS") != "1":
+    sys.meta_path.insert(0, _SkipOptionalImports())
