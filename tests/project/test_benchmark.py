@@ -137,6 +137,22 @@ def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path
         figures.combine_runs(paths)
 
 
+def test_what_steps_per_execution_saves_per_step_is_rendered_from_both_rows():
+    figures = _tool("docs_figures")
+
+    def row(name, a, b):
+        return {"name": name, "a_values": a, "b_values": b, "value_unit": "ms/step"}
+
+    rows = [row("multi-worker-step", [30.0, 28.0, 29.0], [17.0, 18.0, 16.0])]
+    assert figures._per_execution_savings(rows) == []  # no K = 8 row: nothing to say
+    rows.append(row("multi-worker-step-k8", [21.0, 20.0, 22.0], [14.0, 13.0, 15.0]))
+    (line,) = figures._per_execution_savings(rows)
+    assert line.startswith("- multi-worker-step, K = 1 minus K = 8: 8.0 ms/step on 2 workers, ")
+    assert "3.0 on 2 devices" in line
+    rows[-1] = {**rows[-1], "error": "RuntimeError: broken"}  # a failed row is left out
+    assert figures._per_execution_savings(rows) == []
+
+
 def test_accumulation_rounds_to_whole_windows_and_validates():
     ba = _tool("bench_accumulation")
     assert ba.window_steps(420, 20) == (420, 20) and ba.window_steps(30, 5) == (32, 8)
