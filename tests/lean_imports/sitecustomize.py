@@ -8,7 +8,7 @@ ImportError``) and unused by tfdist and the tests:
   conversion) and by Keras's ``OrbaxCheckpoint`` module (a compatibility patch);
 - matplotlib.pyplot, imported by ``keras.src.visualization`` (``plot_image_gallery``).
 
-Measured on a 2-core machine: ``import tensorflow, keras`` 8.5-10 s with them, 6.8-7.0 s
+Measured on a 2-core machine: ``import tensorflow, keras`` 8.5-10 s with them, 6.8-7.3 s
 without. Only those importers are refused: a script, Keras's JAX backend, Orbax or a
 notebook that imports jax or matplotlib itself gets it as usual. tests/conftest.py puts
 this folder on the children's ``PYTHONPATH``; ``TFDIST_TEST_FULL_IMPORTS=1`` turns it off.
@@ -28,8 +28,9 @@ class _SkipOptionalImports:
     """A meta-path finder that raises ImportError for ``_SKIPPED``'s importers only."""
 
     def find_spec(self, name, path=None, target=None):
-        importers = _SKIPPED.get(name.partition(".")[0])
-        if importers is None or name.partition(".")[0] in sys.modules:
+        top = name.partition(".")[0]
+        importers = _SKIPPED.get(top)
+        if importers is None or top in sys.modules:
             return None
         frame = sys._getframe(1)
         # The first frame outside importlib's machinery is the importing module's.
