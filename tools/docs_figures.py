@@ -16,7 +16,10 @@ the date inside it; this tool renders those files into the pages' generated bloc
   tools/sharded_measured.json``) and
   ``tools/epoch_start_measured.json`` (``python tools/bench_epoch_start.py --json
   tools/epoch_start_measured.json``) and ``tools/epoch_start_loaded_measured.json`` (the
-  same with ``--load 2``).
+  same with ``--load 2``), and ``tools/logical_devices_measured.json`` (``python
+  tools/bench_logical_devices.py --rounds 3 --json tools/logical_devices_measured.json``),
+  and ``tools/step_breakdown_measured.json`` (``python tools/step_breakdown.py --pairs 2
+  --json tools/step_breakdown_measured.json``), in docs/benchmarks.md.
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -46,6 +49,8 @@ SHARDED_JSON = TOOLS / "sharded_measured.json"
 EPOCH_START_JSON = TOOLS / "epoch_start_measured.json"
 # The same tool with --load 2 (busy loops beside the job); rendered after the quiet run.
 EPOCH_START_LOADED_JSON = TOOLS / "epoch_start_loaded_measured.json"
+LOGICAL_DEVICES_JSON = TOOLS / "logical_devices_measured.json"
+STEP_BREAKDOWN_JSON = TOOLS / "step_breakdown_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -195,6 +200,21 @@ def epoch_start_block(payload: dict) -> list[str]:
     return [_machine_line(payload["machine"]), "", *(f"- {line}" for line in lines)]
 
 
+def logical_devices_block(payload: dict) -> list[str]:
+    """1 device against 2 logical devices (what ``tools/bench_logical_devices.py`` writes)."""
+    import bench_logical_devices
+
+    lines = bench_logical_devices.report(payload).splitlines()
+    return [_machine_line(payload["machine"]), "", lines[0], "", *(f"- {x}" for x in lines[1:])]
+
+
+def step_breakdown_block(payload: dict) -> list[str]:
+    """The parts of a step on 2 workers and 2 devices (what ``tools/step_breakdown.py`` writes)."""
+    import step_breakdown
+
+    return step_breakdown.format_table(payload).splitlines()
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -215,6 +235,10 @@ def blocks() -> dict[str, tuple[Path, str]]:
     if EPOCH_START_LOADED_JSON.exists():
         epoch_start += ["", *epoch_start_block(json.loads(EPOCH_START_LOADED_JSON.read_text()))]
     found["epoch start"] = (DOCS / "benchmarks.md", epoch_start)
+    logical = logical_devices_block(json.loads(LOGICAL_DEVICES_JSON.read_text()))
+    found["logical devices"] = (DOCS / "benchmarks.md", logical)
+    breakdown = step_breakdown_block(json.loads(STEP_BREAKDOWN_JSON.read_text()))
+    found["step breakdown"] = (DOCS / "benchmarks.md", breakdown)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()

@@ -237,6 +237,28 @@ def test_step_breakdown_explains_the_step_from_its_parts():
     )
 
 
+def test_logical_devices_are_timed_against_one_device_round_by_round(monkeypatch):
+    # docs/benchmarks.md, "Goals not met": what tools/bench_logical_devices.py renders.
+    bl = _tool("bench_logical_devices")
+    order = []
+
+    def run_config(name, batch, steps, warmup):
+        order.append(name)
+        return {"1 device": 50.0, "2 devices": 100.0}.get(name, 60.0) * (1 + len(order) % 2)
+
+    monkeypatch.setattr(bl, "run_config", run_config)
+    payload = bl.measure(batch=256, rounds=2, steps=20, warmup=5)
+    assert order == [*bl.CONFIGS, *reversed(bl.CONFIGS)]  # alternated rounds
+    text = bl.report(payload)
+    assert "ms per step of 256 images (median of 15 steps" in text
+    # each ratio against one device of the same round (the rounds differ by 2x here)
+    assert "\n2 devices: " in text and "x2.00 (2.00-2.00, n=2)" in text
+    env = bl.config_env("2 devices, 1 intra-op thread", {"TFDIST_ALLREDUCE": "ring", "A": "1"})
+    assert env["TFDIST_CPU_DEVICES"] == "2" and env["TF_NUM_INTRAOP_THREADS"] == "1"
+    assert "TFDIST_ALLREDUCE" not in env and env["A"] == "1"
+    assert bl.config_env("1 device", {})["TFDIST_CPU_DEVICES"] == "1"
+
+
 def test_bench_comm_names_its_variants():
     bc = _tool("bench_comm")
     with pytest.raises(ValueError, match=r"unknown variant. Received: name='x'"):
