@@ -61,7 +61,6 @@ SETTINGS = ("TF_NUM_INTRAOP_THREADS", "TFDIST_ALLREDUCE", "TFDIST_COMPAT_EXCLUDE
 def job(batch: int, steps: int, warmup: int, loop: str = "fit") -> dict:
     """Runs in the measured process (``TFDIST_CPU_DEVICES`` set): the median step in ms of
     ``fit`` (``loop="fit"``) or of a hand-written step (``"own"``)."""
-    import time
 
     import keras
     import numpy as np
@@ -82,14 +81,20 @@ def job(batch: int, steps: int, warmup: int, loop: str = "fit") -> dict:
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
         )
+    run = _own_loop if loop == "own" else _fit_loop
+    times = run(tf, keras, strategy, model, data, batch, steps)
+    return {
+        "replicas": strategy.num_replicas_in_sync,
+        "batch": batch,
+        "median_ms": 1000 * statistics.median(times[warmup:]),
+    }
+
+
+def _fit_loop(tf, keras, strategy, model, data, global_batch: int, steps: int) -> list[float]:
+    """Seconds per ``fit`` step, ``on_train_batch_begin`` to ``on_train_batch_end``."""
+    import time
+
     times: list[float] = []
-    if loop == "own":
-        times = _own_loop(tf, keras, strategy, model, data, batch, steps)
-        return {
-            "replicas": strategy.num_replicas_in_sync,
-            "batch": batch,
-            "median_ms": 1000 * statistics.median(times[warmup:]),
-        }
 
     class Clock(keras.callbacks.Callback):
         def on_train_batch_begin(self, batch, logs=None):
@@ -99,11 +104,7 @@ def job(batch: int, steps: int, warmup: int, loop: str = "fit") -> dict:
             times.append(time.perf_counter() - self.started)
 
     model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Clock()])
-    return {
-        "replicas": strategy.num_replicas_in_sync,
-        "batch": batch,
-        "median_ms": 1000 * statistics.median(times[warmup:]),
-    }
+    return times
 
 
 def _own_loop(tf, keras, strategy, model, data, global_batch: int, steps: int) -> list[float]:
