@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from tfdist import distribute
 from tfdist.core import cluster as _cluster
 from tfdist.core import storage, upstream, validate
-from tfdist.core.atomic import atomic_output, write_role
+from tfdist.core.atomic import WriteRole, atomic_output, write_role
 
 __all__ = [
     "FORMATS",
@@ -63,7 +63,6 @@ FORMATS = {
 # Numbers the barriers of saves and loads, in call order: every worker makes the same
 # calls in the same order, so the n-th barrier has the same name on every worker.
 _SYNCS = itertools.count(1)
-_PATH_AGREEMENTS = itertools.count(1)
 
 
 def sync_workers(what: str, *, timeout: float | None = None, model=None) -> None:
@@ -122,32 +121,6 @@ def format_of(path: str | os.PathLike) -> str:
         f"tfdist.save: cannot tell the format from the path. Received: path={text!r}. "
         f"Use one of: {choices}."
     )
-
-
-def same_path_as_chief(final: str, what: str, *, timeout: float | None = None) -> bool:
-    """Whether the chief saves to ``final`` too (True on the chief). Every worker must
-    call it, in the same order: the chief publishes its path in the job's store.
-
-    Example:
-        >>> same_path_as_chief("/shared/model.keras", "model.save")  # doctest: +SKIP
-        True
-    """
-    from tfdist import backends
-    from tfdist.core import config
-
-    key = f"tfdist/saving/path/{next(_PATH_AGREEMENTS)}"
-    backend = backends.get()
-    if write_role().is_chief:
-        backend.key_value_set(key, final)
-        return True
-    wait = config.BARRIER_TIMEOUT_S if timeout is None else timeout
-    chief = backend.key_value_get(key, wait)
-    if chief is None:
-        raise RuntimeError(
-            f"{what}: the chief did not say where it saves within {wait:.0f} s. Every "
-            "worker must call this save (reading the variables is collective)."
-        )
-    return chief == final
 
 
 def save(
@@ -480,4 +453,53 @@ def write_on_every_worker(model, path: str | os.PathLike, write, *, what: str) -
     return final
 
 
-__all__ += ["has_other_workers", "write_on_every_worker", "same_path_as_chief"]
+def needs_every_process(model) -> bool:
+    """Whether reading ``model``'s variables needs every process: some variable is a JAX
+    array sharded across processes (neither on this process alone nor replicated here).
+    Mirrored TensorFlow variables and replicated JAX arrays are read locally.
+
+    Example:
+        >>> needs_every_process(model)  # doctest: +SKIP
+        False
+    """
+    variables = list(getattr(model, "variables", []))
+    optimizer = getattr(model, "optimizer", None)
+    variables += list(getattr(optimizer, "variables", None) or [])
+    for variable in variables:
+        value = getattr(variable, "value", None)
+        if getattr(value, "is_fully_addressable", True) is False and not getattr(
+            value, "is_fully_replicated", False
+        ):
+            return True
+    return False
+
+
+def write_alone(model, path: str | os.PathLike, write, *, what: str):
+    """A save this worker makes on its own: ``write(staging)``, flushed and renamed onto
+    ``path`` (atomic), with no wait for any other worker; returns what ``write`` returned.
+
+    Two workers saving one path each rename a whole file of their own (the last one
+    stays). A model sharded across processes cannot be read by one process alone: its
+    save takes ``write_on_every_worker``'s protocol, whose error names the rule when a
+    process does not come.
+
+    Example:
+        >>> write_alone(model, "/shared/model.keras", model.save, what="model.save")  # doctest: +SKIP
+    """
+    final = storage.normalize(path, what)
+    if needs_every_process(model):
+        what = f"{what} of a model sharded across processes (every process must call it)"
+        return write_on_every_worker(model, final, write, what=what)
+    upstream.keras_warm_save_skipsets()  # Keras's first save is collective on JAX otherwise
+    # Every worker is a "chief" of its own save: its staging lands, under its own name.
+    own = WriteRole(is_chief=True, rank=write_role().rank)
+    with atomic_output(final, role=own) as staging:
+        return write(staging)
+
+
+__all__ += [
+    "has_other_workers",
+    "needs_every_process",
+    "write_alone",
+    "write_on_every_worker",
+]

@@ -420,7 +420,7 @@ def fix_tensorboard() -> None:
 
 def _passes_through(model, filepath, args, kwargs) -> bool:
     """Calls upstream handles as it does: one worker, tfdist's own staging writes, a
-    refused overwrite (Keras asks the user), sharded weights, a file object."""
+    refused overwrite (Keras asks the user), sharded weights, a file object, a URL."""
     if atomic.is_writing() or not isinstance(filepath, (str, os.PathLike)):
         return True
     if kwargs.get("overwrite", args[0] if args else True) is False:
@@ -430,55 +430,77 @@ def _passes_through(model, filepath, args, kwargs) -> bool:
     return not _multi_worker(model)
 
 
+def _route(model, filepath, write, what: str):
+    """One user save: upstream's writer, made atomic, on this worker alone."""
+    return saving.write_alone(model, os.path.abspath(os.fspath(filepath)), write, what=what)
+
+
 def _user_save(method: str):
-    """``Model.<method>`` called by the user on every worker, routed as ``tfdist.save``."""
+    """``Model.<method>(filepath, ...)`` called by the user, on any set of workers."""
 
     def make(original):
         def save(self, filepath, *args, **kwargs):
             if _passes_through(self, filepath, args, kwargs):
                 return original(self, filepath, *args, **kwargs)
-            final = os.path.abspath(os.fspath(filepath))
-            # The name of the workers' meetings: the same on every worker, whatever
-            # path each passed (a worker's own path must not make its own meeting).
-            what = f"Model.{method}"
-            with _in_scope(self):
-                if saving.same_path_as_chief(final, what):
-                    saving.write_on_every_worker(
-                        self,
-                        final,
-                        lambda staging: original(self, staging, *args, **kwargs),
-                        what=what,
-                    )
-                    return None
-                # A path of this worker's own (the TF tutorial's write_filepath): written
-                # as asked, between the same two meetings as the chief's save.
-                saving.sync_workers(what, model=self)
-                result = original(self, filepath, *args, **kwargs)
-                saving.sync_workers(what, model=self)
-                return result
+            return _route(
+                self,
+                filepath,
+                lambda staging: original(self, staging, *args, **kwargs),
+                f"Model.{method}",
+            )
 
         return save
 
     return make
 
 
-def fix_user_saves() -> None:
-    """Makes ``model.save(path)`` and ``model.save_weights(path)`` safe on every worker.
+def _user_save_model(original):
+    """``keras.saving.save_model(model, filepath, ...)``, routed as ``Model.save``."""
 
-    Keras's guides end with ``model.save(path)``, and a multi-worker script runs on every
-    worker: upstream, two workers write one file at once (measured, 2 TensorFlow workers:
+    def save_model(model, filepath, *args, **kwargs):
+        if _passes_through(model, filepath, args, kwargs):
+            return original(model, filepath, *args, **kwargs)
+        return _route(
+            model,
+            filepath,
+            lambda staging: original(model, staging, *args, **kwargs),
+            "keras.saving.save_model",
+        )
+
+    return save_model
+
+
+def fix_user_saves() -> None:
+    """Makes a script's own saves atomic on any worker, with no wait for the others.
+
+    Keras's guides end with ``model.save(path)``, run by every worker of a multi-worker
+    script, and the other common way is ``if rank == 0: model.save(path)``. Upstream,
+    two workers writing one file at once tear it (measured, 2 TensorFlow workers:
     ``BadZipFile: Bad CRC-32`` or a missing file on load; ``save_weights``: h5py's
-    ``unable to lock file``; on JAX the processes then fall out of step and the job
-    aborts). The fix asks where the chief saves: when it is the same path, every worker
-    writes (reading the variables may be collective), only the chief's file lands,
-    atomically, and every worker returns once it is complete (``tfdist.save``'s
-    protocol), so a ``load_model`` right after reads the whole file on any worker. A path
-    of a worker's own is written as asked. One worker, a refused overwrite, sharded
-    weights and URLs go to upstream unchanged.
+    ``unable to lock file``; ``export``: ``MergeV2Checkpoints`` finds the other
+    worker's ``variables_temp`` gone; on JAX the processes then fall out of step and the
+    job aborts), while the chief saving alone is right and takes milliseconds.
+
+    With the fix, ``Model.save``, ``save_weights``, ``export`` and
+    ``keras.saving.save_model`` write upstream's own output to a staging name of this
+    process's own next to the path, flush it and rename it onto the path: each save is
+    atomic, two workers never write one file, and no worker waits for another (reading
+    mirrored TensorFlow variables, or JAX arrays replicated on every process, is local).
+    So every pattern keeps working: every worker (the last rename wins; the variables,
+    and so the files, are equal when the workers save at the same step), the chief
+    alone, a rank-guarded callback inside ``fit``, different counts per worker, a path
+    of each worker's own. A model with variables sharded across JAX processes needs
+    every process for each save (reading it is a gather): that save keeps
+    ``tfdist.saving``'s every-worker protocol and says so when a process does not come.
+    One worker, a refused overwrite, sharded weights files and URLs go to upstream
+    unchanged.
     """
     model_class = upstream.keras_model_class()
-    patch(model_class, "save", "keras_user_saves_chief_writes", _user_save("save"))
-    patch(model_class, "save_weights", "keras_user_saves_chief_writes", _user_save("save_weights"))
+    name = "keras_user_saves_chief_writes"
+    for method in ("save", "save_weights", "export"):
+        patch(model_class, method, name, _user_save(method))
+    for module in upstream.keras_save_model_modules():
+        patch(module, "save_model", name, _user_save_model)
 
 
 # ------------------------------------------------------------------ the fixes
@@ -547,10 +569,16 @@ FIXES: list[Fix] = [
     ),
     Fix(
         "keras_user_saves_chief_writes",
-        "Keras 3 model.save / save_weights called by every worker of a multi-worker job: "
-        "one file written by all (BadZipFile, h5py lock errors; on JAX the job aborts)",
+        "Keras 3 model.save / save_weights / export / keras.saving.save_model called by "
+        "every worker of a multi-worker job: one file written by all (BadZipFile, h5py "
+        "lock errors; on JAX the job aborts)",
         _tensorflow_or_jax,
         fix_user_saves,
-        targets=targets(_MODEL + "save", _MODEL + "save_weights"),
+        targets=targets(
+            _MODEL + "save",
+            _MODEL + "save_weights",
+            _MODEL + "export",
+            "keras.src.saving.saving_api:save_model",
+        ),
     ),
 ]

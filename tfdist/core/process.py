@@ -123,5 +123,4 @@ OUTSIDE_STATE = {
     "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
     "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
     "tfdist.saving._SYNCS": _COUNTER,
-    "tfdist.saving._PATH_AGREEMENTS": _COUNTER,
 }

@@ -60,6 +60,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_optimizer_uses_weight_decay,
     keras_progbar_logger_class,
     keras_py_dataset_adapter_class,
+    keras_save_model_modules,
     keras_seed_generators,
     keras_set_initial_epoch,
     keras_shareable_adapter_classes,
@@ -68,6 +69,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_tf_trainer_module,
     keras_trainer_class,
     keras_tree,
+    keras_warm_save_skipsets,
 )
 from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __all__
     tf_collective_extended_class,
@@ -136,6 +138,8 @@ __all__ = [
     "keras_loss_module",
     "keras_model_class",
     "keras_py_dataset_adapter_class",
+    "keras_save_model_modules",
+    "keras_warm_save_skipsets",
     "tf_distributed_dataset_class",
     "tf_multi_device_iterator_module",
     "tf_legacy_rebatch",
@@ -216,6 +220,9 @@ REQUIRED = {
         "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
     ],
     "keras": [
+        "keras.src.saving.saving_api:save_model",
+        "keras.src.saving.saving_lib:get_attr_skipset",
+        "keras.src.backend.common.global_state:get_global_attribute",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",

@@ -25,6 +25,51 @@ def keras_model_class():
     return importlib.import_module("keras.src.models.model").Model
 
 
+def keras_save_model_modules():
+    """``keras.src.saving.saving_api`` (where ``Model.save`` finds ``save_model``) and the
+    public ``keras.saving`` module that re-exports it: the user-save fix wraps both, so a
+    script's ``keras.saving.save_model(model, path)`` is routed like ``model.save``."""
+    import keras
+
+    return [importlib.import_module("keras.src.saving.saving_api"), keras.saving]
+
+
+# The reference objects Keras's saving builds once per process (``get_attr_skipset``).
+_SAVE_SKIPSET_TYPES = ("Operation", "Layer", "Functional", "Sequential", "Metric", "Optimizer")
+
+
+def keras_warm_save_skipsets() -> None:
+    """Builds, with no ``keras.distribution`` set, the reference objects Keras's saving
+    builds in every save (``saving_lib.get_attr_skipset``), and caches them as upstream
+    meant to.
+
+    Its ``Optimizer(1.0)`` creates variables under the current distribution: on several
+    JAX processes that is a cross-process ``device_put`` (a collective), so a process
+    saving alone, as ``if rank == 0: model.save(p)`` does, waits in it for the others.
+    Upstream caches each set under ``saving_attr_skipset_<type>`` but looks it up under
+    ``saving_attr_skiplist_<type>`` (Keras 3.15.1), so it builds the objects on every
+    save. Here they are built once, locally, and stored under both names: the sets of
+    attribute names are the ones upstream computes.
+    """
+    import keras
+
+    saving_lib = importlib.import_module("keras.src.saving.saving_lib")
+    global_state = importlib.import_module("keras.src.backend.common.global_state")
+    if all(
+        global_state.get_global_attribute(f"saving_attr_skiplist_{name}") is not None
+        for name in _SAVE_SKIPSET_TYPES
+    ):
+        return
+    current = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)  # thread-local in Keras's global state
+    try:
+        for name in _SAVE_SKIPSET_TYPES:
+            skipset = saving_lib.get_attr_skipset(name)
+            global_state.set_global_attribute(f"saving_attr_skiplist_{name}", skipset)
+    finally:
+        keras.distribution.set_distribution(current)
+
+
 def keras_py_dataset_adapter_class():
     """Keras's adapter of a ``PyDataset``: the shuffle-agreement fix wraps its
     ``_finite_generator``, where an epoch's order is drawn (no public hook runs then)."""
