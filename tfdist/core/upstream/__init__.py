@@ -72,6 +72,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_warm_save_skipsets,
 )
 from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __all__
+    tf_can_reduce_across_replicas_here,
     tf_collective_extended_class,
     tf_collective_options,
     tf_collectives_configured,
@@ -227,7 +228,9 @@ REQUIRED = {
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
         "keras.src.backend.tensorflow.trainer:reduce_per_replica",
-        "keras.src.losses.loss:reduce_values",
+        "keras.src.losses.loss:reduce_weighted_values",
+        "keras.src.losses.loss:apply_mask",
+        "keras.src.losses.loss:standardize_reduction",
         "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
         "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.predict_on_batch",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
@@ -365,10 +368,11 @@ SOURCE_ATTRIBUTES += [
 # the upstream steps it replaces and the TensorFlow helper Keras uses for its merge_call.
 
 
-__all__ += ["tf_maybe_merge_call"]
+__all__ += ["tf_maybe_merge_call", "tf_can_reduce_across_replicas_here"]
 
 REQUIRED["tensorflow"] += [
     "tensorflow.python.distribute.merge_call_interim:maybe_merge_call",
+    "tensorflow.python.distribute.mirrored_run:_MirroredReplicaThread",
 ]
 
 REQUIRED["keras"] += [

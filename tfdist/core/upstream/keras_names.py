@@ -14,8 +14,8 @@ def keras_tf_trainer_module():
 
 
 def keras_loss_module():
-    """``keras.src.losses.loss``: the partial-batch fix replaces ``reduce_values``, where
-    every Keras loss divides a replica's sum by its own count."""
+    """``keras.src.losses.loss``: the partial-batch fix replaces ``reduce_weighted_values``,
+    where every Keras loss divides a replica's sum by its own count."""
     return importlib.import_module("keras.src.losses.loss")
 
 

@@ -216,6 +216,21 @@ def tf_wait_at_barrier(name: str, timeout_ms: int) -> None:
     tf_context().wait_at_barrier(name, timeout_ms)
 
 
+def tf_can_reduce_across_replicas_here() -> bool:
+    """Whether code of a replica function runs in that function's own graph, where a
+    cross-replica all-reduce may be issued; False inside a ``tf.cond`` or ``while`` branch
+    or a nested ``tf.function``, where ``merge_call`` raises ("called while defining a new
+    graph") and a collective could run on some replicas only. ``mirrored_run``'s replica
+    threads (MirroredStrategy, MultiWorkerMirroredStrategy) record that graph as
+    ``graph``; outside one, True."""
+    import threading
+
+    import tensorflow as tf
+
+    graph = getattr(threading.current_thread(), "graph", None)
+    return graph is None or tf.compat.v1.get_default_graph() is graph
+
+
 def tf_maybe_merge_call(fn, strategy, *args) -> None:
     """``fn(strategy, *args)`` through ``merge_call``, or directly where the strategy runs
     without one (XLA on GPUs): how Keras' own TensorFlow optimizer reaches cross-replica

@@ -1,0 +1,179 @@
+"""Loss patterns plain Keras gets right, and one it gets wrong, trained on this process's
+topology: the no-harm matrix of the loss fixes (tests/compat/test_no_harm.py).
+
+    TFDIST_CPU_DEVICES=4 python no_harm_job.py [CASE ...]      # logical devices
+    tfdist launch -n 2 no_harm_job.py [CASE ...]                 # TensorFlow workers
+
+Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.scope()``):
+
+* ``loss in tf.cond``: a custom ``train_step`` in the shape of Keras's "customizing what
+  happens in fit" guide, the loss object called inside a ``tf.cond`` on the replica's data;
+* ``loss in a while loop``: the loss summed in a ``tf.while_loop``;
+* ``loss in a nested tf.function``: the loss called through a ``tf.function`` of its own;
+* ``masked GRU``: ``Embedding(mask_zero=True)`` -> ``GRU(return_sequences=True)`` -> a
+  per-token ``SparseCategoricalCrossentropy``, 300 padded sequences at a global batch of
+  64 (the last one 44): each replica's valid tokens differ, in full batches too;
+* ``sample weights``: a regression with ``sample_weight``, 100 examples at 32.
+
+Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
+"replicas": r}}}``: the weights and (for compiled losses) the loss history, and the
+replicas of the strategy the case's model was built under (its own
+``distribute_strategy``, not the process's). A custom ``train_step`` reports its replica's
+loss as upstream scales it (``1 / replicas``), so its history is not compared.
+A failing case reports ``{"error": ...}`` and the others still run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+
+VOCAB, LENGTH = 12, 9
+
+
+class CustomStep(keras.Model):
+    """The guide's custom ``train_step``, with the loss computed by ``compute``."""
+
+    def __init__(self, compute, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(1)
+        self.loss_fn = keras.losses.MeanSquaredError()
+        self.tracker = keras.metrics.Mean(name="loss")
+        self.compute = compute
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute(self.loss_fn, y, y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        self.tracker.update_state(loss)
+        return {"loss": self.tracker.result()}
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+def in_cond(loss_fn, y, y_pred):
+    # A predicate on the replica's own data: replicas may take different branches.
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(y_pred)),
+        lambda: loss_fn(y, y_pred),
+        lambda: tf.constant(0.0),
+    )
+
+
+def in_while(loss_fn, y, y_pred):
+    def body(i, total):
+        return i + 1, total + loss_fn(y, y_pred) / 2.0
+
+    return tf.while_loop(lambda i, _: i < 2, body, [tf.constant(0), tf.constant(0.0)])[1]
+
+
+@tf.function
+def _nested(loss_fn, y, y_pred):
+    return loss_fn(y, y_pred)
+
+
+def in_nested_function(loss_fn, y, y_pred):
+    return _nested(loss_fn, y, y_pred)
+
+
+def regression(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = (x @ rng.normal(size=(6, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def custom_step_case(compute) -> keras.Model:
+    x, y = regression(96)  # 3 full batches of 32: upstream is right on every topology
+    with tfdist.scope():
+        model = CustomStep(compute)
+        model.build((None, 6))
+        model.compile(keras.optimizers.SGD(0.1))
+    model.history_values = model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def masked_gru() -> keras.Model:
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(2, LENGTH + 1, size=300)
+    x = np.zeros((300, LENGTH), "int32")
+    for row, length in enumerate(lengths):
+        x[row, :length] = rng.integers(1, VOCAB, size=length)
+    y = np.roll(x, -1, axis=1)
+    with tfdist.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((LENGTH,), dtype="int32"),
+                keras.layers.Embedding(VOCAB, 8, mask_zero=True),
+                keras.layers.GRU(8, return_sequences=True),
+                keras.layers.Dense(VOCAB),
+            ]
+        )
+        model.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.history_values = model.fit(x, y, batch_size=64, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def sample_weights() -> keras.Model:
+    x, y = regression(100, seed=2)  # last batch of 4
+    weights = np.random.default_rng(3).uniform(0.1, 2.0, size=100).astype("float32")
+    with tfdist.scope():
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+    model.history_values = model.fit(
+        x, y, sample_weight=weights, batch_size=32, epochs=2, shuffle=False, verbose=0
+    )
+    return model
+
+
+CASES = {
+    "loss in tf.cond": lambda: custom_step_case(in_cond),
+    "loss in a while loop": lambda: custom_step_case(in_while),
+    "loss in a nested tf.function": lambda: custom_step_case(in_nested_function),
+    "masked GRU": masked_gru,
+    "sample weights": sample_weights,
+}
+
+
+def result(model: keras.Model) -> dict:
+    values = {f"weight {i}": w.ravel().tolist() for i, w in enumerate(model.get_weights())}
+    if not isinstance(model, CustomStep):  # a custom step reports its replica's scaled loss
+        values["loss"] = [float(v) for v in model.history_values.history["loss"]]
+    return {"values": values, "replicas": model.distribute_strategy.num_replicas_in_sync}
+
+
+def main() -> None:
+    names = sys.argv[1:] or list(CASES)
+    out = {}
+    for name in names:
+        keras.utils.set_random_seed(0)
+        try:
+            out[name] = result(CASES[name]())
+        except Exception as error:  # a failing case is a result, not a crash of the others
+            traceback.print_exc()
+            out[name] = {"error": f"{type(error).__name__}: {str(error)[:1500]}"}
+    worker = tfdist.cluster_from_env().rank
+    print("NOHARM " + json.dumps({"worker": worker, "cases": out}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
