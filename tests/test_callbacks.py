@@ -12,7 +12,7 @@ import tensorflow as tf
 import tfdist
 from tfdist.core.cluster import worker_tf_config
 
-from conftest import last_json_line, run_python
+from conftest import equivalence, last_json_line, run_python
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = X.sum(axis=1, keepdims=True)
@@ -69,12 +69,12 @@ def guides_decay(epoch):
 )
 def test_decay_sets_each_epochs_rate(schedule):
     rates = fit(build(), [tfdist.callbacks.decay(schedule)])
-    np.testing.assert_allclose(rates, [1e-3] * 4 + [1e-4] * 4 + [1e-5] * 4, rtol=1e-6)
+    equivalence.assert_allclose(rates, [1e-3] * 4 + [1e-4] * 4 + [1e-5] * 4, rtol=1e-6)
 
 
 def test_decay_mapping_keeps_the_optimizer_rate_before_its_first_key():
     rates = fit(build(0.05), [tfdist.callbacks.decay({1: 0.01})], epochs=2)
-    np.testing.assert_allclose(rates, [0.05] * 4 + [0.01] * 4, rtol=1e-6)
+    equivalence.assert_allclose(rates, [0.05] * 4 + [0.01] * 4, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_decay_does_not_apply_twice_in_a_resumed_partial_epoch(tmp_path):
     # the in-memory stand-in for the data position: numpy data replays the epoch, so
     # only the rate (not the weights) is compared here
     resumed = fit(restored, [tfdist.callbacks.decay(halve)], epochs=2, initial_epoch=1)
-    np.testing.assert_allclose(resumed, reference[4:], rtol=1e-6)
+    equivalence.assert_allclose(resumed, reference[4:], rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- PrintLR
@@ -163,7 +163,7 @@ def test_warmup_ramps_linearly_then_hands_over_to_decay():
     rates = fit(build(0.01), [tfdist.callbacks.decay({1: 0.02}), warm], epochs=2)
     # steps 0-3 warm up from 0.5 * 0.08 to 0.08; epoch 2 belongs to decay
     expected = [0.08 * (0.5 + 0.5 * (s + 1) / 4) for s in range(4)] + [0.02] * 4
-    np.testing.assert_allclose(rates, expected, rtol=1e-6)
+    equivalence.assert_allclose(rates, expected, rtol=1e-6)
 
 
 def test_warmup_continues_from_the_restored_step(tmp_path):
@@ -173,8 +173,8 @@ def test_warmup_continues_from_the_restored_step(tmp_path):
         build, tmp_path, strategy=tf.distribute.get_strategy()
     )
     resumed = fit(restored, [tfdist.callbacks.warmup(0.1, steps=8)], 2, initial_epoch)
-    np.testing.assert_allclose(resumed, reference[4:], rtol=1e-6)
-    np.testing.assert_allclose(reference, [0.1 * (s + 1) / 8 for s in range(8)], rtol=1e-6)
+    equivalence.assert_allclose(resumed, reference[4:], rtol=1e-6)
+    equivalence.assert_allclose(reference, [0.1 * (s + 1) / 8 for s in range(8)], rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from tfdist import saving
 from tfdist.core import atomic
 from tfdist.core.cluster import worker_tf_config
 
-from conftest import last_json_line, run_python
+from conftest import equivalence, last_json_line, run_python
 
 ADDRESSES = ["127.0.0.1:1", "127.0.0.1:2"]
 
@@ -162,19 +162,19 @@ def test_save_and_load_each_format_predict_the_same(tmp_path):
 
     path = tfdist.save(model, tmp_path / "m.keras")
     loaded = tfdist.load(path)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=0, atol=1e-6)
+    equivalence.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=0, atol=1e-6)
     assert int(loaded.optimizer.iterations.numpy()) == 1  # optimizer state came along
 
     tfdist.save(model, tmp_path / "w.weights.h5")
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(1)])
     fresh.compile(optimizer="adam", loss="mse")
     loaded = tfdist.load(tmp_path / "w.weights.h5", model=fresh)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=0, atol=1e-6)
+    equivalence.assert_allclose(loaded.predict(x, verbose=0), expected, rtol=0, atol=1e-6)
     assert int(loaded.optimizer.iterations.numpy()) == 1
 
     tfdist.save(model, tmp_path / "export" / "1")
     served = tfdist.load(tmp_path / "export" / "1")
-    np.testing.assert_allclose(served.serve(x).numpy(), expected, rtol=0, atol=1e-6)
+    equivalence.assert_allclose(served.serve(x).numpy(), expected, rtol=0, atol=1e-6)
     assert not glob.glob(str(tmp_path / "**" / ".tmp-*"), recursive=True)
 
 
@@ -306,11 +306,11 @@ def test_saved_in_a_two_replica_scope_loads_outside_and_in_a_three_replica_scope
         "in_scope_saved_model",
         "outside_saved_model",
     ):
-        np.testing.assert_allclose(loaded[key], saved["pred"], rtol=0, atol=1e-5, err_msg=key)
+        equivalence.assert_allclose(loaded[key], saved["pred"], rtol=0, atol=1e-5, err_msg=key)
     # and in this process: one device, no scope
     here = tfdist.load(tmp_path / "m.keras")
     x = np.linspace(-1, 1, 15, dtype="float32").reshape(5, 3)
-    np.testing.assert_allclose(here.predict(x, verbose=0), saved["pred"], rtol=0, atol=1e-5)
+    equivalence.assert_allclose(here.predict(x, verbose=0), saved["pred"], rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- every worker

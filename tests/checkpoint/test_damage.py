@@ -29,7 +29,7 @@ import tfdist
 from tfdist import checkpoint as ckpt
 from tfdist.checkpoint import names
 
-from conftest import SCRIPTS, child_env, last_json_line
+from conftest import SCRIPTS, child_env, equivalence, last_json_line
 
 sys.path.insert(0, str(SCRIPTS))
 from damage_job import X, Y, build  # noqa: E402
@@ -84,7 +84,7 @@ def assert_falls_back(directory, pristine, damaged, expected):
     else:
         assert initial_epoch == names.parse_checkpoint_name(expected).epoch
         for got, want in zip(weights, pristine[1][expected], strict=True):
-            np.testing.assert_array_equal(got, want)
+            equivalence.assert_allclose(got, want)
     for name in damaged:
         assert any(name in text and "skipping checkpoint" in text for text in said), said
         assert os.path.lexists(directory / (name + names.CORRUPT_SUFFIX))
@@ -188,7 +188,7 @@ def test_resume_metadata_missing_is_a_keras_file_not_damage(job, pristine):
     restored, initial_epoch, weights, said = restart(job)
     assert (restored, initial_epoch, said) == (NEWEST, 3, [])
     for got, want in zip(weights, pristine[1][NEWEST], strict=True):
-        np.testing.assert_array_equal(got, want)
+        equivalence.assert_allclose(got, want)
 
 
 # --------------------------------------------------------------------------- the directory entry
@@ -267,7 +267,7 @@ def test_unreadable_file(job, pristine):
         assert [e for e in expected if any(e in w for w in result["warnings"])] == expected
         assert len(result["warnings"]) == len(expected)
         for got, want in zip(result["weights"], pristine[1]["ckpt-2.keras"], strict=True):
-            np.testing.assert_array_equal(np.asarray(got, "float32"), want)
+            equivalence.assert_allclose(np.asarray(got, "float32"), want)
     assert (job / (NEWEST + names.CORRUPT_SUFFIX)).exists()
 
 
@@ -282,7 +282,7 @@ def test_jax_backend_skips_a_garbage_weights_member_too(job, pristine):
         assert result.get("restored") == "ckpt-2.keras", (result.get("error"), proc.stderr[-3000:])
         assert len(result["warnings"]) == warned
         for got, want in zip(result["weights"], pristine[1]["ckpt-2.keras"], strict=True):
-            np.testing.assert_array_equal(np.asarray(got, "float32"), want)
+            equivalence.assert_allclose(np.asarray(got, "float32"), want)
 
 
 # --------------------------------------------------------------------------- the model
@@ -338,7 +338,7 @@ def test_two_workers_skip_the_same_damaged_checkpoint(job, pristine):
         for result in results.values():
             assert result["restored"] == "ckpt-2.keras"
             for got, want in zip(result["weights"], pristine[1]["ckpt-2.keras"], strict=True):
-                np.testing.assert_array_equal(np.asarray(got, "float32"), want)
+                equivalence.assert_allclose(np.asarray(got, "float32"), want)
         assert sorted(os.listdir(job)) == ["ckpt-1.keras", "ckpt-2.keras", NEWEST + ".corrupt"]
 
 

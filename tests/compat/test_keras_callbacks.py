@@ -91,7 +91,7 @@ def assert_like_one_process(results: dict[int, dict], reference: dict, variant: 
         assert max_diff(got["weights"], expected["weights"]) <= TOL, rank
         # EarlyStopping stopped, and ReduceLROnPlateau cut the rate, at the same epochs.
         assert got["epochs"] == expected["epochs"], rank
-        assert np.allclose(got["rates"], expected["rates"], rtol=1e-6, atol=0), rank
+        equivalence.assert_allclose(got["rates"], expected["rates"], rtol=1e-6, err_msg=str(rank))
         files, want = normalized(got["files"]), normalized(expected["files"])
         assert sorted(files) == sorted(want), rank
         events = [name for name in got["files"] if EVENTS.search(name)]

@@ -221,12 +221,17 @@ def test_even_split_sizes():
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
         import tensorflow as tf
-        from tfdist.compat.partial_batches import split_evenly
+        from tfdist.compat.partial_batches import split_balanced, split_evenly
         out = {{}}
         for size, pieces in [(88, 2), (89, 2), (5, 4), (1, 2), (128, 2), (3, 4)]:
             ds = tf.data.Dataset.range(size).batch(size)
             parts = [p.numpy().tolist() for p in split_evenly(ds, pieces)]
             out[f"{{size}}/{{pieces}}"] = parts
+        for size, pieces in [(6, 4), (9, 4), (5, 4), (3, 4), (64, 4), (10, 3)]:
+            ds = tf.data.Dataset.range(size).batch(size)
+            ds = tf.data.Dataset.zip((ds, ds.map(lambda b: b * 2)))  # a tuple, cut alike
+            parts = [(x.numpy().tolist(), y.numpy().tolist()) for x, y in split_balanced(ds, pieces)]
+            out[f"balanced {{size}}/{{pieces}}"] = parts
         print(json.dumps(out))
     """
     out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
@@ -238,6 +243,21 @@ def test_even_split_sizes():
     # in order, nothing lost or repeated
     assert sum(out["128/2"], []) == list(range(128))
     assert sum(out["89/2"], []) == list(range(89))
+    # more than 2 replicas in one process: sizes differ by at most one
+    sizes = {k: [len(x) for x, _ in v] for k, v in out.items() if k.startswith("balanced")}
+    assert sizes == {
+        "balanced 6/4": [2, 2, 1, 1],
+        "balanced 9/4": [3, 2, 2, 2],
+        "balanced 5/4": [2, 1, 1, 1],
+        "balanced 3/4": [1, 1, 1, 0],
+        "balanced 64/4": [16, 16, 16, 16],
+        "balanced 10/3": [4, 3, 3],
+    }
+    for key, parts in out.items():
+        if key.startswith("balanced"):
+            size = int(key.split()[1].split("/")[0])
+            assert sum((x for x, _ in parts), []) == list(range(size)), key
+            assert all([2 * v for v in x] == y for x, y in parts), key
 
 
 @pytest.mark.slow

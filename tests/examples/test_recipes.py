@@ -20,6 +20,8 @@ from tfdist.core import upstream
 from tfdist.examples import recipes
 from tfdist.examples.recipes import get_recipe, peak_learning_rate, scaled_warmup_cosine_decay
 
+from conftest import equivalence
+
 CosineDecay = keras.optimizers.schedules.CosineDecay
 
 BASE = recipes.FAST.base_learning_rate
@@ -221,7 +223,7 @@ def _fast_schedule(**overrides):
 
 def _same_values(a, b):
     steps = [0, 1, 15, 30, 31, 150, 299, 300, 1000]
-    np.testing.assert_allclose([_lr(a, t) for t in steps], [_lr(b, t) for t in steps], rtol=1e-7)
+    equivalence.assert_allclose([_lr(a, t) for t in steps], [_lr(b, t) for t in steps], rtol=1e-7)
 
 
 def test_schedule_is_keras_cosine_decay_with_the_scaled_peak_as_warmup_target():

@@ -24,6 +24,7 @@ import numpy as np
 
 __all__ = [
     "NotEquivalent",
+    "assert_allclose",
     "assert_close",
     "assert_differs",
     "assert_within",
@@ -138,6 +139,28 @@ def assert_close(reference, got, tolerance: float, what: str = "") -> float:
             f"{what + ': ' if what else ''}{key or 'value'} differs by {value:.3g} > {tolerance:g}"
         )
     return value
+
+
+def assert_allclose(actual, desired, *, rtol: float = 0.0, atol: float = 0.0, err_msg=""):
+    """numpy's element-wise rule ``|actual - desired| <= atol + rtol * |desired|`` (its
+    argument order: ``desired`` is the reference), with this module's checks first: the
+    same keys and shapes, every value finite on both sides (numpy calls NaN == NaN equal
+    and broadcasts a one-element list against any shape; this does neither).
+
+        >>> assert_allclose([1.0, 2.0], [1.0, 2.0 + 1e-9], rtol=1e-6)
+    """
+    differences(desired, actual)  # keys, shapes, finite values: raises NotEquivalent
+    reference, got = flatten(desired), flatten(actual)
+    for key, want in reference.items():
+        have = got[key]
+        bad = np.abs(have - want) > atol + rtol * np.abs(want)
+        if np.any(bad):
+            where = int(np.flatnonzero(bad)[0])
+            raise NotEquivalent(
+                f"{err_msg + ': ' if err_msg else ''}{key or 'value'}: {int(bad.sum())} of "
+                f"{bad.size} differ beyond atol={atol:g} + rtol={rtol:g} * |desired| (first: "
+                f"{have.flat[where]!r} against {want.flat[where]!r})"
+            )
 
 
 def assert_differs(reference, got, tolerance: float, what: str = "") -> float:

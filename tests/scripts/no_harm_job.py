@@ -13,7 +13,9 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
 * ``masked GRU``: ``Embedding(mask_zero=True)`` -> ``GRU(return_sequences=True)`` -> a
   per-token ``SparseCategoricalCrossentropy``, 300 padded sequences at a global batch of
   64 (the last one 44): each replica's valid tokens differ, in full batches too;
-* ``sample weights``: a regression with ``sample_weight``, 100 examples at 32.
+* ``sample weights``: a regression with ``sample_weight``, 100 examples at 32;
+* ``conv, batches of 6``: Conv2D + MaxPooling2D, 60 examples at a global batch of 6 (on 4
+  replicas: 2 + 2 + 1 + 1 each step, never an empty replica).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
 "replicas": r}}}``: the weights and (for compiled losses) the loss history, and the
@@ -145,12 +147,35 @@ def sample_weights() -> keras.Model:
     return model
 
 
+def conv_batches_of_6() -> keras.Model:
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(60, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 3, size=60)
+    with tfdist.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Conv2D(4, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.05),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.history_values = model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
 CASES = {
     "loss in tf.cond": lambda: custom_step_case(in_cond),
     "loss in a while loop": lambda: custom_step_case(in_while),
     "loss in a nested tf.function": lambda: custom_step_case(in_nested_function),
     "masked GRU": masked_gru,
     "sample weights": sample_weights,
+    "conv, batches of 6": conv_batches_of_6,
 }
 
 

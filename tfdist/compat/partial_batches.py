@@ -50,6 +50,7 @@ __all__ = [
     "fix_even_split",
     "fix_jax_process_share",
     "split_evenly",
+    "split_balanced",
     "process_share",
 ]
 
@@ -160,6 +161,34 @@ def split_evenly(dataset, pieces: int):
     return upstream.tf_legacy_rebatch(dataset, pieces)
 
 
+def split_balanced(dataset, pieces: int):
+    """Each batch of ``dataset`` as ``pieces`` consecutive slices whose sizes differ by at
+    most one, the larger first (6 in 4 -> 2 + 2 + 1 + 1, 9 -> 3 + 2 + 2 + 2): a replica is
+    empty only when the batch has fewer examples than there are replicas.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ds = split_balanced(tf.data.Dataset.range(6).batch(6), 4)
+        >>> [len(piece) for piece in ds]  # doctest: +SKIP
+        [2, 2, 1, 1]
+    """
+    import tensorflow as tf
+
+    def cut(*batch):
+        element = batch[0] if len(batch) == 1 else batch
+        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        base, extra = size // pieces, size % pieces
+
+        def piece(i):
+            start = i * base + tf.minimum(i, extra)
+            length = base + tf.cast(i < extra, tf.int64)
+            return tf.nest.map_structure(lambda t: t[start : start + length], element)
+
+        return tf.data.Dataset.range(pieces).map(piece)
+
+    return dataset.flat_map(cut)
+
+
 def _splittable(dataset) -> bool:
     """Every component a dense tensor with a leading (batch) dimension."""
     import tensorflow as tf
@@ -178,11 +207,13 @@ def fix_even_split() -> None:
     leaves the last ones short or empty (56 of 128 on 2 replicas -> 56 + 0), and an empty
     replica aborts oneDNN's MaxPool gradient. Where it does not find the batch size it
     uses its legacy rebatch, which cuts every batch into ``N`` slices of ``ceil(B / N)``
-    (56 -> 28 + 28; on 2 replicas a slice is empty only for a batch of 1; on 4, 5 ->
-    2 + 2 + 1 + 0). The fix takes that path always (``split_evenly``): full batches are
-    cut exactly as before (``B / N`` each, in order), and the sharding between workers
-    that follows is upstream's, which knows this rebatch. Datasets whose elements are not
-    dense batched tensors keep upstream's choice.
+    (56 -> 28 + 28; on 2 replicas a slice is empty only for a batch of 1; on 4, 6 ->
+    2 + 2 + 2 + 0, an empty replica in a full batch). The fix takes that path always
+    (``split_evenly``) on 2 replicas and between workers (the sharding between workers
+    that follows is upstream's, which knows this rebatch), and on more replicas of one
+    process cuts sizes that differ by at most one (``split_balanced``: 6 -> 2 + 2 + 1 +
+    1). Full batches that divide by ``N`` are cut exactly as before (``B / N`` each, in
+    order). Datasets whose elements are not dense batched tensors keep upstream's choice.
     """
 
     def make(original):
@@ -191,9 +222,13 @@ def fix_even_split() -> None:
             if not _splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
+            # ceil(B / N) slices differ by at most one on 2 replicas; on more, in one
+            # process, the balanced cut (workers keep the rebatch their sharding knows).
+            balanced = num_workers == 1 and num_replicas_in_sync > 2
+            split = split_balanced if balanced else split_evenly
 
             def rebatch_fn(dataset, worker_index):
-                return split_evenly(dataset, num_replicas_in_sync).prefetch(per_worker)
+                return split(dataset, num_replicas_in_sync).prefetch(per_worker)
 
             return rebatch_fn
 
