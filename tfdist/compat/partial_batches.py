@@ -275,6 +275,20 @@ def process_share(dataset, index: int, parts: int, replicas: int):
     return dataset.map(part_of)
 
 
+def _refuse_uneven_batch_size(dataset, share) -> None:
+    """A batch size tf.data knows from the pipeline (as upstream computes it) that cannot
+    be split evenly: refused now, before the first step, as upstream does."""
+    batch = upstream.tf_static_batch_size(dataset)
+    unit = math.lcm(share.replicas, share.parts)
+    if batch is not None and batch % unit:
+        raise ValueError(
+            "Global batch size must be divisible by the number of data-parallel replicas "
+            f"and of the processes that feed them: tfdist cuts every batch into {unit} "
+            f"equal parts ({share.replicas} replicas, {share.parts} processes). Received: "
+            f"global_batch_size={batch}. Batch the dataset with a multiple of {unit}."
+        )
+
+
 def fix_jax_process_share() -> None:
     """Feeds each JAX process an equal, contiguous part of every global batch.
 
@@ -284,7 +298,10 @@ def fix_jax_process_share() -> None:
     array from its own piece's shape. The fix cuts every batch into the same ``parts``
     Keras uses (``Distribution.data_shard_id`` of ``min(processes, replicas)``) by
     slicing it: for full batches these are exactly upstream's pieces, in the same order,
-    and for the partial batch every process gets ``size / parts`` examples. One process,
+    and for the partial batch every process gets ``size / parts`` examples. A batch size
+    tf.data knows from the pipeline that cannot be split evenly is refused before the
+    first step, as upstream refuses it (Keras's own ``distribution_lib_test`` checks the
+    message); a partial batch only the data reveals fails when it comes. One process,
     a distribution that does not shard its data, or elements that are not dense batched
     tensors keep upstream's path.
     """
@@ -294,6 +311,7 @@ def fix_jax_process_share() -> None:
             share = jax_inputs._share_of(self)
             if share is None or not _splittable(dataset):
                 return original(self, dataset)
+            _refuse_uneven_batch_size(dataset, share)
             import tensorflow as tf
 
             from tfdist.core.full_epochs import keep_epoch_length

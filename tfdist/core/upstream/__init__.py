@@ -99,6 +99,7 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_per_replica_component_spec,
     tf_per_replica_spec_class,
     tf_set_communication_options,
+    tf_static_batch_size,
     tf_wait_at_barrier,
 )
 
@@ -144,6 +145,7 @@ __all__ = [
     "tf_distributed_dataset_class",
     "tf_multi_device_iterator_module",
     "tf_legacy_rebatch",
+    "tf_static_batch_size",
     "keras_tf_optimizer_module",
     "keras_tree",
     "keras_backend_variable_class",
@@ -214,6 +216,7 @@ REQUIRED = {
         "CollectiveAllReduceExtended._experimental_distribute_dataset",
         "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
         "tensorflow.python.data.experimental.ops.distribute:_LegacyRebatchDataset",
+        "tensorflow.python.data.experimental.ops.distribute:compute_batch_size",
         "tensorflow.python.distribute.input_lib:DistributedDataset."
         "_create_cloned_datasets_from_dataset",
         # tf_multi_device_iterators_end_promptly (tfdist.compat.epoch_start)

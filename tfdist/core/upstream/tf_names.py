@@ -159,6 +159,16 @@ def tf_dataset_graph_def(dataset, **kwargs):
     return dataset._as_serialized_graph(**kwargs)
 
 
+def tf_static_batch_size(dataset) -> int | None:
+    """The batch size every batch of ``dataset`` has but perhaps the last, as tf.data
+    computes it from the pipeline's ops without reading data (what Keras's
+    ``distribute_tf_dataset`` checks before training); None when it cannot tell."""
+    from tensorflow.python.data.experimental.ops import distribute
+
+    size = int(distribute.compute_batch_size(dataset).numpy())
+    return size if size >= 0 else None
+
+
 def tf_legacy_rebatch(dataset, pieces: int):
     """``dataset`` with every batch cut into ``pieces`` slices of ``ceil(size / pieces)``:
     the rebatch tf.distribute itself uses when it cannot find a dataset's batch size (no
