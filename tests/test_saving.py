@@ -337,3 +337,55 @@ def test_a_save_some_workers_skip_fails_naming_the_rule(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"tfdist\.save\('m\.keras'\): every worker must call"):
         tfdist.save(tiny_model(), tmp_path / "m.keras")
     assert os.listdir(tmp_path) == []  # it failed before writing anything
+
+
+class _Array:
+    """Stands for a jax.Array's placement attributes (a TF tensor has neither)."""
+
+    def __init__(self, addressable: bool, replicated: bool):
+        self.is_fully_addressable, self.is_fully_replicated = addressable, replicated
+
+
+class _Variable:
+    def __init__(self, value):
+        self.value = value
+
+
+class _Model:
+    def __init__(self, *values, optimizer_values=()):
+        self.variables = [_Variable(v) for v in values]
+        self.optimizer = type("Optimizer", (), {})()
+        self.optimizer.variables = [_Variable(v) for v in optimizer_values]
+
+
+def test_only_variables_sharded_across_processes_need_every_process():
+    local, replicated = _Array(True, False), _Array(False, True)
+    sharded = _Array(False, False)
+    assert not saving.needs_every_process(_Model(np.zeros(3), local, replicated))
+    assert saving.needs_every_process(_Model(local, sharded))
+    assert saving.needs_every_process(_Model(local, optimizer_values=[sharded]))
+
+
+def test_a_lone_save_lands_whole_or_leaves_the_previous_file(tmp_path):
+    final = tmp_path / "w.bin"
+
+    def write(staging):
+        assert os.path.basename(staging).startswith(".tmp-")  # next to the final name
+        assert os.path.dirname(staging) == str(tmp_path)
+        with open(staging, "w") as f:
+            f.write("whole")
+        return "written"
+
+    assert saving.write_alone(_Model(np.zeros(2)), final, write, what="test") == "written"
+    assert final.read_text() == "whole"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.bin"]  # no staging left
+
+    def fail(staging):
+        with open(staging, "w") as f:
+            f.write("torn")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        saving.write_alone(_Model(np.zeros(2)), final, fail, what="test")
+    assert final.read_text() == "whole"  # the previous file stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.bin"]

@@ -39,19 +39,21 @@ _SAVE_SKIPSET_TYPES = ("Operation", "Layer", "Functional", "Sequential", "Metric
 
 
 def keras_warm_save_skipsets() -> None:
-    """Builds, with no ``keras.distribution`` set, the reference objects Keras's saving
-    builds in every save (``saving_lib.get_attr_skipset``), and caches them as upstream
-    meant to.
+    """Builds the reference objects Keras's saving builds in every save
+    (``saving_lib.get_attr_skipset``) in a thread of their own, and caches them as
+    upstream meant to.
 
-    Its ``Optimizer(1.0)`` creates variables under the current distribution: on several
-    JAX processes that is a cross-process ``device_put`` (a collective), so a process
-    saving alone, as ``if rank == 0: model.save(p)`` does, waits in it for the others.
-    Upstream caches each set under ``saving_attr_skipset_<type>`` but looks it up under
+    Its ``Optimizer(1.0)`` creates variables under the calling thread's
+    ``keras.distribution`` or ``tf.distribute`` scope: on several JAX processes that is a
+    cross-process ``device_put`` (a collective), so a process saving alone, as
+    ``if rank == 0: model.save(p)`` does, waits in it for the others. Upstream caches each
+    set under ``saving_attr_skipset_<type>`` but looks it up under
     ``saving_attr_skiplist_<type>`` (Keras 3.15.1), so it builds the objects on every
-    save. Here they are built once, locally, and stored under both names: the sets of
-    attribute names are the ones upstream computes.
+    save. Here they are built once, in a new thread (Keras's global state and TF's
+    strategy scopes are per thread: no distribution, no scope), and stored where upstream
+    looks: the sets of attribute names are the ones upstream computes.
     """
-    import keras
+    import threading
 
     saving_lib = importlib.import_module("keras.src.saving.saving_lib")
     global_state = importlib.import_module("keras.src.backend.common.global_state")
@@ -60,14 +62,17 @@ def keras_warm_save_skipsets() -> None:
         for name in _SAVE_SKIPSET_TYPES
     ):
         return
-    current = keras.distribution.distribution()
-    keras.distribution.set_distribution(None)  # thread-local in Keras's global state
-    try:
+    built: dict = {}
+
+    def build() -> None:
         for name in _SAVE_SKIPSET_TYPES:
-            skipset = saving_lib.get_attr_skipset(name)
-            global_state.set_global_attribute(f"saving_attr_skiplist_{name}", skipset)
-    finally:
-        keras.distribution.set_distribution(current)
+            built[name] = saving_lib.get_attr_skipset(name)
+
+    thread = threading.Thread(target=build, name="tfdist-save-skipsets")
+    thread.start()
+    thread.join()
+    for name, skipset in built.items():
+        global_state.set_global_attribute(f"saving_attr_skiplist_{name}", skipset)
 
 
 def keras_py_dataset_adapter_class():
