@@ -430,44 +430,24 @@ def _passes_through(model, filepath, args, kwargs) -> bool:
     return not _multi_worker(model)
 
 
-def _route(model, filepath, write, what: str):
-    """One user save: upstream's writer, made atomic, on this worker alone."""
-    return saving.write_alone(model, os.path.abspath(os.fspath(filepath)), write, what=what)
-
-
-def _user_save(method: str):
-    """``Model.<method>(filepath, ...)`` called by the user, on any set of workers."""
+def _user_save(what: str):
+    """A user's save, ``Model.<method>(filepath, ...)`` or ``keras.saving.save_model(model,
+    filepath, ...)`` (the model first either way), made atomic on this worker alone."""
 
     def make(original):
-        def save(self, filepath, *args, **kwargs):
-            if _passes_through(self, filepath, args, kwargs):
-                return original(self, filepath, *args, **kwargs)
-            return _route(
-                self,
-                filepath,
-                lambda staging: original(self, staging, *args, **kwargs),
-                f"Model.{method}",
-            )
+        def save(model, filepath, *args, **kwargs):
+            if _passes_through(model, filepath, args, kwargs):
+                return original(model, filepath, *args, **kwargs)
+
+            def write(staging):
+                return original(model, staging, *args, **kwargs)
+
+            final = os.path.abspath(os.fspath(filepath))
+            return saving.write_alone(model, final, write, what=what)
 
         return save
 
     return make
-
-
-def _user_save_model(original):
-    """``keras.saving.save_model(model, filepath, ...)``, routed as ``Model.save``."""
-
-    def save_model(model, filepath, *args, **kwargs):
-        if _passes_through(model, filepath, args, kwargs):
-            return original(model, filepath, *args, **kwargs)
-        return _route(
-            model,
-            filepath,
-            lambda staging: original(model, staging, *args, **kwargs),
-            "keras.saving.save_model",
-        )
-
-    return save_model
 
 
 def fix_user_saves() -> None:
@@ -498,9 +478,9 @@ def fix_user_saves() -> None:
     model_class = upstream.keras_model_class()
     name = "keras_user_saves_chief_writes"
     for method in ("save", "save_weights", "export"):
-        patch(model_class, method, name, _user_save(method))
+        patch(model_class, method, name, _user_save(f"Model.{method}"))
     for module in upstream.keras_save_model_modules():
-        patch(module, "save_model", name, _user_save_model)
+        patch(module, "save_model", name, _user_save("keras.saving.save_model"))
 
 
 # ------------------------------------------------------------------ the fixes
