@@ -91,6 +91,18 @@ def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedP
     )
 
 
+def tool_module(name: str):
+    """A module of tools/ (tools import their siblings, so tools/ is on the path meanwhile)."""
+    import importlib
+
+    tools = str(REPO / "tools")
+    sys.path.insert(0, tools)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(tools)
+
+
 def last_json_line(text: str):
     """The last line of ``text`` that parses as JSON (children print results that way)."""
     import json

@@ -43,6 +43,7 @@ def job():
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 def test_a_checkpoint_saved_on_2x2_resumes_on_other_meshes_like_an_uninterrupted_run(job):
@@ -58,6 +59,7 @@ def test_a_checkpoint_saved_on_2x2_resumes_on_other_meshes_like_an_uninterrupted
         assert resumed["diff"] <= 1e-5, shape
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 def test_the_writer_saves_uncompressed_with_its_threads_below_training(job):
@@ -67,6 +69,7 @@ def test_the_writer_saves_uncompressed_with_its_threads_below_training(job):
     assert job["writer"]["nice"] and min(job["writer"]["nice"]) >= sharded.WRITER_NICE
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 def test_a_damaged_newest_falls_back_and_another_model_is_refused(job):

@@ -62,7 +62,6 @@ def test_aligned_arrays_train_as_one_device_and_stay_unchanged(topology):
         equivalence.assert_close(one[idiom]["values"], cell[idiom]["values"], TOLERANCE, idiom)
 
 
-@pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_tf_generator_batches_copied")
 def test_upstream_overwrites_the_first_replicas_labels_on_two_devices():

@@ -55,7 +55,6 @@ def test_twenty_saves_and_loads_on_every_worker(tmp_path, backend):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
 
 
-@pytest.mark.slow
 @pytest.mark.multiworker
 @pytest.mark.upstream_failure("keras_user_saves_chief_writes")
 def test_upstream_tears_the_file_saved_by_every_worker(tmp_path):

@@ -21,18 +21,9 @@ import pytest
 from tfdist import compat
 from tfdist.core import fix_registry, process, upstream, versions
 
-from conftest import REPO, last_json_line, run_python
+from conftest import REPO, last_json_line, run_python, tool_module
 
 # ------------------------------------------------------------------ unit: the guard
-
-
-def _tool(name: str):
-    """A module of tools/ (they import their siblings, so tools/ is on the path meanwhile)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(REPO / "tools"))
 
 
 def test_every_target_is_recorded_and_every_private_name_goes_through_private():
@@ -58,7 +49,7 @@ def test_the_installed_releases_pass_every_guard():
 
 
 def test_fingerprints_file_has_this_environment(capsys):
-    fix_fingerprints = _tool("fix_fingerprints")
+    fix_fingerprints = tool_module("fix_fingerprints")
     assert fix_fingerprints.main(["--check"]) == 0, capsys.readouterr().out
 
 
@@ -359,7 +350,7 @@ def test_a_failing_upstream_failure_test_names_the_fix_to_retire(tmp_path, worke
 
 
 def test_the_docs_fix_table_is_generated_from_the_records():
-    fix_table = _tool("fix_table")
+    fix_table = tool_module("fix_table")
     table = fix_table.markdown()
     assert table in (REPO / "docs" / "fixes.md").read_text(), (
         "run: python tools/fix_table.py --write"

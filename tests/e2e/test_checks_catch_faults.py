@@ -117,6 +117,7 @@ def idiom_runs() -> dict[str, dict]:
         return {name: future.result() for name, future in futures.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 def test_a_nan_in_a_cells_weights_fails_the_idiom_comparison(idiom_runs):
@@ -127,6 +128,7 @@ def test_a_nan_in_a_cells_weights_fails_the_idiom_comparison(idiom_runs):
         test_idioms.check_cell(IDIOM, BACKEND, "2 devices", reference[IDIOM], cell[IDIOM])
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 def test_a_cell_run_on_one_device_fails_the_topology_check(idiom_runs):
@@ -137,6 +139,7 @@ def test_a_cell_run_on_one_device_fails_the_topology_check(idiom_runs):
         test_idioms.check_topology(cell, "2 devices")
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
 @pytest.mark.parametrize("idiom", CALLBACKS)
@@ -147,6 +150,7 @@ def test_an_inert_callback_fails_the_callback_acted_check(idiom_runs, idiom):
         test_idioms.check_callback_acted(idiom, inert)
 
 
+@pytest.mark.slow
 @pytest.mark.devices
 def test_a_checkpoint_resumed_one_step_late_fails_the_resume_check(tmp_path):
     run = world_size.run_job

@@ -173,6 +173,7 @@ def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
     assert (upstream["rows"], fixed["rows"]) == (16, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_ema_overwrite_under_strategy")
 def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fix():

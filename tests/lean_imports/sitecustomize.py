@@ -44,3 +44,62 @@ class _SkipOptionalImports:
 
 if os.environ.get("TFDIST_TEST_FULL_IMPORTS") != "1":
     sys.meta_path.insert(0, _SkipOptionalImports())
+
+
+# The process ledger (tools/test_processes.py): with TFDIST_TEST_LEDGER set, every Python
+# process that starts with this folder on its path appends one JSON line when it starts and
+# one when it exits normally (CPU seconds of all its threads), tagged with the pytest test
+# that started it (pytest sets PYTEST_CURRENT_TEST in the environment children inherit). A
+# process killed (kill -9) has a start line only.
+def _ledger(path: str) -> None:
+    import atexit
+    import json
+    import resource
+    import time
+
+    start = time.time()
+    base = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0],
+        "argv": sys.argv[:3] if hasattr(sys, "argv") else [],
+    }
+
+    def write(record: dict) -> None:
+        line = json.dumps({**base, **record}) + "\n"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode())  # one write to an O_APPEND file: lines never mix
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def at_exit() -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        write(
+            {
+                "event": "exit",
+                "argv": sys.argv[:3],  # complete only now (at start, "-m" lacks its module)
+                "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+                "wall_s": round(time.time() - start, 2),
+                "tensorflow": "tensorflow" in sys.modules,
+                "jax": "jax" in sys.modules,
+            }
+        )
+
+    write({"event": "start"})
+    atexit.register(at_exit)
+    # os._exit skips atexit (workers end that way to skip TensorFlow's teardown): note first.
+    real_exit = os._exit
+
+    def exit_noted(code: int) -> None:
+        at_exit()
+        real_exit(code)
+
+    os._exit = exit_noted
+
+
+if os.environ.get("TFDIST_TEST_LEDGER"):
+    _ledger(os.environ["TFDIST_TEST_LEDGER"])

@@ -6,7 +6,6 @@ Every row's reporting runs on sample figures; two rows run end to end with ``--q
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -14,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, child_env, last_json_line, run_python
+from conftest import REPO, child_env, last_json_line, run_python, tool_module
 
 
 def test_unknown_row_is_an_error_naming_the_choices():
@@ -31,7 +30,7 @@ def test_unknown_row_is_an_error_naming_the_choices():
 
 def _summary(a: list[float], b: list[float]) -> dict:
     """bench_launcher's own summary of alternated runs (what its rows return)."""
-    return _tool("bench_launcher")._summary(a, b)
+    return tool_module("bench_launcher")._summary(a, b)
 
 
 def _sample_figures() -> dict:
@@ -71,7 +70,7 @@ def _sample_figures() -> dict:
 
 
 def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
-    bench = _tool("benchmark")
+    bench = tool_module("benchmark")
     samples = _sample_figures()
     names = [c.name for c in bench.COMPARISONS]
     assert names == [*bench.CHILD_ROWS, "cli"] and set(samples) == set(bench.CHILD_ROWS)
@@ -103,8 +102,8 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
 
 
 def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path):
-    figures = _tool("docs_figures")
-    mach = _tool("benchmark").machine()
+    figures = tool_module("docs_figures")
+    mach = tool_module("benchmark").machine()
 
     def run(ratios):
         rows = [
@@ -138,7 +137,7 @@ def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path
 
 
 def test_what_steps_per_execution_saves_per_step_is_rendered_from_both_rows():
-    figures = _tool("docs_figures")
+    figures = tool_module("docs_figures")
 
     def row(name, a, b):
         return {"name": name, "a_values": a, "b_values": b, "value_unit": "ms/step"}
@@ -154,7 +153,7 @@ def test_what_steps_per_execution_saves_per_step_is_rendered_from_both_rows():
 
 
 def test_accumulation_rounds_to_whole_windows_and_validates():
-    ba = _tool("bench_accumulation")
+    ba = tool_module("bench_accumulation")
     assert ba.window_steps(420, 20) == (420, 20) and ba.window_steps(30, 5) == (32, 8)
     with pytest.raises(ValueError, match=r"Received: steps=0, warmup=4"):
         ba.window_steps(0, 4)
@@ -183,15 +182,8 @@ def test_quick_rows_run_end_to_end_and_write_the_same_figures_as_json(tmp_path):
     assert proc.stdout.startswith("machine: ")
 
 
-def _tool(name: str):
-    tools = str(REPO / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module(name)
-
-
 def test_scaling_rows_are_efficiency_against_one_worker_one_device():
-    bs = _tool("bench_scaling")
+    bs = tool_module("bench_scaling")
     rows = bs.table_rows("jax", {"1x1": [100.0, 120.0], "2x1": [50.0, 70.0], "4x2": [30.0]}, 128)
     assert [(r["workers"], r["devices_per_worker"], r["replicas"]) for r in rows] == [
         (1, 1, 1), (2, 1, 2), (4, 2, 8),
@@ -201,7 +193,7 @@ def test_scaling_rows_are_efficiency_against_one_worker_one_device():
 
 
 def test_scaling_rounds_alternate_their_order():
-    bs = _tool("bench_scaling")
+    bs = tool_module("bench_scaling")
     order = []
     runs = {name: (lambda n=name: order.append(n) or 1.0) for name in ("a", "b", "c")}
     assert bs.rounds_of(runs, 2) == {"a": [1.0, 1.0], "b": [1.0, 1.0], "c": [1.0, 1.0]}
@@ -209,7 +201,7 @@ def test_scaling_rounds_alternate_their_order():
 
 
 def test_scaling_commands_use_the_launcher_and_logical_devices():
-    bs = _tool("bench_scaling")
+    bs = tool_module("bench_scaling")
     cmd, env = bs.command("tensorflow", 1, 2, ["--steps", "5"])
     assert cmd[-2:] == ["--steps", "5"]
     assert cmd[1].endswith("mw_bench_job.py") and env["TFDIST_CPU_DEVICES"] == "2"
@@ -220,7 +212,7 @@ def test_scaling_commands_use_the_launcher_and_logical_devices():
 
 
 def test_step_breakdown_explains_the_step_from_its_parts():
-    sb = _tool("step_breakdown")
+    sb = tool_module("step_breakdown")
     ms = {"input": 1.0, "compute": 5.0, "allreduce": 4.0, "step": 8.0, "fit": 11.0,
           "fit_accuracy": 12.5}  # fmt: skip
     assert sb.derived(ms) == {
@@ -239,7 +231,7 @@ def test_step_breakdown_explains_the_step_from_its_parts():
 
 def test_logical_devices_are_timed_against_one_device_round_by_round(monkeypatch):
     # docs/benchmarks.md, "Goals not met": what tools/bench_logical_devices.py renders.
-    bl = _tool("bench_logical_devices")
+    bl = tool_module("bench_logical_devices")
     order = []
 
     def run_config(name, batch, steps, warmup):  # the second round runs at half the speed
@@ -262,7 +254,7 @@ def test_logical_devices_are_timed_against_one_device_round_by_round(monkeypatch
 
 
 def test_bench_comm_names_its_variants():
-    bc = _tool("bench_comm")
+    bc = tool_module("bench_comm")
     with pytest.raises(ValueError, match=r"unknown variant. Received: name='x'"):
         bc.measure("x")
     assert {"ring", "pack-64k", "pack-256k"} <= set(bc.VARIANTS)

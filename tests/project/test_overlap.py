@@ -4,25 +4,17 @@ computed from their parts and printed."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, child_env
-
-
-def _tool(name: str):
-    tools = str(REPO / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    return importlib.import_module(name)
+from conftest import REPO, child_env, tool_module
 
 
 def test_packs_start_from_the_last_gradients_and_hold_at_least_the_pack_size():
-    bo = _tool("bench_overlap")
+    bo = tool_module("bench_overlap")
     assert bo.reverse_packs([40, 1200, 20], 1000) == [[2, 1], [0]]
     assert bo.reverse_packs([5, 5, 5], 1) == [[2], [1], [0]]
     assert bo.reverse_packs([5, 5, 5], 10**9) == [[2, 1, 0]]
@@ -31,7 +23,7 @@ def test_packs_start_from_the_last_gradients_and_hold_at_least_the_pack_size():
 
 
 def test_overlap_summary_gives_ratios_to_keras_with_their_range():
-    bo = _tool("bench_overlap")
+    bo = tool_module("bench_overlap")
     runs = [
         {"ms": {"compute": 80.0, "keras": 100.0, "inback-256k": 90.0},
          "exposed_ms": {"keras": 20.0, "inback-256k": 10.0},
@@ -51,7 +43,7 @@ def test_overlap_summary_gives_ratios_to_keras_with_their_range():
 
 
 def test_unknown_model_is_an_error_naming_the_choices():
-    sb = _tool("step_breakdown")
+    sb = tool_module("step_breakdown")
     with pytest.raises(ValueError, match=r"Received: model='vgg'"):
         sb.measure(model="vgg")
 

@@ -240,3 +240,50 @@ def test_compat_holds_fix_records_only():
         fixes = getattr(module, "FIXES", None)
         assert fixes, f"tfdist/compat/{path.name} exports no FIXES: move it out of compat/"
         assert {fix.name for fix in fixes} <= listed, path.name
+
+
+# The quick tier (`python -m pytest -m "not slow"`, docs/architecture.md): every test file
+# has a test in it, except the files below, whose every test is a multi-process training
+# run or a run of another suite (each over ~20 s on 2 cores).
+SLOW_ONLY = {
+    "tests/compat/test_accumulation.py": "1 device and 2 devices train, side by side, per module",
+    "tests/compat/test_epoch_start.py": "each test trains 2 epochs in a fresh process",
+    "tests/compat/test_no_harm.py": "the fixes-off / fixes-on matrix, 6 cells",
+    "tests/compat/test_upstream_keras.py": "Keras's own test modules, with and without the fixes",
+    "tests/checkpoint/test_jax_checkpoint.py": "every test kills and resumes JAX jobs",
+    "tests/e2e/test_commands_quiet.py": "every command of the CLI, into a pipe",
+    "tests/e2e/test_kubernetes.py": "pods in network namespaces",
+    "tests/e2e/test_ray.py": "a Ray cluster; CI runs it in a stage of its own",
+    "tests/e2e/test_resume_world_size.py": "one job resumed on 1, 2 and 3 replicas",
+    "tests/launch/test_network.py": "hosts in network namespaces",
+    "tests/project/test_readme.py": "README's Usage block trained on 1, 2 devices and 2 workers",
+}
+
+
+def _marks_slow(decorators: list[ast.expr]) -> bool:
+    return any("mark.slow" in ast.unparse(d) for d in decorators)
+
+
+def _has_a_quick_test(path: Path) -> bool:
+    tree = ast.parse(path.read_text())
+    for node in tree.body:
+        is_mark = isinstance(node, ast.Assign) and any(
+            getattr(t, "id", "") == "pytestmark" for t in node.targets
+        )
+        if is_mark and "mark.slow" in ast.unparse(node.value):
+            return False
+    tests = [
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+    ]
+    return any(not _marks_slow(t.decorator_list) for t in tests)
+
+
+def test_the_quick_tier_runs_a_test_of_every_test_file():
+    files = sorted(PACKAGE.parent.glob("tests/**/test_*.py"))
+    names = {f.relative_to(PACKAGE.parent).as_posix(): f for f in files}
+    assert set(SLOW_ONLY) <= set(names), set(SLOW_ONLY) - set(names)
+    missing = [n for n, f in names.items() if n not in SLOW_ONLY and not _has_a_quick_test(f)]
+    assert not missing, f"test files with no test outside -m slow: {missing}"
+    # An exemption that is no longer needed goes away.
+    stale = [n for n in SLOW_ONLY if _has_a_quick_test(names[n])]
+    assert not stale, f"these files have a quick test now; remove them from SLOW_ONLY: {stale}"
