@@ -1,16 +1,27 @@
-"""The manual keeps its promises: every code block is checked or says why not, generated
-figures are current, the site builds strictly, and no page speaks of how it was made.
+"""The manual keeps its promises: every code block is checked or says why not, every test
+the prose cites names the test function that checks the sentence, generated figures are
+current, the site builds strictly, and no page speaks of how it was made.
 
 The marker convention (docs/architecture.md, "Writing docs"): the line before each fenced
-block is ``<!-- run by tests/test_x.py::test_function -->``, ``<!-- same as
+block is ``<!-- run by tests/x.py::test_function -->``, ``<!-- same as
 tests/scripts/x.py -->``, ``<!-- run here -->`` (this file runs it) or ``<!-- not run: why
 -->``. A claim in prose names the test that checks it with ``<!-- checked by
-tests/test_x.py::test_function -->``; every such name must be a test function that exists.
+tests/x.py::test_function -->``, on a line of its own. Every marker that names a test
+names ``tests/x.py::test_function`` (or ``tests/x.py::TestClass::test_method``; a
+``[param]`` id is allowed and ignored) of a file that exists and defines that function.
+A "run by" test must read the page itself: a string of its own code (its body or its
+decorators, docstrings and assertion messages left out), or of the fixtures, helpers and
+constants of its file that it reaches by name, names the page's file. A test file the
+prose cites (``tests/x.py`` or ``tests/x.py::test_f``, outside code blocks and markers)
+has, in the same paragraph or directly after it, a marker that names a test of that file
+(that very test where the citation names one), or a ``checked by`` marker that names a
+test that reads the page and checks the sentence itself (what CI runs, for instance).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import re
 import subprocess
@@ -23,7 +34,11 @@ from conftest import REPO, child_env, last_json_line
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!-- (run by (\S+)|same as (\S+)|run here|not run: .+?) -->")
-CHECKED_BY = re.compile(r"<!-- (?:run|checked) by (\S+?) -->")
+NAMES_A_TEST = re.compile(r"<!-- (run|checked) by (\S+?) -->")
+CITATION = re.compile(r"(tests/(?:\w+/)*test_\w+\.py)((?:::\w+)*)(?:\[[^\]\s]*\])?")
+COMMENT = re.compile(r"<!--.*?-->")
+INLINE_CODE = re.compile(r"`[^`]*`")
+PARAGRAPH_START = re.compile(r"\s*(?:#|[-*+] |\d+\. |\|)")  # a heading, list item, table row
 
 
 def blocks(page):
@@ -44,8 +59,100 @@ def blocks(page):
     return found
 
 
+def prose(page) -> list[tuple[int, str | None]]:
+    """(line number, line) of each line of ``page``; None for the lines of fenced blocks."""
+    lines: list[tuple[int, str | None]] = []
+    fenced = False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        fence = line.lstrip().startswith("```")
+        lines.append((number, None if fenced or fence else line))
+        fenced ^= fence
+    return lines
+
+
 def _name(page) -> str:
-    return page.relative_to(REPO).as_posix()
+    return page.relative_to(REPO).as_posix() if page.is_relative_to(REPO) else page.name
+
+
+def named_tests(page) -> list[tuple[int, str, str]]:
+    """(line number, "run" or "checked", test) of each marker of ``page`` that names a
+    test: a comment on a line of its own, outside fenced blocks (one shown as an example
+    inside `code` is no marker)."""
+    return [
+        (number, marker.group(1), marker.group(2))
+        for number, line in prose(page)
+        if line is not None and (marker := NAMES_A_TEST.fullmatch(line.strip()))
+    ]
+
+
+def find_test(name: str, where: str) -> tuple[dict, ast.FunctionDef]:
+    """The module-level definitions of the file of test ``name`` (``tests/x.py::test_f``,
+    ``tests/x.py::TestC::test_m``, a ``[param]`` id ignored) and the test's node; fails
+    (naming ``where``) when the file or the function does not exist."""
+    path, _, qualified = name.partition("::")
+    file = REPO / path
+    assert path.startswith("tests/") and file.is_file(), f"{where}: no test file {path}"
+    parts = re.sub(r"\[[^\]]*\]$", "", qualified).split("::")
+    assert len(parts) <= 2 and parts[-1].startswith("test_"), (
+        f"{where}: {name!r} names no test (tests/x.py::test_f or tests/x.py::TestC::test_m)"
+    )
+    tree = ast.parse(file.read_text())
+    top: dict[str, ast.AST] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            top[node.name] = node
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            top.update({t.id: node for t in targets if isinstance(t, ast.Name)})
+    scope = top
+    if len(parts) == 2:
+        cls = top.get(parts[0])
+        assert isinstance(cls, ast.ClassDef), f"{where}: {path} defines no class {parts[0]}"
+        scope = {node.name: node for node in cls.body if hasattr(node, "name")}
+    node = scope.get(parts[-1])
+    assert isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef), (
+        f"{where}: {path} defines no test function {'::'.join(parts)}"
+    )
+    return top, node
+
+
+def _code_strings(node: ast.AST) -> list[str]:
+    """The string constants of ``node``'s code: not its docstrings, not assertion messages."""
+    left_out = set()
+    for n in ast.walk(node):
+        body = getattr(n, "body", None)
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                left_out.add(id(first.value))
+        if isinstance(n, ast.Assert) and n.msg is not None:
+            left_out.update(id(m) for m in ast.walk(n.msg))
+    return [
+        n.value
+        for n in ast.walk(node)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in left_out
+    ]
+
+
+def reads_page(name: str, page, where: str) -> bool:
+    """Whether test ``name`` reads ``page``: a string of its code (decorators included),
+    or of a fixture, helper or constant of its file that it reaches by name, names the
+    page's file. Docstrings, comments, assertion messages, other tests and the rest of the
+    file do not count."""
+    top, test = find_test(name, where)
+    mention = re.compile(rf"(?:^|[^\w.-]){re.escape(page.name)}(?![\w.-])")
+    seen, todo, strings = set(), [test], []
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        strings += _code_strings(node)
+        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):  # fixtures of the file
+            used |= {a.arg for a in node.args.args + node.args.kwonlyargs}
+        todo += [top[u] for u in used if u in top and not u.startswith("test_")]
+    return any(mention.search(s) for s in strings)
 
 
 def test_every_code_block_says_how_it_is_checked():
@@ -64,10 +171,10 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
             if marker is None:
                 continue
             where = f"{_name(page)}:{line}"
-            if marker.group(2):  # run by a test function: it must read this page
-                source = source_of_test_function(marker.group(2), where)
-                assert page.name in source, (
-                    f"{where}: {marker.group(2)} never reads {page.name} (nor what it calls)"
+            if marker.group(2):  # run by a test function: it must read this page itself
+                assert reads_page(marker.group(2), page, where), (
+                    f"{where}: {marker.group(2)} never reads {page.name} (its own code, "
+                    "or the fixtures, helpers and constants of its file it reaches)"
                 )
             elif marker.group(3):  # an excerpt: every line, in order, in the script
                 source = (REPO / marker.group(3)).read_text().splitlines()
@@ -78,51 +185,140 @@ def test_run_by_and_same_as_markers_name_what_really_checks_the_block():
                     k += stripped.index(text.rstrip()) + 1
 
 
-def source_of_test_function(name: str, where: str) -> str:
-    """The source of test function ``tests/test_x.py::test_f`` and of every module-level
-    function, class and constant of its file it uses, transitively; fails (naming
-    ``where``) when the file or the function does not exist."""
-    path, _, function = name.partition("::")
-    test = REPO / path
-    assert test.is_file() and path.startswith("tests/"), f"{where}: no test file {path}"
-    assert function.startswith("test_"), f"{where}: {name!r} names no test (file::test_f)"
-    text = test.read_text()
-    tree = ast.parse(text)
-    top = {}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
-            top[node.name] = node
-        elif isinstance(node, ast.Assign | ast.AnnAssign):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            top.update({t.id: node for t in targets if isinstance(t, ast.Name)})
-    assert function in top and isinstance(top[function], ast.FunctionDef), (
-        f"{where}: {path} defines no function {function}"
-    )
-    seen, todo = set(), [function]
-    while todo:
-        node = top[todo.pop()]
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        used |= {
-            a.arg for n in ast.walk(node) if isinstance(n, ast.FunctionDef) for a in n.args.args
-        }  # fixtures: module-level functions named like them
-        todo += [name for name in used if name in top]
-    return "\n".join(
-        ast.get_source_segment(text, node) or "" for node in tree.body if id(node) in seen
-    )
-
-
-def test_every_run_by_and_checked_by_names_a_test_function_that_exists():
+def test_every_run_by_and_checked_by_marker_names_a_test_function_that_exists():
     found = 0
     for page in PAGES:
-        for number, line in enumerate(page.read_text().splitlines(), 1):
-            marker = CHECKED_BY.fullmatch(line.strip())  # a line of its own, not prose
-            if marker:
-                source_of_test_function(marker.group(1), f"{_name(page)}:{number}")
-                found += 1
+        for number, kind, name in named_tests(page):
+            where = f"{_name(page)}:{number}"
+            find_test(name, where)  # fails where the file or the function is missing
+            if kind == "run":
+                assert reads_page(name, page, where), f"{where}: {name} never reads {page.name}"
+            found += 1
     assert found
+
+
+def test_markers_that_name_a_test_stand_on_lines_of_their_own():
+    """A marker inside a line of prose would escape every check above."""
+    inline = [
+        f"{_name(page)}:{number}: {line.strip()}"
+        for page in PAGES
+        for number, line in prose(page)
+        if line is not None
+        and re.search(r"<!-- (run|checked) by", INLINE_CODE.sub("", line))
+        and not NAMES_A_TEST.fullmatch(line.strip())
+    ]
+    assert not inline, "markers not on a line of their own:\n" + "\n".join(inline)
+
+
+def paragraphs(page) -> list[tuple[list[tuple[int, str]], list[tuple[str, str]]]]:
+    """Each paragraph of ``page``'s prose (split at blank lines, fenced blocks, headings,
+    list items and table rows): its (line number, line) pairs and the (kind, test) of the
+    markers inside it or directly after it (lines of nothing but a comment)."""
+    lines = prose(page)
+    groups: list[list[int]] = []
+    for i, (_, line) in enumerate(lines):
+        if line is None or not line.strip():
+            continue
+        if groups and groups[-1][-1] == i - 1 and not PARAGRAPH_START.match(line):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    found = []
+    for group in groups:
+        texts = [lines[i][1] for i in group]
+        for _, later in lines[group[-1] + 1 :]:
+            if later is None or (later.strip() and not COMMENT.fullmatch(later.strip())):
+                break
+            texts.append(later)
+        named = [m.groups() for text in texts if (m := NAMES_A_TEST.fullmatch(text.strip()))]
+        found.append(([lines[i] for i in group], named))
+    return found
+
+
+def _names_a_test_of(name: str, path: str, function: str) -> bool:
+    """Whether marker test ``name`` is a test of file ``path`` (and is ``function``, if any)."""
+    marked_path, _, qualified = name.partition("::")
+    return marked_path == path and function in ("", re.sub(r"\[[^\]]*\]$", "", qualified))
+
+
+def uncited(page) -> tuple[int, list[str]]:
+    """How many test files ``page``'s prose cites, and "page:line: citation" for each one
+    with no marker naming a test of that file (the one cited, where it names one) in its
+    paragraph or directly after it, nor a ``checked by`` test that reads the page."""
+    cited, missing = 0, []
+    for lines, named in paragraphs(page):
+        for number, line in lines:
+            for citation in CITATION.finditer(COMMENT.sub("", line)):
+                cited += 1
+                where = f"{_name(page)}:{number}"
+                path, function = citation.group(1), citation.group(2).removeprefix("::")
+                if not any(
+                    _names_a_test_of(name, path, function)
+                    or (kind == "checked" and not function and reads_page(name, page, where))
+                    for kind, name in named
+                ):
+                    missing.append(f"{where}: {citation.group()}")
+    return cited, missing
+
+
+def test_every_test_the_prose_cites_has_a_marker_naming_the_test_that_checks_it():
+    """ "tests/x.py checks ..." in prose is a claim: a marker in its paragraph, or directly
+    after it, names a test function of that file (the one cited, where it names one), or
+    a test that reads the page and checks the sentence itself."""
+    found = [uncited(page) for page in PAGES]
+    missing = [line for _, lines in found for line in lines]
+    assert sum(cited for cited, _ in found) > 50
+    assert not missing, (
+        "cited tests with no marker naming the test that checks the sentence "
+        "(docs/architecture.md, Writing docs):\n" + "\n".join(missing)
+    )
+
+
+def test_the_marker_rules_refuse_what_they_should(tmp_path):
+    """The rules above, on cases they must refuse: a name that is no test function, a
+    page named only in a docstring or elsewhere in the test's file, a citation whose
+    marker names a test of another file or another test than the one cited."""
+    page = REPO / "docs" / "multi_worker.md"
+    for bad in (
+        "tests/e2e/test_slurm.py",  # no function
+        "tests/e2e/test_slurm.py::docs_block",  # a helper, not a test
+        "tests/e2e/test_slurm.py::test_no_such_test",
+        "tests/e2e/test_no_such_file.py::test_x",
+        "tests/e2e/test_slurm.py::TestNoSuchClass::test_x",
+    ):
+        with pytest.raises(AssertionError):
+            find_test(bad, "here")
+    find_test("tests/e2e/test_idioms.py::test_idiom_matches_one_device[numpy-jax-2 devices]", "")
+    # reads the page through its own code: docs_block("...") reaches DOCS
+    slurm = (
+        "tests/e2e/test_slurm.py::test_per_node_launcher_recipe_for_a_script_with_its_own_strategy"
+    )
+    assert reads_page(slurm, page, "here")
+    # its file's docstring and DOCS name the page, but this test reaches neither
+    assert not reads_page(
+        "tests/e2e/test_slurm.py::test_hostlists_expand_as_slurm_writes_them", page, ""
+    )
+    # named in the test's docstring only
+    banner = (
+        "tests/project/test_docs.py::test_tensorflow_prints_its_onednn_banner_twice_in_one_process"
+    )
+    assert not reads_page(banner, page, "here")
+    draft = tmp_path / "draft.md"
+    cases = {
+        "tests/e2e/test_slurm.py checks it.\n": 1,
+        "tests/e2e/test_slurm.py checks it.\n<!-- checked by tests/e2e/test_ray.py::"
+        "test_tensorflow_trainer_equals_one_device -->\n": 1,
+        "tests/e2e/test_slurm.py::test_srun_2_tasks_end_with_the_weights_of_one_process does.\n\n"
+        f"<!-- checked by {slurm} -->\n": 1,
+        f"tests/e2e/test_slurm.py checks it.\n\n- next item\n<!-- checked by {slurm} -->\n": 1,
+        "tests/e2e/test_slurm.py checks it.\n\n<!-- not run: x -->\n"
+        f"<!-- checked by {slurm} -->\n": 0,
+        "`<!-- checked by tests/test_x.py::test_f -->` is how a marker looks.\n": 0,
+        "```\ntests/e2e/test_slurm.py in a block\n```\n": 0,
+    }
+    for text, count in cases.items():
+        draft.write_text(text)
+        assert len(uncited(draft)[1]) == count, text
 
 
 # What a "run here" block needs that its page defines in prose, and what it must have done.
@@ -301,3 +497,78 @@ def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
     )
     assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
     assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed
+
+
+def _extra(name: str) -> list[str]:
+    """setup.py's ``extras_require[name]``."""
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == name:
+                    return ast.literal_eval(value)
+    raise AssertionError(f"setup.py has no extra {name!r}")
+
+
+def test_readme_says_how_ci_runs_the_ray_tests():
+    """README's "What runs where": Ray's tests skip in the test command, which does not
+    install Ray; .ci/run then installs .[ray] into the same environment and runs them in
+    a stage of their own, where a missing Ray fails them."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    said = re.search(r"Ray's tests \(`(tests/e2e/test_\w+\.py)`\) skip in the test command", readme)
+    assert said, 'README.md: no "Ray\'s tests (`tests/...`) skip in the test command"'
+    suite = said.group(1)
+    test_extra = _extra("test")
+    nested = {n for r in test_extra if r.startswith("tfdist[") for n in r[7:-1].split(",")}
+    assert not any(r.startswith("ray") for r in test_extra) and "ray" not in nested, test_extra
+    assert any(r.startswith("ray[train]") for r in _extra("ray"))
+    ci = (REPO / ".ci" / "run").read_text()
+    stage = re.search(
+        r"\. \.venv/bin/activate && pip install -q -e '\.\[ray\]' && "
+        rf"TFDIST_RAY_STAGE=1 python -m pytest {re.escape(suite)}\b",
+        ci,
+    )
+    assert stage and ci.index('bash -c "$TEST_CMD"') < stage.start(), ".ci/run: no Ray stage"
+    if importlib.util.find_spec("ray") is not None:
+        return  # the suite would run Ray here; what it does without Ray is shown elsewhere
+    outcomes = {}
+    for stage_env in (None, "1"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-n", "0", "-q", "-p", "no:cacheprovider", suite],
+            cwd=REPO,
+            env=child_env(
+                TFDIST_RAY_STAGE=stage_env, PYTEST_XDIST_WORKER=None, PYTEST_ADDOPTS=None
+            ),
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        outcomes[stage_env] = (proc.returncode, proc.stdout + proc.stderr)
+    code, out = outcomes[None]
+    # 5: pytest's "no tests ran", as the one file of a run, every test of it skipped
+    assert code in (0, 5) and re.search(r"\b\d+ skipped\b", out), out[-3000:]
+    assert not re.search(r"\b\d+ (passed|failed|errors?)\b", out), out[-3000:]
+    code, out = outcomes["1"]
+    assert code != 0 and "TFDIST_RAY_STAGE is set but ray is not installed" in out, out[-3000:]
+
+
+def test_tensorflow_prints_its_onednn_banner_twice_in_one_process():
+    """docs/multi_worker.md, Ray Train: "TensorFlow 2.21 prints its oneDNN banner twice in
+    every process that imports it, Ray or not, before TF_CPP_MIN_LOG_LEVEL applies":
+    ``import tensorflow`` alone, with TF_CPP_MIN_LOG_LEVEL=2 and oneDNN at its default,
+    prints exactly two banner lines, both from that one process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import os, tensorflow as tf; print(tf.__version__, os.getpid())"],
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2", TF_ENABLE_ONEDNN_OPTS=None),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    version, pid = proc.stdout.split()[-2:]
+    if not version.startswith("2.21."):
+        pytest.skip(f"the page speaks of TensorFlow 2.21; this is {version}")
+    banners = [line for line in proc.stderr.splitlines() if "oneDNN custom operations" in line]
+    assert len(banners) == 2, proc.stderr[-3000:]
+    # glog's "I0000 00:00:TIME TID file:line] ...": printed while importing, on the main
+    # thread, whose thread id is the process id
+    assert {line.split()[2] for line in banners} == {pid}, proc.stderr[-3000:]

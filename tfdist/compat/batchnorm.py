@@ -16,5 +16,10 @@ FIXES = [
         on_keras_backend("tensorflow"),
         batchnorm.install,
         targets=targets(*batchnorm.TARGETS),
+        acts_where=(
+            "BatchNormalization(synchronized=False).build under a strategy with >1 replica "
+            "(synchronized in sync_batchnorm scope, else warned once); otherwise upstream's"
+        ),
+        no_harm=(),  # none yet
     )
 ]

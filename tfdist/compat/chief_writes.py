@@ -503,6 +503,11 @@ FIXES: list[Fix] = [
             _MODEL + "save",
             _MODEL + "save_weights",
         ),
+        acts_where=(
+            "ModelCheckpoint saves in a multi-worker job (MultiWorkerMirroredStrategy over "
+            ">1 worker, or several JAX processes); one process: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_backup_and_restore_chief_writes",
@@ -524,6 +529,11 @@ FIXES: list[Fix] = [
             "keras.src.trainers.trainer:Trainer._initial_epoch (instance)",
             _MODEL + "save_weights",
         ),
+        acts_where=(
+            "BackupAndRestore backup, restore and delete in a multi-worker job (TensorFlow "
+            "or JAX); one process: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_csv_logger_chief_only",
@@ -535,6 +545,11 @@ FIXES: list[Fix] = [
             "keras.src.callbacks.csv_logger:CSVLogger.on_train_begin",
             "keras.src.callbacks.csv_logger:CSVLogger.on_epoch_end",
         ),
+        acts_where=(
+            "CSVLogger on a non-chief worker of a multi-worker job (TensorFlow or JAX); the "
+            "chief, one process: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_tensorboard_chief_only",
@@ -546,6 +561,11 @@ FIXES: list[Fix] = [
             "keras.src.callbacks.tensorboard:TensorBoard.set_model",
             "keras.src.callbacks.tensorboard:TensorBoard.on_train_end",
         ),
+        acts_where=(
+            "TensorBoard.set_model on a non-chief worker of a multi-worker job (TensorFlow "
+            "or JAX); the chief, one process: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_user_saves_chief_writes",
@@ -560,5 +580,11 @@ FIXES: list[Fix] = [
             _MODEL + "export",
             "keras.src.saving.saving_api:save_model",
         ),
+        acts_where=(
+            "Model.save/save_weights/export, keras.saving.save_model to a path in a "
+            "multi-worker job; one process, overwrite=False, sharded weights, URLs: "
+            "upstream's"
+        ),
+        no_harm=("tests/compat/test_user_saves.py::test_twenty_saves_and_loads_on_every_worker",),
     ),
 ]

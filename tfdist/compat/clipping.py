@@ -153,5 +153,11 @@ FIXES: list[Fix] = [
             "keras.src.backend:Variable",
             "tensorflow.python.distribute.merge_call_interim:maybe_merge_call",
         ),
+        acts_where=(
+            "clipnorm/clipvalue/global_clipnorm, no gradient accumulation, in the replica "
+            "context of (MultiWorker)MirroredStrategy with >1 replica; otherwise upstream's "
+            "path"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -80,5 +80,10 @@ FIXES = [
             "keras.src.trainers.trainer:Trainer.compile",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
         ),
+        acts_where=(
+            "compile() outside any strategy scope of a model built under a tf.distribute "
+            "strategy; inside a scope, no model strategy: upstream's compile"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

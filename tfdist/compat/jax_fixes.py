@@ -207,6 +207,11 @@ FIXES: list[Fix] = [
             "keras.src.backend.jax.distribution_lib:initialize",
             "keras.src.backend.jax.distribution_lib:initialize_rng",
         ),
+        acts_where=(
+            "keras.distribution.initialize() when jax.distributed is already initialised "
+            "(tfdist launch); otherwise upstream's call"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_jax_model_keeps_distribution",
@@ -223,6 +228,11 @@ FIXES: list[Fix] = [
             _KJ + "JAXTrainer.test_on_batch",
             _KJ + "JAXTrainer.predict_on_batch",
         ),
+        acts_where=(
+            "fit/evaluate/predict and `*_on_batch` of a model created under a keras.distribution, "
+            "called with none set; otherwise upstream's (the model only records it)"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_jax_distributed_lookahead",
@@ -233,6 +243,11 @@ FIXES: list[Fix] = [
         targets=targets(
             _KJ + "JAXEpochIterator._get_distributed_iterator",
         ),
+        acts_where=(
+            "the JAX epoch iterator under a keras.distribution on GPU/TPU; CPU backend: "
+            "upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_jax_sharded_epoch_length",
@@ -244,5 +259,11 @@ FIXES: list[Fix] = [
             "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
             _DS + "DatasetV2._variant_tensor",
         ),
+        acts_where=(
+            "Distribution.distribute_tf_dataset when upstream's sharding loses a known "
+            "length of full batches (datasets keras_jax_partial_batch_share leaves); else "
+            "upstream's"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -456,6 +456,11 @@ FIXES: list[Fix] = [
             "keras.src.distribution.distribution_lib:Distribution.data_shard_id",
             "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
         ),
+        acts_where=(
+            "fit/evaluate/predict of numpy arrays, a PyDataset or a generator under a "
+            "keras.distribution over >1 process; tf.data, one process: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         PREDICT_FIX,
@@ -467,5 +472,10 @@ FIXES: list[Fix] = [
             _KJ + "JAXTrainer.make_predict_function",
             _KJ + "JAXTrainer.predict",
         ),
+        acts_where=(
+            "predict under a keras.distribution over >1 process; one process: upstream's "
+            "predict function"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

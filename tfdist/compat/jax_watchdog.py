@@ -148,5 +148,10 @@ FIXES = [
             "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
             "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
         ),
+        acts_where=(
+            "fit/evaluate/predict in a multi-process JAX job with the watchdog on "
+            "(TFDIST_COLLECTIVE_TIMEOUT, default 45 s); one process, 0: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

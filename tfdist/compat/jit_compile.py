@@ -79,5 +79,10 @@ FIXES = [
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
         ),
+        acts_where=(
+            "fit/evaluate and `*_on_batch` with jit_compile=True, not run_eagerly, on a model "
+            "built under a strategy with >1 replica (raises); otherwise upstream's"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -391,6 +391,14 @@ FIXES: list[Fix] = [
             _KT + "TFEpochIterator._distributed_dataset (instance)",
             "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
         ),
+        acts_where=(
+            "fit/evaluate of a model built in a tf.distribute strategy's scope (any replica "
+            "count); no model strategy, `*_on_batch`: upstream's path"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
+            "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[tensorflow]",
+        ),
     ),
     Fix(
         "keras_multi_worker_mean",
@@ -405,6 +413,14 @@ FIXES: list[Fix] = [
             "keras.src.backend:Variable",
             _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
             "tensorflow.python.distribute.distribute_utils:is_distributed_variable",
+        ),
+        acts_where=(
+            "fit/evaluate step results (reduction auto/mean) under "
+            "MultiWorkerMirroredStrategy with >1 worker; one worker, TPU, predict: "
+            "upstream's path"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes[2 workers]",
         ),
     ),
     Fix(
@@ -423,6 +439,12 @@ FIXES: list[Fix] = [
             _KB + "BaseOptimizer._trainable_variables (instance)",
             "keras.src.ops:cond",
         ),
+        acts_where=(
+            "Optimizer(use_ema=True, ema_overwrite_frequency=k), no gradient accumulation, "
+            "applied in a traced replica function of a strategy; eagerly, no strategy: "
+            "upstream's"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_gradient_accumulation",
@@ -444,6 +466,12 @@ FIXES: list[Fix] = [
             _KB + "BaseOptimizer._trainable_variables (instance)",
             "keras.src.backend:Variable",
         ),
+        acts_where=(
+            "Optimizer(gradient_accumulation_steps=k) applied in a traced replica function "
+            "of a strategy, and its saves mid-window on >1 replica; eagerly, no strategy: "
+            "upstream's"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_progbar_chief_only",
@@ -454,5 +482,10 @@ FIXES: list[Fix] = [
             "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
             _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",
         ),
+        acts_where=(
+            "ProgbarLogger (verbose != 0) on a non-chief worker of "
+            "MultiWorkerMirroredStrategy with >1 worker; the chief, one worker: untouched"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -69,5 +69,10 @@ FIXES = [
             "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer.check_finite",
             "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",
         ),
+        acts_where=(
+            "LossScaleOptimizer.check_finite in the replica context of a strategy with >1 "
+            "replica; otherwise upstream's check"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

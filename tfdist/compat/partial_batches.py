@@ -345,6 +345,18 @@ FIXES = [
             "keras.src.losses.loss:standardize_reduction",
             "keras.src.losses.loss:scale_loss_for_distribution",
         ),
+        acts_where=(
+            "a Keras loss with a mean reduction in the replica function of a strategy with "
+            ">1 replica; sum/none, one replica, a loss in tf.cond/while/nested tf.function: "
+            "upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
+            "masked GRU",
+            "sample weights",
+            "conv, batches of 6",
+            "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[tensorflow]",
+        ),
     ),
     Fix(
         "tf_distribute_partial_batch_evenly",
@@ -358,6 +370,15 @@ FIXES = [
             "tensorflow.python.distribute.input_lib:DistributedDataset."
             "_create_cloned_datasets_from_dataset",
         ),
+        acts_where=(
+            "every tf.distribute dataset of dense batched tensors on >1 replica (batches "
+            "that divide evenly are cut as upstream); other elements, one replica: "
+            "upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
+            "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[tensorflow]",
+        ),
     ),
     Fix(
         "keras_jax_partial_batch_share",
@@ -370,6 +391,13 @@ FIXES = [
             "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
             "keras.src.distribution.distribution_lib:Distribution.data_shard_id",
             "keras.src.distribution.distribution_lib:Distribution.num_model_replicas",
+        ),
+        acts_where=(
+            "Distribution.distribute_tf_dataset over >1 process (auto_shard_dataset, dense "
+            "batched tensors); one process, other elements: upstream's path"
+        ),
+        no_harm=(
+            "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[jax]",
         ),
     ),
 ]

@@ -114,5 +114,10 @@ FIXES = [
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
         ),
+        acts_where=(
+            "fit/evaluate with steps_per_execution > 1, not run_eagerly, of a model built "
+            "under a strategy with >1 replica; K = 1, one replica: upstream's function"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -254,6 +254,13 @@ FIXES: list[Fix] = [
             "tensorflow.python.distribute.multi_worker_util:coordination_leader",
             "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
         ),
+        acts_where=(
+            "initialising a MultiWorkerMirroredStrategy that has a cluster (TF_CONFIG with "
+            "several tasks); a strategy without one: upstream's path"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes[2 workers]",
+        ),
     ),
     Fix(
         "tf_multi_worker_logical_cpus",
@@ -264,6 +271,11 @@ FIXES: list[Fix] = [
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
         ),
+        acts_where=(
+            "MultiWorkerMirroredStrategy without explicit devices, no GPU/TPU, "
+            "TFDIST_CPU_DEVICES > 1; otherwise upstream's devices"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "tf_multi_worker_auto_shard",
@@ -279,5 +291,11 @@ FIXES: list[Fix] = [
             _DS + "DatasetV2._as_serialized_graph",
             _DS + "DatasetV2._inputs",
         ),
+        acts_where=(
+            "tf.data input distributed by MultiWorkerMirroredStrategy over >1 worker with "
+            "policy AUTO; numpy input (Keras sets DATA), a policy the user set, uncountable "
+            "files, one worker: upstream's"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

@@ -164,6 +164,11 @@ FIXES = [
         targets=targets(
             "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
         ),
+        acts_where=(
+            "a shuffled PyDataset in a multi-worker TensorFlow job with collectives; one "
+            "worker, shuffle=False: upstream's path"
+        ),
+        no_harm=(),  # none yet
     ),
     Fix(
         "keras_tf_generator_batches_copied",
@@ -177,5 +182,10 @@ FIXES = [
             "keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
             "keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.generator (instance)",
         ),
+        acts_where=(
+            "every PyDataset or generator input on TensorFlow, any replica count (one copy "
+            "of each numpy batch); arrays, tf.data: untouched"
+        ),
+        no_harm=(),  # none yet
     ),
 ]

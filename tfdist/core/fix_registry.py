@@ -101,6 +101,14 @@ class Fix:
         package: the package it patches (``tensorflow`` or ``keras``): a fix is applied
             as soon as its package is imported, before the script can use it.
         targets: every upstream name the fix replaces or relies on (``guard`` checks them).
+        acts_where: one line: the calls and topologies on which the fix changes anything
+            (where its patch does not return to upstream's code path), and what stays
+            upstream's. Every fix in ``tfdist.compat.FIXES`` states it (docs/fixes.md).
+        no_harm: the no-harm checks that run the fix where it acts, with it on, and
+            compare with one device or with the fixes off: pytest node ids
+            (``tests/...py::test_name`` or ``...::test_name[param]``) and, where only some
+            cases of the matrix reach it, their names in ``tests/scripts/no_harm_job.py``'s
+            ``CASES``. Empty when no such check covers it yet.
     """
 
     name: str
@@ -109,6 +117,8 @@ class Fix:
     apply: Callable[[], None]
     package: str = "keras"
     targets: tuple[Target, ...] = field(default=())
+    acts_where: str = ""
+    no_harm: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------- versions
