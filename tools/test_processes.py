@@ -7,6 +7,11 @@ this table after the tests. By hand::
     TFDIST_TEST_LEDGER=/tmp/ledger.jsonl python -m pytest tests/compat
     python tools/test_processes.py /tmp/ledger.jsonl            # a Markdown table
     python tools/test_processes.py /tmp/ledger.jsonl --top 10   # the 10 costliest files
+    python tools/test_processes.py /tmp/ledger.jsonl --junit /tmp/junit.xml  # + test time
+
+With ``--junit`` (pytest's ``--junitxml`` of the same run) a column adds the seconds
+pytest spent in each file's tests (setup, call and teardown), which is the file's time on
+its test process.
 
 A process killed (kill -9 in the fault tests) or ended by ``os._exit`` has no exit line:
 it is counted under "no exit line" and its CPU is not in the sum.
@@ -18,6 +23,7 @@ import argparse
 import collections
 import json
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 
@@ -52,13 +58,31 @@ def per_file(records: list[dict]) -> list[dict]:
     return sorted(table, key=lambda row: -row["cpu_s"])
 
 
+def junit_seconds(path: Path) -> dict[str, float]:
+    """Seconds per test file in a pytest junit XML (its ``classname`` is the dotted path,
+    followed by a class name for tests in a class)."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for case in ET.parse(path).iter("testcase"):
+        parts = case.get("classname", "").split(".")
+        while parts and not parts[-1].startswith("test_"):
+            parts.pop()  # a class name
+        if parts:
+            seconds["/".join(parts) + ".py"] += float(case.get("time") or 0.0)
+    return seconds
+
+
 def markdown(table: list[dict]) -> str:
+    timed = any("test_s" in row for row in table)
     head = "| test file | processes | imported TF | imported jax | no exit line | CPU s |"
-    lines = [head, "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        head + (" test s |" if timed else ""),
+        "|---|---:|---:|---:|---:|---:|" + ("---:|" if timed else ""),
+    ]
     for row in table:
         lines.append(
             f"| {row['file']} | {row['processes']} | {row['tensorflow']} | {row['jax']} "
             f"| {row['no_exit']} | {row['cpu_s']:.0f} |"
+            + (f" {row.get('test_s', 0.0):.0f} |" if timed else "")
         )
     total = {
         k: sum(row[k] for row in table)
@@ -67,6 +91,7 @@ def markdown(table: list[dict]) -> str:
     lines.append(
         f"| **all** | {total['processes']} | {total['tensorflow']} | {total['jax']} "
         f"| {total['no_exit']} | {total['cpu_s']:.0f} |"
+        + (f" {sum(row.get('test_s', 0.0) for row in table):.0f} |" if timed else "")
     )
     return "\n".join(lines)
 
@@ -75,10 +100,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ledger", type=Path, help="the file TFDIST_TEST_LEDGER named")
     parser.add_argument("--top", type=int, default=0, help="only the N costliest files")
+    parser.add_argument("--junit", type=Path, help="pytest's --junitxml of the same run")
     args = parser.parse_args(argv)
     if not args.ledger.is_file():
         parser.error(f"ledger: no file at {args.ledger}; set TFDIST_TEST_LEDGER to it for the run")
+    if args.junit is not None and not args.junit.is_file():
+        parser.error(f"--junit: no file at {args.junit}; pass pytest's --junitxml file")
     table = per_file(read_ledger(args.ledger))
+    if args.junit is not None:
+        seconds = junit_seconds(args.junit)
+        known = {row["file"] for row in table}
+        table += [
+            {"file": f, "processes": 0, "tensorflow": 0, "jax": 0, "no_exit": 0, "cpu_s": 0.0}
+            for f in seconds
+            if f not in known
+        ]
+        for row in table:
+            row["test_s"] = seconds.get(row["file"], 0.0)
+        table.sort(key=lambda row: -row["test_s"])
     print(markdown(table[: args.top] if args.top > 0 else table))
     return 0
 

@@ -38,3 +38,18 @@ def test_children_are_counted_with_their_cpu_even_when_they_end_by_os_exit(tmp_p
     assert rows["tests/b_test.py"]["no_exit"] == 1  # killed: a start line only
     assert rows["tests/b_test.py"]["cpu_s"] == 0
     assert "| **all** | 3 | 0 | 0 | 1 |" in test_processes.markdown(table)
+
+
+def test_junit_times_add_up_per_file_with_tests_in_classes(tmp_path):
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.e2e.test_x" name="test_a" time="1.5"/>'
+        '<testcase classname="tests.e2e.test_x.TestGroup" name="test_b" time="2.0"/>'
+        '<testcase classname="tests.test_y" name="test_c" time="0.25"/>'
+        "</testsuite></testsuites>"
+    )
+    assert test_processes.junit_seconds(junit) == {
+        "tests/e2e/test_x.py": 3.5,
+        "tests/test_y.py": 0.25,
+    }
