@@ -27,6 +27,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # scripts the tests run as subprocesses.
 sys.path.append(str(SCRIPTS))
 import equivalence  # noqa: E402, F401 - re-exported: `from conftest import equivalence`
+import warm_start  # noqa: E402 - tests/warm_start.py: jobs forked after the imports
 
 # Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
 _CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
@@ -60,23 +61,51 @@ def child_env(**overrides: str) -> dict[str, str]:
 
 
 def run_python(
-    code: str, *, timeout: float = 180, check: bool = True, **env
+    code: str, *, timeout: float = 180, check: bool = True, warm: bool = False, **env
 ) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh interpreter; fails the test with its output on error."""
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    """Runs ``code`` in a fresh interpreter; fails the test with its output on error.
+
+    ``warm=True``: forked from a process that imported TensorFlow and Keras already
+    (tests/warm_start.py), for jobs that do not test how a process starts.
+    """
+    if warm:
+        proc = warm_start.run(
+            ["-c", textwrap.dedent(code)],
+            env=child_env(**env),
+            base_env=child_env(),
+            cwd=REPO,
+            timeout=timeout,
+        )
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            env=child_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+        )
     if check and proc.returncode != 0:
         pytest.fail(
             f"child exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
             f"\n--- stderr\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def popen_python(*argv: str, warm: bool = True, **env):
+    """``python *argv`` started in the background from the repository, output captured:
+    a ``subprocess.Popen``, or its warm twin (tests/warm_start.py) with ``warm=True``."""
+    if warm:
+        return warm_start.popen(list(argv), env=child_env(**env), base_env=child_env(), cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=REPO,
+        env=child_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:

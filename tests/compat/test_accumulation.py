@@ -10,13 +10,10 @@ excluded is shown by tests/compat/test_compat.py::test_mirrored_upstream_failure
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python
 
 SCRIPT = str(SCRIPTS / "accumulation_job.py")
 TOL = 1e-5
@@ -31,15 +28,7 @@ def max_diff(a, b) -> float:
 def runs() -> dict:
     """1 device and 2 logical devices, side by side (most of each is TensorFlow's import)."""
     procs = {
-        devices: subprocess.Popen(
-            [sys.executable, SCRIPT],
-            cwd=REPO,
-            env=child_env(TFDIST_CPU_DEVICES=devices),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for devices in ("1", "2")
+        devices: popen_python(str(SCRIPT), TFDIST_CPU_DEVICES=devices) for devices in ("1", "2")
     }
     try:
         outputs = {devices: proc.communicate(timeout=300) for devices, proc in procs.items()}

@@ -10,15 +10,13 @@ weight decay with a moving average, eager) in one process and prints the weights
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tfdist import compat
 from tfdist.compat import clipping
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python
 
 SCRIPT = str(SCRIPTS / "clip_job.py")
 TOL = 1e-5
@@ -34,17 +32,7 @@ def run_job(*argv: str, **env) -> dict:
 
 def run_jobs(*jobs: tuple[list[str], dict]) -> list[dict]:
     """Several clip_job.py runs ``(argv, env)`` side by side (most of each is TF's import)."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, SCRIPT, *argv],
-            cwd=REPO,
-            env=child_env(**env),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for argv, env in jobs
-    ]
+    procs = [popen_python(str(SCRIPT), *argv, **env) for argv, env in jobs]
     try:
         outputs = [proc.communicate(timeout=300) for proc in procs]
     finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import zipfile
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tfdist import compat, saving
 from tfdist.compat import chief_writes
 from tfdist.core import atomic, fix_registry, upstream
 
-from conftest import SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, warm_start
 
 TOL = 1e-5
 JOB = str(SCRIPTS / "keras_callbacks_job.py")
@@ -42,13 +41,11 @@ COLLISION = re.compile(r"unable to lock file|FileExistsError")
 
 
 def run_one_process(directory, *argv, timeout=240, **env):
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, JOB, "--dir", str(directory), *argv],
+    proc = warm_start.run(
+        [str(JOB), "--dir", str(directory), *argv],
         env=child_env(**env),
-        capture_output=True,
-        text=True,
+        base_env=child_env(),
+        cwd=REPO,
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stderr[-5000:]

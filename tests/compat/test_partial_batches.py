@@ -42,11 +42,26 @@ ODD = ("last 1 ", "last 5 ")
 ODD_ERROR = r"cannot be split evenly|IndivisibleError: .*should evenly divide"
 
 
-def _report(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
+def _report(stdout: str, workers: int = 1) -> dict:
+    """The chief's report, with every worker's (the chief's too) under ``workers``."""
+    found = {}
+    for line in stdout.splitlines():
         if "PARTIAL " in line:  # the launcher prefixes "[w0] "
-            return json.loads(line[line.index("PARTIAL ") + len("PARTIAL ") :])
-    pytest.fail(f"the partial-batch job printed no result:\n{stdout[-3000:]}")
+            report = json.loads(line[line.index("PARTIAL ") + len("PARTIAL ") :])
+            found[report["rank"]] = report
+    if sorted(found) != list(range(workers)):
+        pytest.fail(f"reports from workers {sorted(found)}, not {workers}:\n{stdout[-3000:]}")
+    return {**found[0], "workers": found}
+
+
+def _check_topology(cell: dict, backend: str, topology: str) -> None:
+    """Every worker's process, and every case's models, ran on ``topology``."""
+    want = {"replicas": 1, "workers": 1} if topology == "1 device" else TOPOLOGIES[topology]
+    for rank, report in cell["workers"].items():
+        assert report["topology"] == {"backend": backend, **want}, (rank, report["topology"])
+        for name, case in report["cases"].items():
+            if "error" not in case:
+                assert case["trained_on"] == [want], (rank, name, case["trained_on"])
 
 
 def _run(topology: str, *args: str, check: bool = True, backend: str = "tensorflow", **env):
@@ -54,11 +69,11 @@ def _run(topology: str, *args: str, check: bool = True, backend: str = "tensorfl
     if topology == "2 workers":
         proc = launch_cli("-n", "2", str(JOB), *args, timeout=900, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        return _report(proc.stdout)
+        return _report(proc.stdout, workers=2)
     if topology == "2 devices":
         env["TFDIST_CPU_DEVICES"] = "2"
     code = f"import runpy, sys; sys.argv = {[str(JOB), *args]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = run_python(code, timeout=600, check=check, **env)
+    proc = run_python(code, timeout=600, check=check, warm=True, **env)
     return proc if not check else _report(proc.stdout)
 
 
@@ -106,10 +121,11 @@ def _assert_equal_to_one_device(reference: dict, cell: dict, errors: tuple = ())
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_partial_batch_matrix_matches_one_device(backend, topology):
     reference, cell = _matrix(backend, "1 device"), _matrix(backend, topology)
-    assert reference["topology"] == {"backend": backend, "replicas": 1, "workers": 1}
-    assert cell["topology"] == {"backend": backend, **TOPOLOGIES[topology]}
+    _check_topology(reference, backend, "1 device")
+    _check_topology(cell, backend, topology)
     assert len(reference["cases"]) >= (len(JAX_CASES) if backend == "jax" else 28)
-    _assert_equal_to_one_device(reference, cell, ODD if backend == "jax" else ())
+    for worker in cell["workers"].values():  # every worker's results, not the chief's alone
+        _assert_equal_to_one_device(reference, worker, ODD if backend == "jax" else ())
 
 
 # The tutorial's sizes per cell. On JAX each size costs a process per topology (see
@@ -133,10 +149,14 @@ def _tutorial(topology: str, backend: str = "tensorflow", sizes: tuple = TUTORIA
     if backend == "tensorflow":
         return _run(topology, "--tutorial", *sizes, **env)
     reports = [_run(topology, "--tutorial", size, **env) for size in sizes]
-    return {
-        "topology": reports[0]["topology"],
-        "cases": {name: case for report in reports for name, case in report["cases"].items()},
+    merged = {
+        rank: {
+            **reports[0]["workers"][rank],
+            "cases": {k: v for r in reports for k, v in r["workers"][rank]["cases"].items()},
+        }
+        for rank in reports[0]["workers"]
     }
+    return {**merged[0], "workers": merged}
 
 
 def _tutorial_reference(backend: str, sizes: tuple) -> dict:
@@ -158,9 +178,10 @@ def test_mnist_tutorial_at_its_sizes_matches_one_device(backend, topology):
     sizes = TUTORIAL_CELLS[backend, topology]
     reference = {"cases": _tutorial_reference(backend, sizes)}
     cell = _tutorial(topology, backend, sizes)
-    assert cell["topology"] == {"backend": backend, **TOPOLOGIES[topology]}
-    assert set(cell["cases"]) == {f"tutorial {n}" for n in sizes}
-    _assert_equal_to_one_device(reference, cell)
+    _check_topology(cell, backend, topology)
+    for worker in cell["workers"].values():
+        assert set(worker["cases"]) == {f"tutorial {n}" for n in sizes}
+        _assert_equal_to_one_device(reference, worker)
 
 
 @pytest.mark.mnist

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli
+from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python
 
 JOB = SCRIPTS / "spe_job.py"
 FIX = "keras_steps_per_execution_under_strategy"
@@ -39,25 +39,33 @@ JAX_CASES = ("conv tf.data", "bn accumulation clipnorm tf.data", "checkpoint sav
 
 
 def _report(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
+    """The chief's report, with every worker's (the chief's too) under ``workers``."""
+    found = {}
+    for line in stdout.splitlines():
         if "SPE " in line:  # the launcher prefixes "[w0] "
-            return json.loads(line[line.index("SPE ") + len("SPE ") :])
-    pytest.fail(f"the steps_per_execution job printed no result:\n{stdout[-3000:]}")
+            text = line[line.index("SPE ") + len("SPE ") :]
+            try:
+                report = json.loads(text)
+            except ValueError as err:
+                pytest.fail(
+                    f"a result line that is not JSON ({err}): {text[:300]} ... {text[-300:]}"
+                )
+            found[report.get("rank", 0)] = report
+    if 0 not in found:
+        pytest.fail(f"the steps_per_execution job printed no result:\n{stdout[-3000:]}")
+    return {**found[0], "workers": found}
 
 
 def _start(backend: str, topology: str, tmp: str, *cases: str, **env) -> subprocess.Popen:
     """The job on ``topology``, started (the cells run side by side: each mostly waits)."""
     env.update(KERAS_BACKEND=backend, SPE_CKPT_DIR=f"{tmp}/{backend}-{topology}")
     if topology == "2 workers":
-        command = [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(JOB), *cases]
-    else:
-        command = [sys.executable, str(JOB), *cases]
+        return popen_python(
+            "-m", "tfdist", "launch", "-n", "2", str(JOB), *cases, warm=False, **env
+        )
     if topology == "2 devices":
         env["TFDIST_CPU_DEVICES"] = "2"
-    return subprocess.Popen(
-        command, cwd=REPO, env=child_env(**env), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    return popen_python(str(JOB), *cases, **env)
 
 
 def _finish(proc: subprocess.Popen) -> dict:
@@ -103,10 +111,15 @@ def test_steps_per_execution_matches_one_device(matrix, backend, topology):
     reference, cell = matrix[backend, "1 device"], matrix[backend, topology]
     one = {"backend": backend, "replicas": 1, "workers": 1, "steps_per_execution": 4}
     assert reference["topology"] == {**one, "fixed": []}  # one replica: upstream's function
-    assert cell["topology"] == {**one, **CELLS[backend, topology]}
     assert len(reference["cases"]) == (len(JAX_CASES) if backend == "jax" else 5)
-    failures = equivalence.case_failures(reference["cases"], cell["cases"], TOLERANCE)
-    assert not failures, "\n".join(failures)
+    want = {key: CELLS[backend, topology][key] for key in ("replicas", "workers")}
+    assert sorted(cell["workers"]) == list(range(want["workers"]))
+    for rank, worker in cell["workers"].items():  # every worker's, not the chief's alone
+        assert worker["topology"] == {**one, **CELLS[backend, topology]}, rank
+        for name, case in worker["cases"].items():  # what each case's models ran on
+            assert case.get("trained_on") == [want], (rank, name, case.get("trained_on"))
+        failures = equivalence.case_failures(reference["cases"], worker["cases"], TOLERANCE)
+        assert not failures, f"worker {rank}:\n" + "\n".join(failures)
 
 
 @pytest.mark.slow
@@ -160,10 +173,9 @@ def _two_workers_and_reference(tmp_path, *faults: str) -> tuple[dict, subprocess
     script = [sys.executable, str(SCRIPTS / "ckpt_job.py"), *CKPT_JOB]
     temp = tmp_path / "tmp"  # where worker 1 stages its discarded copy of each save
     temp.mkdir()
-    reference = subprocess.Popen(
-        [*script, "--dir", str(tmp_path / "reference")], env=child_env(TFDIST_CPU_DEVICES="2"),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    reference = popen_python(
+        *script[1:], "--dir", str(tmp_path / "reference"), TFDIST_CPU_DEVICES="2"
+    )
     try:
         proc = launch_cli(
             "-n", "2", "--max-restarts", "1", *script[1:], "--dir", str(tmp_path / "ckpt"),

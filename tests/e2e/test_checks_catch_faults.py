@@ -9,6 +9,8 @@ pass without it:
 - ``nan``: a NaN in a cell's weights fails the idiom matrix's comparison;
 - ``one_device``: a "2 devices" cell run on one device fails its topology check (its
   numbers alone would pass: on JAX no idiom is expected to differ);
+- ``outside_distribution``: a model built outside ``tfdist.scope()`` in a "2 devices"
+  process trains on one device: the process's topology passes, the idiom's own fails;
 - ``inert_callback``: a callback that does nothing fails the callback-acted check;
 - ``late_resume``: a checkpoint resumed one step late fails the resume test's check.
 """
@@ -107,6 +109,7 @@ def idiom_runs() -> dict[str, dict]:
         "reference": ("1 device", [IDIOM, *CALLBACKS], {}),
         "nan": ("2 devices", [IDIOM], {"TFDIST_TEST_FAULT": "nan"}),
         "one_device": ("2 devices", [IDIOM], {"TFDIST_TEST_FAULT": "one_device"}),
+        "outside": ("2 devices", [IDIOM], {"TFDIST_TEST_FAULT": "outside_distribution"}),
         "inert_callback": ("1 device", CALLBACKS, {"TFDIST_TEST_FAULT": "inert_callback"}),
     }
     with ThreadPoolExecutor(2) as pool:
@@ -136,6 +139,18 @@ def test_a_cell_run_on_one_device_fails_the_topology_check(idiom_runs):
     # Its numbers pass (one device gives one device's numbers): only the topology tells.
     test_idioms.check_cell(IDIOM, BACKEND, "2 devices", reference[IDIOM], cell[IDIOM])
     with pytest.raises(AssertionError, match="2 devices"):
+        test_idioms.check_topology(cell, "2 devices")
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+def test_a_model_outside_the_distribution_fails_the_idioms_own_topology_check(idiom_runs):
+    reference, cell = idiom_runs["reference"], idiom_runs["outside"]
+    test_idioms.check_cell(IDIOM, BACKEND, "2 devices", reference[IDIOM], cell[IDIOM])
+    assert cell["_topology"] == test_idioms.TOPOLOGY["2 devices"]  # the process ran on 2
+    assert cell[IDIOM]["trained_on"] == [{"replicas": 1, "workers": 1}]
+    with pytest.raises(AssertionError, match="numpy_batch_size on 2 devices: a model ran on"):
         test_idioms.check_topology(cell, "2 devices")
 
 

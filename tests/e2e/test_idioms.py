@@ -53,11 +53,16 @@ ACTED = {
 }
 
 
-def _values(stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
+def _values(stdout: str, workers: int = 1) -> dict:
+    """The chief's result, with every worker's (the chief's included) under ``_workers``."""
+    found = {}
+    for line in stdout.splitlines():
         if "IDIOMS " in line:
-            return json.loads(line[line.index("IDIOMS ") + len("IDIOMS ") :])
-    pytest.fail(f"the idiom job printed no result:\n{stdout[-3000:]}")
+            result = json.loads(line[line.index("IDIOMS ") + len("IDIOMS ") :])
+            found[result["_rank"]] = result
+    if sorted(found) != list(range(workers)):
+        pytest.fail(f"results from workers {sorted(found)}, not {workers}:\n{stdout[-3000:]}")
+    return {**found[0], "_workers": found}
 
 
 def run_job(backend: str, topology: str, *idioms: str, **env) -> dict:
@@ -67,12 +72,12 @@ def run_job(backend: str, topology: str, *idioms: str, **env) -> dict:
     if topology == "2 workers":
         proc = launch_cli("-n", "2", str(JOB), *idioms, timeout=900, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        return _values(proc.stdout)
+        return _values(proc.stdout, workers=2)
     if topology == "2 devices":
         env["TFDIST_CPU_DEVICES"] = "2"
     code = f"import runpy, sys; sys.argv = {[str(JOB), *idioms]!r}; "
     code += f"runpy.run_path({str(JOB)!r}, run_name='__main__')"
-    return _values(run_python(code, timeout=600, **env).stdout)
+    return _values(run_python(code, timeout=600, warm=True, **env).stdout)
 
 
 @functools.cache
@@ -81,8 +86,14 @@ def _run(backend: str, topology: str) -> dict:
 
 
 def check_topology(result: dict, topology: str) -> None:
-    """The job ran on what ``topology`` names."""
+    """The job, and every model of every idiom in it, ran on what ``topology`` names."""
     assert result["_topology"] == TOPOLOGY[topology], (topology, result["_topology"])
+    want = {key: TOPOLOGY[topology][key] for key in ("replicas", "workers")}
+    for idiom, cell in result.items():
+        if not idiom.startswith("_") and "error" not in cell:
+            assert cell["trained_on"], f"{idiom}: no model call was noted"
+            wrong = [found for found in cell["trained_on"] if found != want]
+            assert not wrong, f"{idiom} on {topology}: a model ran on {wrong}, not {want}"
 
 
 def check_callback_acted(idiom: str, reference: dict) -> None:
@@ -124,10 +135,11 @@ def check_cell(idiom: str, backend: str, topology: str, reference: dict, cell: d
 def test_idiom_matches_one_device(idiom, backend, topology):
     result, one = _run(backend, topology), _run(backend, "1 device")
     check_topology(one, "1 device")
-    check_topology(result, topology)
     if "error" not in one[idiom]:
         check_callback_acted(idiom, one[idiom])
-    check_cell(idiom, backend, topology, one[idiom], result[idiom])
+    for worker in result["_workers"].values():  # every worker's, not the chief's alone
+        check_topology(worker, topology)
+        check_cell(idiom, backend, topology, one[idiom], worker[idiom])
 
 
 def test_every_callback_idiom_is_checked_for_acting():

@@ -344,3 +344,26 @@ def test_tfdist_info_prints_none_of_the_known_noise():
     err = proc.stderr.decode()
     assert proc.returncode == 0 and "strategy:" in proc.stdout.decode(), err
     assert [noise for noise in ISSUE_NOISE if noise in err] == []
+
+
+def test_a_workers_last_lines_reach_a_launcher_output_read_late(tmp_path):
+    """Each worker prints a 50 KB line (its pipe holds it) and exits; the launcher's
+    stdout (a pipe, 64 KB) is read only after 8 s, longer than the launcher waits for a
+    reader stuck on a worker's pipe (5 s). Every line still arrives whole: before, the
+    launcher exited 0 with a result line cut (measured at 4.6 KB of 57 KB)."""
+    script = tmp_path / "long_line.py"
+    script.write_text("import os\nprint(os.environ['RANK'] * 50_000, flush=True)\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfdist", "launch", "-n", "2", str(script)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        threading.Event().wait(8)  # nobody reads the launcher's output meanwhile
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert sorted(out.decode().splitlines()) == [f"[w{r}] {str(r) * 50_000}" for r in (0, 1)]

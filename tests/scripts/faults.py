@@ -6,6 +6,8 @@
 - ``one_device``: the job drops ``TFDIST_CPU_DEVICES`` and runs on one device while the
   test asked for more;
 - ``inert_callback``: Keras callbacks under test are replaced by ones that do nothing;
+- ``outside_distribution``: the job builds a model outside ``tfdist.scope()``, so that
+  model trains on one device in a process that runs on several;
 - ``late_resume``: a resumed run starts one optimizer step (and one batch) after the
   checkpoint it restored.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-KNOWN = ("nan", "one_device", "inert_callback", "late_resume")
+KNOWN = ("nan", "one_device", "inert_callback", "late_resume", "outside_distribution")
 VARIABLE = "TFDIST_TEST_FAULT"
 
 

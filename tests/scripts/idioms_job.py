@@ -9,18 +9,22 @@ Every idiom builds its model under ``tfdist.scope()`` from the same weights (set
 numpy generator: no framework RNG decides them), trains with the same GLOBAL batch, and
 returns the numbers one device would give: final weights, plus what the idiom decides
 (epochs run, learning rate, predictions, losses). Prints one JSON line on the chief:
-``{idiom: {"values": {...}} or {"error": "Type: message"}}``. ``IDIOMS`` is the list
-tests/e2e/test_idioms.py and the README's idiom table are made from. ``_topology`` reports
-what the job ran on (replicas, workers, processes, this process's devices).
+``{idiom: {"values": {...}, "trained_on": [...]} or {"error": "Type: message"}}``, on
+every worker (each prints its own line). ``IDIOMS`` is the list tests/e2e/test_idioms.py
+and the README's idiom table are made from. ``_topology`` reports what the process ran on
+(replicas, workers, processes, this process's devices); each idiom's ``trained_on`` says
+what its own models ran on, read from each model after every fit / evaluate / predict /
+``*_on_batch`` call (its strategy's replicas on TensorFlow, its variables' devices on
+JAX), so a model that trained outside the distribution shows, whatever the process says.
 
 ``TFDIST_TEST_FAULT`` (tests/scripts/faults.py) injects a fault the tests must catch:
 ``nan`` (a NaN in the reported weights), ``one_device`` (runs on one device whatever
-``TFDIST_CPU_DEVICES`` says), ``inert_callback`` (the callback idioms' callbacks do nothing).
+``TFDIST_CPU_DEVICES`` says), ``inert_callback`` (the callback idioms' callbacks do nothing),
+``outside_distribution`` (the regression idioms build their model outside ``tfdist.scope()``).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -35,8 +39,11 @@ if faults.active("one_device"):
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import trained_on  # noqa: E402
 
 import tfdist  # noqa: E402
+
+trained_on.install()
 
 BATCH = 16  # the global batch everywhere
 N = 64
@@ -62,10 +69,17 @@ def _set_weights(model):
     return model
 
 
+def _scope():
+    """``tfdist.scope()``; nothing under the ``outside_distribution`` fault."""
+    import contextlib
+
+    return contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope()
+
+
 def regression(optimizer=None, layers=None, **compile_kwargs):
     """``optimizer``, ``layers``: functions making them, called inside the scope (as the
     guides do: a layer's seed generator is a variable of the scope it is created in)."""
-    with tfdist.scope():
+    with _scope():
         model = keras.Sequential(
             [
                 keras.Input((4,)),
@@ -603,10 +617,15 @@ def topology() -> dict:
 def run(names) -> dict:
     results = {}
     for name in names:
+        trained_on.NOTED.clear()
         try:
             values = IDIOMS[name][2]()
             bad = [k for k, v in values.items() if not all(math.isfinite(x) for x in v)]
-            results[name] = {"values": values, "nonfinite": bad}
+            results[name] = {
+                "values": values,
+                "nonfinite": bad,
+                "trained_on": list(trained_on.NOTED),
+            }
         except Exception as err:  # noqa: BLE001 - the test reports each idiom's error
             message = str(err).strip().splitlines()
             results[name] = {
@@ -620,5 +639,5 @@ if __name__ == "__main__":
     chosen = sys.argv[1:] or list(IDIOMS)
     out = run(chosen)
     out["_topology"] = topology()
-    if tfdist.is_chief():
-        print("IDIOMS " + json.dumps(out), flush=True)
+    out["_rank"] = tfdist.worker_index()
+    trained_on.emit("IDIOMS", out)

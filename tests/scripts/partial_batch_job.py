@@ -10,21 +10,26 @@ The global batch is 16. ``SIZES`` name how many examples the last batch has: 1, 
 than one of 2 replicas' shares (5), exactly one share (8), more than one share (12), and
 none. Every case builds its model from the same weights and prints what one device would
 give: weights, losses per epoch, validation losses, evaluate's results, predictions.
-Prints one JSON line on the chief: ``PARTIAL {"topology": {...}, "cases": {name:
-{"values": {...}} or {"error": "..."}}}``.
+Prints one JSON line on every worker: ``PARTIAL {"topology": {...}, "rank": r, "cases": {name:
+{"values": {...}, "trained_on": [...]} or {"error": "..."}}}``; ``trained_on`` is what
+each case's models ran on (tests/scripts/trained_on.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 import traceback
+from pathlib import Path
 
 import keras
 import numpy as np
 
 import tfdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import trained_on  # noqa: E402
 
 BATCH = 16
 SIZES = {"last 1": 33, "last 5": 37, "last 8": 40, "last 12": 44, "none": 48}
@@ -274,15 +279,17 @@ def main() -> None:
         if args.names:
             jobs = {name: jobs[name] for name in args.names}
     out = {}
+    trained_on.install()
     for name, (run, spec) in jobs.items():
         keras.utils.set_random_seed(0)
+        trained_on.NOTED.clear()
         try:
-            out[name] = {"values": run(*spec)}
+            out[name] = {"values": run(*spec), "trained_on": list(trained_on.NOTED)}
         except Exception as error:  # a failing case is a result, not a crash of the others
             traceback.print_exc()
             out[name] = {"error": f"{type(error).__name__}: {str(error)[:1500]}"}
-    if tfdist.is_chief():
-        print("PARTIAL " + json.dumps({"topology": topology(), "cases": out}), flush=True)
+    report = {"topology": topology(), "rank": tfdist.worker_index(), "cases": out}
+    trained_on.emit("PARTIAL", report)  # every worker: each is compared
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ validation and evaluation data (92 examples) end with a batch of 12. Every case 
 its model from the same weights and records what one device would give: the weights,
 History, the batch indices and logs every ``on_*_batch_end`` received, evaluate's results,
 the predictions; the checkpoint case also lists the files ``tfdist.callbacks.checkpoint``
-(``save_freq=3``) wrote. Prints one JSON line on the chief: ``SPE {"topology": {...},
-"cases": {name: {"values": {...}} or {"error": "..."}}}``.
+(``save_freq=3``) wrote. Prints one JSON line on every worker: ``SPE {"topology": {...},
+"rank": r, "cases": {name: {"values": {...}, "trained_on": [...]} or {"error": "..."}}}``;
+``trained_on`` is what the case's models ran on (tests/scripts/trained_on.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import os
 import sys
 import tempfile
 import traceback
+from pathlib import Path
 
 import keras
 import numpy as np
 
 import tfdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trained_on  # noqa: E402
 
 K = 4
 BATCH = 16
@@ -220,18 +225,20 @@ def main() -> None:
         return
     names = sys.argv[1:] or list(CASES)
     out = {}
+    trained_on.install()
     for name in names:
         run, spec = CASES[name]
         keras.utils.set_random_seed(0)
+        trained_on.NOTED.clear()
         try:
-            out[name] = {"values": run(*spec)}
+            out[name] = {"values": run(*spec), "trained_on": list(trained_on.NOTED)}
         except Exception as error:  # a failing case is a result, not a crash of the others
             traceback.print_exc()
             text = str(error)  # its head names the node, its tail says what failed
             text = text if len(text) <= 3000 else f"{text[:1500]} ... {text[-1500:]}"
             out[name] = {"error": f"{type(error).__name__}: {text}"}
-    if tfdist.is_chief():
-        print("SPE " + json.dumps({"topology": topology(), "cases": out}), flush=True)
+    report = {"topology": topology(), "rank": tfdist.worker_index(), "cases": out}
+    trained_on.emit("SPE", report)  # every worker: each is compared
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -28,6 +29,9 @@ __all__ = ["Worker", "Route", "LauncherSignals", "prefix_lines"]
 logger = logging.getLogger(__name__)
 
 _READER_JOIN_S = 5.0  # output still buffered in a pipe after its worker exited
+# A reader blocked writing to the launcher's own stdout waits for whoever reads it (a pipe
+# read late, a slow terminal) up to this long, so that no worker's last lines are cut.
+_SLOW_READER_S = 600.0
 _KILL_WAIT_S = 10.0  # a SIGKILLed process is gone long before this
 
 
@@ -58,14 +62,18 @@ class Worker:
             preexec_fn=functools.partial(_setup_child, enter),
         )
         route = route or Route()
+        self.writing = [threading.Event(), threading.Event()]  # a reader is passing lines on
         self.readers = [
             threading.Thread(
                 target=prefix_lines,
                 args=(pipe, stream, f"[w{rank}] ", lock),
-                kwargs={"route": route},
+                kwargs={"route": route, "writing": writing},
                 daemon=True,
             )
-            for pipe, stream in ((self.proc.stdout, out), (self.proc.stderr, err))
+            for pipe, stream, writing in (
+                (self.proc.stdout, out, self.writing[0]),
+                (self.proc.stderr, err, self.writing[1]),
+            )
         ]
         for reader in self.readers:
             reader.start()
@@ -94,8 +102,21 @@ class Worker:
             self.proc.wait(timeout=_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             logger.error("worker w%d (pid %d) did not die after SIGKILL", self.rank, self.proc.pid)
-        for reader in self.readers:
+        for reader, writing in zip(self.readers, self.writing, strict=True):
             reader.join(timeout=_READER_JOIN_S)
+            # Still reading after that: a process the script started holds the pipe, and
+            # its output is given up. Still writing: the launcher's stdout is read slowly,
+            # and every line the worker wrote is passed on.
+            deadline = time.monotonic() + _SLOW_READER_S
+            while reader.is_alive() and writing.is_set() and time.monotonic() < deadline:
+                reader.join(timeout=_READER_JOIN_S)
+            if reader.is_alive() and writing.is_set():
+                logger.warning(
+                    "worker w%d: the rest of its output is dropped: this launcher's output "
+                    "was not read for %.0f s",
+                    self.rank,
+                    _SLOW_READER_S,
+                )
 
 
 def _setup_child(enter) -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -184,14 +205,21 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 def prefix_lines(
-    pipe, stream: TextIO, prefix: str, lock: threading.Lock, *, route: Route | None = None
+    pipe,
+    stream: TextIO,
+    prefix: str,
+    lock: threading.Lock,
+    *,
+    route: Route | None = None,
+    writing: threading.Event | None = None,
 ) -> None:
     """Copies ``pipe`` to ``stream``, starting every line with ``prefix``.
 
     Progress bars redraw a line with ``\\r``; on a terminal each redraw keeps its
     ``\\r`` and gets the prefix too, so it shows one live ``[w0] ...`` bar. Output is
     forwarded as soon as a line or redraw is complete, not only at newlines. ``route``
-    adds a log file and the quiet filter (see ``Route``).
+    adds a log file and the quiet filter (see ``Route``). ``writing`` is set while lines
+    wait for ``stream`` (whose reader may be slow), clear while waiting for ``pipe``.
     """
     route = route or Route()
     redraws = _is_terminal(stream) if route.redraws is None else route.redraws
@@ -206,9 +234,13 @@ def prefix_lines(
             text = _console_text(pieces, prefix, route, redraws, state) if route.console else ""
             logged = _log_text(pieces) if route.log is not None else ""
             if text or logged:
+                if writing is not None:
+                    writing.set()
                 with lock:
                     _write(stream, text)
                     _write(route.log, logged)
+                if writing is not None:
+                    writing.clear()
             if not chunk:
                 return
 

@@ -1,0 +1,110 @@
+"""Jobs forked from the warm process behave as jobs started fresh (tests/warm_start.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+import pytest
+
+from conftest import REPO, SCRIPTS, child_env, last_json_line, run_python, warm_start
+
+PROBE = """
+import json, os, random, sys
+import numpy as np
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(),
+    "pgid": os.getpgid(0), "probe": os.environ.get("PROBE"), "main": __name__,
+    "random": random.random(), "numpy": float(np.random.rand()),
+    "modules": sorted(m for m in ("tensorflow", "keras", "tfdist") if m in sys.modules),
+}))
+"""
+
+
+def _warm(argv, timeout=120, **env):
+    return warm_start.run(
+        argv, env=child_env(**env), base_env=child_env(), cwd=REPO, timeout=timeout
+    )
+
+
+def test_a_warm_job_gets_its_own_argv_environment_path_group_and_seeds(tmp_path):
+    first = last_json_line(_warm(["-c", PROBE, "a", "b"], PROBE="1").stdout)
+    second = last_json_line(_warm(["-c", PROBE], PROBE="2").stdout)
+    assert first["argv"] == ["-c", "a", "b"] and second["argv"] == ["-c"]
+    assert (first["probe"], second["probe"]) == ("1", "2")
+    assert first["cwd"] == str(REPO) and first["path0"] == "" and first["main"] == "__main__"
+    assert first["pgid"] == first["pid"] != second["pid"]  # a process group of its own
+    # Forked from one process, yet not one random stream.
+    assert first["random"] != second["random"] and first["numpy"] != second["numpy"]
+    # Imported once before the fork; tfdist is the job's own import.
+    assert first["modules"] == ["keras", "tensorflow"]
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    as_script = last_json_line(_warm([str(script), "--x"]).stdout)
+    assert as_script["argv"] == [str(script), "--x"] and as_script["path0"] == str(tmp_path)
+
+
+def test_exit_codes_signals_errors_and_timeouts_are_the_jobs():
+    assert _warm(["-c", "import sys; sys.exit(3)"]).returncode == 3
+    assert _warm(["-c", "import os; os._exit(4)"]).returncode == 4
+    killed = _warm(["-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    assert killed.returncode == -signal.SIGKILL
+    raised = _warm(["-c", "print('out'); raise ValueError('boom')"])
+    assert raised.returncode == 1 and raised.stdout == "out\n"
+    assert raised.stderr.strip().endswith("ValueError: boom")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _warm(["-c", "import time; time.sleep(60)"], timeout=2)
+    # The warm process outlives its children's crashes and timeouts.
+    assert _warm(["-c", "print('still here')"]).stdout == "still here\n"
+
+
+def test_each_job_sets_up_its_own_devices_and_fixes_like_a_fresh_process():
+    code = (
+        "import json, keras, numpy as np, tfdist\n"
+        "from tfdist import compat\n"
+        "with tfdist.scope():\n"
+        "    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "    m.compile('sgd', 'mse')\n"
+        "m.fit(np.ones((10, 3)), np.ones((10, 2)), batch_size=4, verbose=0)\n"
+        "print(json.dumps({'replicas': tfdist.num_replicas(), 'applied': sorted(compat.applied()),"
+        " 'kernel': m.layers[0].kernel.numpy().tolist()}))\n"
+    )
+    seed = "import keras; keras.utils.set_random_seed(5)\n"
+    cold = last_json_line(run_python(seed + code, TFDIST_CPU_DEVICES="2").stdout)
+    for devices, excluded in (("2", None), ("1", None), ("2", "all")):
+        env = {"TFDIST_CPU_DEVICES": devices, "TFDIST_COMPAT_EXCLUDE": excluded}
+        warm = last_json_line(run_python(seed + code, warm=True, **env).stdout)
+        assert warm["replicas"] == int(devices)
+        assert (warm["applied"] == []) == (excluded == "all")
+        if devices == "2" and excluded is None:
+            assert warm["applied"] == cold["applied"]
+            assert json.dumps(warm["kernel"]) == json.dumps(cold["kernel"])  # bit for bit
+
+
+@pytest.mark.jax
+def test_a_jax_job_gets_the_devices_it_asks_for_from_its_own_warm_process():
+    code = (
+        "import json, jax, keras, numpy as np, tfdist\n"
+        "with tfdist.scope():\n"
+        "    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+        "    m.compile('sgd', 'mse')\n"
+        "m.fit(np.ones((8, 3)), np.ones((8, 2)), batch_size=4, verbose=0)\n"
+        "print(json.dumps([jax.device_count(), len(m.weights[0].value.sharding.device_set)]))\n"
+    )
+    for devices in ("2", "1", "4"):
+        out = _warm(["-c", code], KERAS_BACKEND="jax", TFDIST_CPU_DEVICES=devices).stdout
+        assert last_json_line(out) == [int(devices)] * 2
+
+
+def test_a_job_that_changes_an_import_time_variable_starts_cold():
+    code = "import sys; print(sorted(m for m in ('tensorflow', 'jax') if m in sys.modules))"
+    assert _warm(["-c", code]).stdout.strip() == "['tensorflow']"
+    assert _warm(["-c", code], TF_ENABLE_ONEDNN_OPTS="0").stdout.strip() == "[]"
+    assert _warm(["-c", code], KERAS_BACKEND="jax").stdout.strip() == "['jax', 'tensorflow']"
+    assert _warm(["-c", code], KERAS_BACKEND="jax", JAX_ENABLE_X64="1").stdout.strip() == "[]"
+    popen = warm_start.popen(
+        [str(SCRIPTS / "faults.py")], env=child_env(), base_env=child_env(), cwd=REPO
+    )
+    assert isinstance(popen, warm_start.WarmProcess) and popen.wait(60) == 0
