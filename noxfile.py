@@ -71,6 +71,8 @@ CI_NEWEST_JAX_TESTS = [
     "tests/data/test_data_jax.py",
     "tests/checkpoint/test_sharded.py",
     "tests/backends/test_layouts.py",
+    "tests/checkpoint/test_jax_checkpoint.py",
+    "tests/e2e/test_jax_faults.py",
 ]
 
 nox.options.reuse_existing_virtualenvs = True

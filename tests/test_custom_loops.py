@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -24,7 +22,16 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
+from conftest import (
+    REPO,
+    SCRIPTS,
+    child_env,
+    equivalence,
+    last_json_line,
+    launch_cli,
+    run_python,
+    warm_start,
+)
 
 TOLERANCE = 1e-5
 STEPS = 30  # 3 epochs of 160 examples in global batches of 16
@@ -39,12 +46,11 @@ def max_diff(a, b):
 
 
 def run_script(script, directory, *extra, **env):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), "--dir", str(directory), *extra],
+    proc = warm_start.run(
+        [str(SCRIPTS / script), "--dir", str(directory), *extra],
         cwd=REPO,
         env=child_env(**env),
-        capture_output=True,
-        text=True,
+        base_env=child_env(),
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

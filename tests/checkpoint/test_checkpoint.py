@@ -28,7 +28,7 @@ import tfdist
 from tfdist import checkpoint as ckpt
 from tfdist.core.config import RESTART_EXIT_CODE
 
-from conftest import SCRIPTS, child_env, equivalence, last_json_line
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, warm_start
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = X @ np.ones((4, 1), "float32")
@@ -319,10 +319,9 @@ def test_resuming_mid_epoch_without_a_seeded_pipeline_says_batches_are_replayed(
 
 
 def run_job(directory, *extra, devices=None, timeout=240):
-    args = [sys.executable, str(SCRIPTS / "ckpt_job.py"), "--dir", str(directory), *extra]
+    args = [str(SCRIPTS / "ckpt_job.py"), "--dir", str(directory), *extra]
     env = child_env(**({"TFDIST_CPU_DEVICES": devices} if devices else {}))
-    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
+    return warm_start.run(args, env=env, base_env=child_env(), cwd=REPO, timeout=timeout)
 
 
 def job_result(proc):

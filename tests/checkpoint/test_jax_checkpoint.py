@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, warm_start
 
 pytestmark = pytest.mark.jax
 
@@ -29,13 +29,11 @@ JOB = ("--save-freq", "3", "--epochs", "2", "--per-replica-batch", "2")
 
 
 def _run(command, timeout, **env):
+    env = child_env(**{"KERAS_BACKEND": "jax", **env})
+    if command[1] != "-m":  # a script in one process: forked warm (tests/warm_start.py)
+        return warm_start.run(command[1:], env=env, base_env=child_env(), cwd=REPO, timeout=timeout)
     return subprocess.run(
-        command,
-        cwd=REPO,
-        env=child_env(**{"KERAS_BACKEND": "jax", **env}),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
