@@ -348,6 +348,7 @@ class _Server:
 
 _SERVERS: dict[str, _Server] = {}
 _FAILED: set[str] = set()
+_STARTING = threading.Lock()  # jobs started from several threads share one warm process
 
 
 def _server_for(env: dict[str, str], base_env: dict[str, str]) -> _Server | None:
@@ -357,14 +358,16 @@ def _server_for(env: dict[str, str], base_env: dict[str, str]) -> _Server | None
     backend = env.get("KERAS_BACKEND", "tensorflow")
     if backend not in _WARM_BACKENDS or backend in _FAILED:
         return None
-    server = _SERVERS.get(backend)
+    with _STARTING:
+        server = _SERVERS.get(backend)
+        if server is None and backend not in _FAILED:
+            try:
+                server = _SERVERS[backend] = _Server({**base_env, "KERAS_BACKEND": backend})
+            except (OSError, RuntimeError) as err:
+                _FAILED.add(backend)
+                print(f"warm_start: jobs start cold ({err})", file=sys.stderr)
     if server is None:
-        try:
-            server = _SERVERS[backend] = _Server({**base_env, "KERAS_BACKEND": backend})
-        except (OSError, RuntimeError) as err:
-            _FAILED.add(backend)
-            print(f"warm_start: jobs start cold ({err})", file=sys.stderr)
-            return None
+        return None
     keys = set(IMPORT_TIME) - {"KERAS_BACKEND"}
     keys |= {k for k in (*env, *server.env) if k.startswith("JAX_")}  # jax reads them at import
     same = all(env.get(k) == server.env.get(k) for k in keys)
