@@ -132,6 +132,25 @@ def tool_module(name: str):
         sys.path.remove(tools)
 
 
+def tagged_reports(stdout: str, tag: str, rank_key: str) -> dict[int, dict]:
+    """Each worker's ``TAG {json}`` line of a job's ``stdout`` (the launcher prefixes
+    ``[wN] ``), by the worker rank the report names under ``rank_key``."""
+    import json
+
+    found = {}
+    for line in stdout.splitlines():
+        if f"{tag} " in line:
+            text = line[line.index(f"{tag} ") + len(tag) + 1 :]
+            try:
+                report = json.loads(text)
+            except ValueError as err:
+                pytest.fail(
+                    f"a {tag} line that is not JSON ({err}): {text[:300]} ... {text[-300:]}"
+                )
+            found[report.get(rank_key, 0)] = report
+    return found
+
+
 def last_json_line(text: str):
     """The last line of ``text`` that parses as JSON (children print results that way)."""
     import json

@@ -16,11 +16,10 @@ model was built under, and every worker's weights are compared, not only the chi
 from __future__ import annotations
 
 import functools
-import json
 
 import pytest
 
-from conftest import SCRIPTS, equivalence, launch_cli, run_python
+from conftest import SCRIPTS, equivalence, launch_cli, run_python, tagged_reports
 
 JOB = SCRIPTS / "no_harm_job.py"
 WEIGHTS_TOLERANCE = 1e-5
@@ -46,12 +45,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.devices]
 
 
 def _reports(stdout: str) -> dict:
-    reports = {}
-    for line in stdout.splitlines():
-        if "NOHARM " in line:  # the launcher prefixes "[w0] "
-            report = json.loads(line[line.index("NOHARM ") + len("NOHARM ") :])
-            reports[report["worker"]] = report["cases"]
-    return reports
+    return {w: report["cases"] for w, report in tagged_reports(stdout, "NOHARM", "worker").items()}
 
 
 @functools.cache

@@ -26,7 +26,7 @@ import json
 
 import pytest
 
-from conftest import REPO, SCRIPTS, equivalence, launch_cli, run_python
+from conftest import REPO, SCRIPTS, equivalence, launch_cli, run_python, tagged_reports
 
 JOB = SCRIPTS / "partial_batch_job.py"
 TOLERANCE = 1e-5
@@ -44,11 +44,7 @@ ODD_ERROR = r"cannot be split evenly|IndivisibleError: .*should evenly divide"
 
 def _report(stdout: str, workers: int = 1) -> dict:
     """The chief's report, with every worker's (the chief's too) under ``workers``."""
-    found = {}
-    for line in stdout.splitlines():
-        if "PARTIAL " in line:  # the launcher prefixes "[w0] "
-            report = json.loads(line[line.index("PARTIAL ") + len("PARTIAL ") :])
-            found[report["rank"]] = report
+    found = tagged_reports(stdout, "PARTIAL", "rank")
     if sorted(found) != list(range(workers)):
         pytest.fail(f"reports from workers {sorted(found)}, not {workers}:\n{stdout[-3000:]}")
     return {**found[0], "workers": found}

@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python
+from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python, tagged_reports
 
 JOB = SCRIPTS / "spe_job.py"
 FIX = "keras_steps_per_execution_under_strategy"
@@ -40,17 +40,7 @@ JAX_CASES = ("conv tf.data", "bn accumulation clipnorm tf.data", "checkpoint sav
 
 def _report(stdout: str) -> dict:
     """The chief's report, with every worker's (the chief's too) under ``workers``."""
-    found = {}
-    for line in stdout.splitlines():
-        if "SPE " in line:  # the launcher prefixes "[w0] "
-            text = line[line.index("SPE ") + len("SPE ") :]
-            try:
-                report = json.loads(text)
-            except ValueError as err:
-                pytest.fail(
-                    f"a result line that is not JSON ({err}): {text[:300]} ... {text[-300:]}"
-                )
-            found[report.get("rank", 0)] = report
+    found = tagged_reports(stdout, "SPE", "rank")
     if 0 not in found:
         pytest.fail(f"the steps_per_execution job printed no result:\n{stdout[-3000:]}")
     return {**found[0], "workers": found}

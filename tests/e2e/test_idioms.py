@@ -13,13 +13,20 @@ list cannot go stale). The README's idiom table is generated from these lists
 from __future__ import annotations
 
 import functools
-import json
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, equivalence, last_json_line, launch_cli, run_python
+from conftest import (
+    REPO,
+    SCRIPTS,
+    equivalence,
+    last_json_line,
+    launch_cli,
+    run_python,
+    tagged_reports,
+)
 
 sys.path.insert(0, str(REPO / "tools"))
 import idiom_table  # noqa: E402
@@ -55,11 +62,7 @@ ACTED = {
 
 def _values(stdout: str, workers: int = 1) -> dict:
     """The chief's result, with every worker's (the chief's included) under ``_workers``."""
-    found = {}
-    for line in stdout.splitlines():
-        if "IDIOMS " in line:
-            result = json.loads(line[line.index("IDIOMS ") + len("IDIOMS ") :])
-            found[result["_rank"]] = result
+    found = tagged_reports(stdout, "IDIOMS", "_rank")
     if sorted(found) != list(range(workers)):
         pytest.fail(f"results from workers {sorted(found)}, not {workers}:\n{stdout[-3000:]}")
     return {**found[0], "_workers": found}
