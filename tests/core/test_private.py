@@ -44,6 +44,7 @@ def _instances():
         if isinstance(per_replica, upstream.tf_per_replica_spec_class())
         else upstream.tf_per_replica_spec_class()(tf.TensorSpec([2])),
         "keras TFEpochIterator": iterator,
+        "tf.data batch": dataset.batch(3),
         "keras optimizer": model.optimizer,
         "keras model": model,
         "keras layer": model.layers[0],

@@ -17,8 +17,11 @@ Two upstream defects follow, each fixed here:
   in oneDNN's MaxPool gradient (``Check failed: dtype() == expected_dtype``; an empty
   batch does so on one device too) and, with a Conv2D + ReLU before it, fails in oneDNN's
   fused kernels. The fix cuts every batch into ``ceil(B / N)``-sized slices (TF's own
-  legacy rebatch), so on 2 replicas a replica is empty only for a batch of 1 (then a
-  model whose kernels cannot take an empty batch still fails there: see docs/data.md).
+  legacy rebatch), so on 2 replicas a replica is empty only for a batch of 1.
+* ``keras_tf_fit_refuses_empty_replicas``: training on a batch that still leaves a
+  replica empty makes BatchNormalization's statistics NaN, silently, and aborts oneDNN's
+  MaxPool gradient; ``fit`` refuses it, before the first step where the sizes are known
+  (a model of Dense-like layers takes it and trains as before; see docs/data.md).
 
 On JAX a global batch is one array over every device, so one process computes one
 device's loss; with several processes Keras feeds each its part of a ``tf.data`` batch by
@@ -38,6 +41,8 @@ Every private name used comes from ``tfdist.core.upstream``.
 
 from __future__ import annotations
 
+import contextvars
+import inspect
 import math
 
 from tfdist.compat import jax_inputs
@@ -49,8 +54,12 @@ __all__ = [
     "fix_loss_weights",
     "fix_even_split",
     "fix_jax_process_share",
+    "fix_fit_marks_training_input",
     "split_evenly",
     "split_balanced",
+    "leaves_a_replica_empty",
+    "takes_empty_replicas",
+    "batch_sizes",
     "process_share",
 ]
 
@@ -199,8 +208,131 @@ def _splittable(dataset) -> bool:
     )
 
 
+def _splitter(workers: int, replicas: int):
+    """The cut the fix uses: ``ceil(B / N)`` slices on 2 replicas and between workers
+    (the rebatch their sharding knows), sizes differing by at most one on more replicas
+    of one process."""
+    return split_balanced if workers == 1 and replicas > 2 else split_evenly
+
+
+def leaves_a_replica_empty(batch: int, replicas: int, workers: int = 1) -> bool:
+    """Whether the fix's cut of a global batch of ``batch`` examples hands some replica
+    no example (1 on 2 replicas; 3 on 4 replicas of one process; 6 -> 2 + 2 + 2 + 0 on
+    4 replicas over 2 workers).
+
+    Example:
+        >>> leaves_a_replica_empty(1, 2), leaves_a_replica_empty(3, 2)
+        (True, False)
+    """
+    if _splitter(workers, replicas) is split_balanced:
+        return batch < replicas
+    return batch - (replicas - 1) * -(-batch // replicas) <= 0
+
+
+def batch_sizes(dataset) -> set[int] | None:
+    """Every batch size ``dataset`` yields (its full batches and its last one), read from
+    the pipeline without reading data; None when it cannot tell (a ``filter``, an
+    unknown or infinite input, a batch size only the data knows).
+
+    Example:
+        >>> import tensorflow as tf
+        >>> sorted(batch_sizes(tf.data.Dataset.range(5).batch(2).prefetch(1)))  # doctest: +SKIP
+        [1, 2]
+    """
+    node = dataset
+    while True:
+        batching = upstream.tf_dataset_batching(node)
+        inputs = upstream.tf_dataset_inputs(node)
+        if batching is not None and len(inputs) == 1:
+            size, drop = batching
+            count = int(inputs[0].cardinality())
+            if count < 0:  # tf.data.INFINITE_CARDINALITY or UNKNOWN_CARDINALITY
+                return None
+            last = count % size
+            return {size} | ({last} if last and not drop else set()) if count else set()
+        # Walk back only through ops that keep the number (and so the sizes) of elements.
+        if len(inputs) != 1 or int(inputs[0].cardinality()) != int(node.cardinality()):
+            return None
+        node = inputs[0]
+
+
+class _TrainingInput:
+    """``fit``'s training data, until tf.distribute cuts it (the first cut of that call)."""
+
+    def __init__(self, sizes: set[int] | None):
+        self.sizes = sizes  # of arrays, known from their length; None: ask the pipeline
+        self.cut = False
+
+
+_TRAINING_INPUT: contextvars.ContextVar[_TrainingInput | None] = contextvars.ContextVar(
+    "tfdist_training_input", default=None
+)
+
+
+def _array_batch_sizes(bound: inspect.BoundArguments) -> set[int] | None:
+    """The batch sizes ``fit`` will train on when ``x`` holds arrays, as Keras's array
+    adapter cuts them (``batch_size`` 32 by default, after ``validation_split``)."""
+    import tensorflow as tf
+
+    args = bound.arguments
+    x = args.get("x")
+    leaves = tf.nest.flatten(x)
+    if x is None or not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
+        return None
+    if isinstance(x, tf.data.Dataset) or not leaves[0].shape or leaves[0].shape[0] is None:
+        return None
+    count = int(leaves[0].shape[0])
+    if args.get("validation_split"):
+        count = int(math.floor(count * (1.0 - args["validation_split"])))
+    size = args.get("batch_size") or 32
+    last = count % size
+    return ({size} if count >= size else set()) | ({last} if last else set())
+
+
+def _empty_replica_guard(sizes: set[int] | None, replicas: int, workers: int):
+    """Refuses a training batch the cut would leave a replica empty on: now (ValueError)
+    when the batch sizes are known; otherwise returns a ``map`` function that fails in
+    the input pipeline when such a batch comes, before any kernel sees an empty batch.
+    None when every known size is safe."""
+    import tensorflow as tf
+
+    advice = (
+        f"Give every global batch at least one example per replica: drop the last batch "
+        f"(drop_remainder=True), or change the dataset or batch size so that the last "
+        f"batch holds at least {replicas} examples (and, over several workers, a global "
+        f"batch that divides by {replicas})."
+    )
+    if sizes is not None:
+        empty = sorted(s for s in sizes if leaves_a_replica_empty(s, replicas, workers))
+        if empty:
+            raise ValueError(
+                f"tfdist: fit's training data has a batch of {empty[0]} example(s) "
+                f"(batch sizes {sorted(sizes)}), which leaves a replica of {replicas} "
+                f"({workers} worker(s)) with no example; an empty replica makes "
+                f"BatchNormalization's statistics NaN and aborts oneDNN's pooling "
+                f"gradients. {advice}"
+            )
+        return None
+    balanced = _splitter(workers, replicas) is split_balanced
+    message = f"tfdist: a training batch leaves a replica of {replicas} with no example. "
+
+    def guard(*batch):
+        element = batch[0] if len(batch) == 1 else batch
+        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        n = tf.constant(replicas, tf.int64)
+        empty = size < n if balanced else size - (n - 1) * ((size + n - 1) // n) <= 0
+        assertion = tf.debugging.Assert(
+            tf.logical_not(empty), [message + advice + " Batch size:", size]
+        )
+        with tf.control_dependencies([assertion]):
+            return tf.nest.map_structure(tf.identity, element)
+
+    return guard
+
+
 def fix_even_split() -> None:
-    """Splits each global batch between the replicas as evenly as possible.
+    """Splits each global batch between the replicas as evenly as possible, and refuses a
+    training batch that would still leave a replica empty.
 
     Where ``tf.distribute`` finds the dataset's batch size it rebatches with fixed
     per-replica sizes, so a partial last batch fills the first replicas' shares and
@@ -214,6 +346,13 @@ def fix_even_split() -> None:
     process cuts sizes that differ by at most one (``split_balanced``: 6 -> 2 + 2 + 1 +
     1). Full batches that divide by ``N`` are cut exactly as before (``B / N`` each, in
     order). Datasets whose elements are not dense batched tensors keep upstream's choice.
+
+    A training batch that still leaves a replica empty (1 example on 2 replicas) would
+    make BatchNormalization's moving statistics NaN or abort the process in oneDNN, so
+    ``fit`` refuses it: before the first step when the batch sizes are known (arrays;
+    a ``tf.data`` pipeline whose ``batch`` input has a known cardinality), otherwise
+    with an error from the input pipeline when that batch comes. ``evaluate`` and
+    ``predict`` take empty replicas as upstream does (no gradient, no statistics).
     """
 
     def make(original):
@@ -222,12 +361,17 @@ def fix_even_split() -> None:
             if not _splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
-            # ceil(B / N) slices differ by at most one on 2 replicas; on more, in one
-            # process, the balanced cut (workers keep the rebatch their sharding knows).
-            balanced = num_workers == 1 and num_replicas_in_sync > 2
-            split = split_balanced if balanced else split_evenly
+            split = _splitter(num_workers, num_replicas_in_sync)
+            guard = None
+            training = _TRAINING_INPUT.get()
+            if training is not None and not training.cut:
+                training.cut = True  # the first cut of a fit is its training data
+                sizes = training.sizes if training.sizes is not None else batch_sizes(dataset)
+                guard = _empty_replica_guard(sizes, num_replicas_in_sync, num_workers)
 
             def rebatch_fn(dataset, worker_index):
+                if guard is not None:
+                    dataset = dataset.map(guard)
                 return split(dataset, num_replicas_in_sync).prefetch(per_worker)
 
             return rebatch_fn
@@ -239,6 +383,75 @@ def fix_even_split() -> None:
         "_make_rebatch_fn",
         "tf_distribute_partial_batch_evenly",
         make,
+    )
+
+
+# Layers that train on an empty batch as on none: each example's output depends on that
+# example alone (no batch statistic, no oneDNN pooling or convolution gradient).
+_EMPTY_BATCH_SAFE = (
+    "InputLayer", "Dense", "EinsumDense", "Embedding", "Flatten", "Reshape", "Permute",
+    "RepeatVector", "Dropout", "SpatialDropout1D", "GaussianNoise", "Activation", "ReLU",
+    "LeakyReLU", "ELU", "PReLU", "Softmax", "LayerNormalization", "Rescaling", "Identity",
+    "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum", "Concatenate", "Dot",
+    "Sequential", "Functional",
+)  # fmt: skip
+
+
+def takes_empty_replicas(model) -> bool:
+    """Whether every layer of ``model`` is one whose training takes an empty batch (a
+    replica handed no example): Dense, Embedding, Dropout, reshapes, merges,
+    LayerNormalization, ... A model with any other layer (BatchNormalization: NaN
+    statistics; Conv2D, pooling: oneDNN aborts; a custom layer: unknown) does not.
+
+    Example:
+        >>> import keras
+        >>> takes_empty_replicas(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+        True
+    """
+    layers = [model]
+    while layers:
+        layer = layers.pop()
+        if (
+            type(layer).__name__ not in _EMPTY_BATCH_SAFE
+            or type(layer).__module__.split(".")[0] != "keras"
+        ):
+            return False
+        layers.extend(getattr(layer, "layers", ()))
+    return True
+
+
+def fix_fit_marks_training_input() -> None:
+    """Tells the even-split fix which dataset ``fit`` trains on (and, for arrays, its
+    batch sizes), so that a training batch leaving a replica empty is refused (see
+    ``fix_even_split``) when the model cannot train on an empty batch
+    (``takes_empty_replicas``: a model of Dense, Embedding, Dropout, ... layers can, and
+    trains as before). ``fit`` itself runs unchanged; without this fix the even split
+    guards nothing and an empty replica reaches the kernels as upstream lets it.
+    """
+
+    def make_fit(original):
+        signature = inspect.signature(original)
+
+        def fit(self, *args, **kwargs):
+            if takes_empty_replicas(self):
+                return original(self, *args, **kwargs)
+            try:
+                sizes = _array_batch_sizes(signature.bind(self, *args, **kwargs))
+            except TypeError:  # upstream reports the bad call
+                sizes = None
+            token = _TRAINING_INPUT.set(_TrainingInput(sizes))
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _TRAINING_INPUT.reset(token)
+
+        return fit
+
+    patch(
+        upstream.keras_tf_trainer_module().TensorFlowTrainer,
+        "fit",
+        "keras_tf_fit_refuses_empty_replicas",
+        make_fit,
     )
 
 
@@ -276,17 +489,26 @@ def process_share(dataset, index: int, parts: int, replicas: int):
 
 
 def _refuse_uneven_batch_size(dataset, share) -> None:
-    """A batch size tf.data knows from the pipeline (as upstream computes it) that cannot
-    be split evenly: refused now, before the first step, as upstream does."""
-    batch = upstream.tf_static_batch_size(dataset)
+    """A batch size the pipeline tells without reading data (the full batches, as upstream
+    computes it, and the last one where ``batch_sizes`` can tell) that cannot be split
+    evenly: refused now, before the first step (upstream refuses only the full size)."""
     unit = math.lcm(share.replicas, share.parts)
-    if batch is not None and batch % unit:
-        raise ValueError(
-            "Global batch size must be divisible by the number of data-parallel replicas "
-            f"and of the processes that feed them: tfdist cuts every batch into {unit} "
-            f"equal parts ({share.replicas} replicas, {share.parts} processes). Received: "
-            f"global_batch_size={batch}. Batch the dataset with a multiple of {unit}."
-        )
+    full = upstream.tf_static_batch_size(dataset)
+    every = batch_sizes(dataset) or set()
+    uneven = sorted({s for s in every | {full} if s is not None and s % unit})
+    if not uneven:
+        return
+    full_uneven = full is not None and full % unit
+    received = full if full_uneven else uneven[0]
+    last = "" if full_uneven else " (the dataset's last batch)"
+    raise ValueError(
+        "Global batch size must be divisible by the number of data-parallel replicas "
+        f"and of the processes that feed them: tfdist cuts every batch into {unit} "
+        f"equal parts ({share.replicas} replicas, {share.parts} processes). Received: "
+        f"global_batch_size={received}{last}. Batch the "
+        f"dataset with a multiple of {unit}, and give it a size whose last batch is one "
+        "too (or drop_remainder=True)."
+    )
 
 
 def fix_jax_process_share() -> None:
@@ -301,7 +523,9 @@ def fix_jax_process_share() -> None:
     and for the partial batch every process gets ``size / parts`` examples. A batch size
     tf.data knows from the pipeline that cannot be split evenly is refused before the
     first step, as upstream refuses it (Keras's own ``distribution_lib_test`` checks the
-    message); a partial batch only the data reveals fails when it comes. One process,
+    message), and so is a last batch the pipeline tells (``batch_sizes``: a ``batch``
+    whose input has a known cardinality); a partial batch only the data reveals fails
+    when it comes. One process,
     a distribution that does not shard its data, or elements that are not dense batched
     tensors keep upstream's path.
     """
@@ -378,6 +602,26 @@ FIXES = [
         no_harm=(
             "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
             "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[tensorflow]",
+        ),
+    ),
+    Fix(
+        "keras_tf_fit_refuses_empty_replicas",
+        "Keras on several TensorFlow replicas trains on a batch with fewer examples than "
+        "replicas (1 on 2): an empty replica makes BatchNormalization's moving statistics "
+        "NaN, silently, and aborts oneDNN's pooling gradients",
+        on_keras_backend("tensorflow"),
+        fix_fit_marks_training_input,
+        targets=targets(
+            "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.fit",
+            "keras.src.trainers.data_adapters.array_slicing:train_validation_split",
+        ),
+        acts_where=(
+            "fit on >1 replica of a model not all Dense/Embedding/Dropout-like: a batch "
+            "leaving a replica empty is refused; evaluate, predict, other models and "
+            "batches: upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_partial_batches.py::test_a_batch_that_leaves_a_replica_empty_is_refused_in_training_only",
         ),
     ),
     Fix(

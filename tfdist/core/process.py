@@ -121,6 +121,8 @@ OUTSIDE_STATE = {
     "tfdist.compat.chief_writes._TENSORBOARD_STAGING": "weak, per callback object: its "
     "staging folder lives and dies with the callback",
     "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
+    "tfdist.compat.partial_batches._TRAINING_INPUT": "a context variable, per fit call: "
+    "which dataset that fit trains on, until tf.distribute cuts it",
     "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
     "tfdist.saving._SYNCS": _COUNTER,
 }

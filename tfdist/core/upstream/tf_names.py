@@ -154,6 +154,23 @@ def tf_dataset_inputs(dataset) -> list:
         return []
 
 
+def tf_dataset_batching(dataset) -> tuple[int, bool] | None:
+    """``(batch_size, drop_remainder)`` when ``dataset`` is a ``batch`` or
+    ``padded_batch`` op whose arguments are constants, else None: with its input's
+    cardinality, the size of its last batch, known before any data is read (tf.data has no
+    public accessor for an op's arguments)."""
+    import tensorflow as tf
+
+    size = getattr(dataset, "_batch_size", None)
+    drop = getattr(dataset, "_drop_remainder", None)
+    if size is None or drop is None:
+        return None
+    size, drop = tf.get_static_value(size), tf.get_static_value(drop)
+    if size is None or drop is None:
+        return None
+    return int(size), bool(drop)
+
+
 def tf_dataset_graph_def(dataset, **kwargs):
     """A dataset's serialized graph: the only way to count the files it reads."""
     return dataset._as_serialized_graph(**kwargs)
