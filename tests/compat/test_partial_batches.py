@@ -417,19 +417,30 @@ def test_a_batch_that_leaves_a_replica_empty_is_refused_in_training_only():
 def test_unseeded_pydataset_trains_whole_batches_on_two_workers(fixed):
     """Each worker's Python random differs before ``fit(PyDataset, shuffle=True)``: with
     the fix every step trains on one whole PyDataset batch and each example once an
-    epoch; upstream pairs halves of unrelated batches."""
+    epoch, with Keras's enqueuer too (``workers=2``, ``use_multiprocessing``) and after
+    the chief alone fitted a local model on a shuffled PyDataset; upstream pairs halves
+    of unrelated batches."""
     env = {} if fixed else {"TFDIST_COMPAT_EXCLUDE": "keras_tf_workers_agree_shuffle"}
-    proc = launch_cli("-n", "2", str(SCRIPTS / "pydataset_order_job.py"), timeout=300, **env)
+    variants = ["plain", "workers=2", "multiprocessing", "local fit first"] if fixed else []
+    job = str(SCRIPTS / "pydataset_order_job.py")
+    proc = launch_cli("-n", "2", job, *variants, timeout=300, **env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    line = next(line for line in proc.stdout.splitlines() if "ORDER " in line)
-    result = json.loads(line[line.index("ORDER ") + len("ORDER ") :])
-    assert (result["workers"], result["replicas"]) == (2, 2)
-    steps = result["steps"]
-    assert len(steps) == 18 and all(len(ids) == 8 for ids in steps)  # 3 epochs of 6 batches
-    for epoch in range(3):  # every example once an epoch, on both sides
-        assert sorted(sum(steps[epoch * 6 : (epoch + 1) * 6], [])) == list(range(48))
-    whole = [ids == list(range(ids[0], ids[0] + 8)) and ids[0] % 8 == 0 for ids in steps]
-    if fixed:
-        assert all(whole), steps
-    else:
-        assert not all(whole), "upstream now agrees the workers' shuffle"
+    results = [
+        json.loads(line[line.index("ORDER ") + len("ORDER ") :])
+        for line in proc.stdout.splitlines()
+        if "ORDER " in line
+    ]
+    assert [r["variant"] for r in results] == (variants or ["plain"])
+    for result in results:
+        assert (result["workers"], result["replicas"]) == (2, 2), result["variant"]
+        steps = result["steps"]
+        assert len(steps) == 18 and all(len(ids) == 8 for ids in steps)  # 3 epochs of 6 batches
+        for epoch in range(3):  # every example once an epoch, on both sides
+            assert sorted(sum(steps[epoch * 6 : (epoch + 1) * 6], [])) == list(range(48))
+        whole = [ids == list(range(ids[0], ids[0] + 8)) and ids[0] % 8 == 0 for ids in steps]
+        if fixed:
+            assert all(whole), (result["variant"], steps)
+        else:
+            assert not all(whole), "upstream now agrees the workers' shuffle"
+    if fixed:  # the probe trained on the chief alone, on one replica
+        assert results[-1]["probe alone"] is True

@@ -1,19 +1,26 @@
 """An unseeded shuffled ``fit(PyDataset)``: which examples did each step train on?
 
-    tfdist launch -n 2 pydataset_order_job.py
+    tfdist launch -n 2 pydataset_order_job.py [VARIANT ...]
 
 Each worker's Python ``random`` is put in a different state right before ``fit`` (as
 scripts that seed it per worker, or draw from it a different number of times, have it).
+Variants (default ``plain``), each a fresh model in the same process: ``plain``;
+``workers=2`` (Keras's enqueuer with 2 threads) and ``multiprocessing`` (2 processes),
+which draw the order in the enqueuer's own thread; ``local fit first`` (the chief alone
+first fits a small local model, built outside ``tfdist.scope()``, on a shuffled
+PyDataset: a probe that no other worker runs).
 The model is one zero embedding per example id whose loss is its own output: SGD(1.0)
 moves an id's weight by 1 / global batch each time it is trained on. The chief prints
 the ids every step trained on, across every worker: ``ORDER {"workers": 2, "steps":
-[[ids], ...]}``; one device's steps are the PyDataset's batches, whole.
+[[ids], ...], "variant": ...}`` per variant; one device's steps are the PyDataset's
+batches, whole.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 
 import keras
 import numpy as np
@@ -37,42 +44,68 @@ def trained(y_true, y_pred):
     return keras.ops.reshape(y_pred, (-1,))
 
 
-with tfdist.scope():
-    model = keras.Sequential(
-        [
-            keras.Input((1,), dtype="int32"),
-            keras.layers.Embedding(EXAMPLES, 1, embeddings_initializer="zeros"),
-        ]
-    )
-    model.compile(keras.optimizers.SGD(1.0), trained)
-
-steps, before = [], np.zeros(EXAMPLES)
+def build():
+    with tfdist.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((1,), dtype="int32"),
+                keras.layers.Embedding(EXAMPLES, 1, embeddings_initializer="zeros"),
+            ]
+        )
+        model.compile(keras.optimizers.SGD(1.0), trained)
+    return model
 
 
 class Record(keras.callbacks.Callback):
     """The ids each step trained on: those whose weight moved (by 1 / global batch each)."""
 
+    def __init__(self):
+        super().__init__()
+        self.steps, self.before = [], np.zeros(EXAMPLES)
+
     def on_train_batch_end(self, batch, logs=None):
-        global before
-        now = model.get_weights()[0][:, 0]
-        times = np.round((before - now) * BATCH).astype(int)
-        steps.append([int(i) for i in np.repeat(np.arange(EXAMPLES), times)])
-        before = now
+        now = self.model.get_weights()[0][:, 0]
+        times = np.round((self.before - now) * BATCH).astype(int)
+        self.steps.append([int(i) for i in np.repeat(np.arange(EXAMPLES), times)])
+        self.before = now
 
 
-random.seed(1000 + tfdist.cluster_from_env().rank)  # every worker differs
-for _ in range(tfdist.cluster_from_env().rank):
-    random.random()
-model.fit(Ids(), epochs=EPOCHS, shuffle=True, verbose=0, callbacks=[Record()])
-if tfdist.is_chief():
-    print(
-        "ORDER "
-        + json.dumps(
-            {
-                "workers": tfdist.num_workers(),
-                "replicas": tfdist.num_replicas(),
-                "steps": steps,
-            }
-        ),
-        flush=True,
+def local_probe() -> bool:
+    """The chief alone fits a local model on a shuffled PyDataset; True if it trained
+    on this worker alone (its strategy spans no other worker)."""
+    probe = keras.Sequential(
+        [keras.Input((1,), dtype="int32"), keras.layers.Embedding(EXAMPLES, 1)]
     )
+    probe.compile(keras.optimizers.SGD(0.1), trained)
+    probe.fit(Ids(), epochs=1, shuffle=True, verbose=0)
+    return probe.distribute_strategy.num_replicas_in_sync == 1
+
+
+def run(variant: str) -> dict:
+    rank = tfdist.cluster_from_env().rank
+    probed = None
+    if variant == "local fit first" and tfdist.is_chief():
+        probed = local_probe()
+    options = {
+        "workers=2": {"workers": 2},
+        "multiprocessing": {"workers": 2, "use_multiprocessing": True},
+    }
+    data = Ids(**options.get(variant, {}))
+    model, record = build(), Record()
+    random.seed(1000 + rank)  # every worker differs
+    for _ in range(rank):
+        random.random()
+    model.fit(data, epochs=EPOCHS, shuffle=True, verbose=0, callbacks=[record])
+    return {
+        "variant": variant,
+        "workers": tfdist.num_workers(),
+        "replicas": tfdist.num_replicas(),
+        "probe alone": probed,
+        "steps": record.steps,
+    }
+
+
+for variant in sys.argv[1:] or ["plain"]:
+    result = run(variant)
+    if tfdist.is_chief():
+        print("ORDER " + json.dumps(result), flush=True)

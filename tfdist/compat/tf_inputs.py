@@ -9,8 +9,10 @@ not seed it, or draws from it a different number of times) take their shares of
 different batches: each step trains on halves of two unrelated batches (every example
 is still seen once an epoch), a result no single device gives. The
 fix ``keras_tf_workers_agree_shuffle`` sets every worker's Python random state to the
-chief's right before each shuffled epoch's draw, as ``tfdist.compat.jax_inputs`` does for
-JAX processes. One worker, or ``shuffle=False``, is left as upstream has it.
+chief's right before each shuffled epoch's draw (in tf.data's generator thread, or in
+the enqueuer's thread for ``workers > 1`` / ``use_multiprocessing``), as
+``tfdist.compat.jax_inputs`` does for JAX processes, for models that train across the
+workers only. One worker, a local model, or ``shuffle=False``, is left as upstream has it.
 
 ``tf.data.Dataset.from_generator``, which Keras's ``fit`` builds from a ``PyDataset`` or a
 generator, hands TensorFlow the yielded numpy arrays without a copy when they start on a
@@ -81,31 +83,80 @@ def agree_python_random(chief: bool, timeout: float = config.SEED_AGREEMENT_TIME
     random.setstate((version, tuple(internal), gauss_next))
 
 
-def fix_workers_agree_shuffle() -> None:
-    """Agrees the chief's Python random state right before each shuffled epoch's draw.
+def _spans_workers(strategy) -> bool:
+    """Whether ``strategy`` trains with collectives across several workers."""
+    extended = getattr(strategy, "extended", None)
+    if not isinstance(extended, upstream.tf_collective_extended_class()):
+        return False
+    return upstream.tf_extended_num_workers(extended) > 1 and _cluster() is not None
 
-    Keras draws the order in ``PyDatasetAdapter._finite_generator``, which tf.data starts
-    in its own thread, once an epoch (the next epoch's iterator is made, and may start,
-    at the end of the previous one). The fix runs the agreement at the start of that
-    generator, before upstream's ``random.shuffle``: the chief publishes its state, the
-    others take it. The chief's own draws are untouched, so one worker's job is as
-    upstream has it; an unshuffled ``PyDataset`` draws nothing and agrees nothing.
+
+def fix_workers_agree_shuffle() -> None:
+    """Agrees the chief's Python random state right before each shuffled epoch's draw of
+    a model that trains across the workers.
+
+    Keras draws the order once an epoch with Python's global ``random``: in
+    ``PyDatasetAdapter._finite_generator``, which tf.data starts in its own thread, or,
+    for a ``PyDataset`` with ``workers > 1`` or ``use_multiprocessing``, in
+    ``OrderedEnqueuer._run``, the enqueuer's thread. The fix runs the agreement at the
+    start of both, before upstream's ``random.shuffle``: the chief publishes its state,
+    the others take it. It marks the adapter when a ``TFEpochIterator`` is made for a
+    strategy spanning the workers, so a model trained on one worker alone (a probe, a
+    helper model outside the scope) draws as upstream does and shifts no later agreement.
+    The chief's own draws are untouched, so one worker's job is as upstream has it; an
+    unshuffled ``PyDataset`` draws nothing and agrees nothing.
     """
 
-    def make(original):
-        def _finite_generator(self):
-            cluster = _cluster() if self.shuffle else None
+    def agree_if_marked(holder) -> None:
+        if getattr(holder, "shuffle", False) and getattr(holder, "tfdist_agree_shuffle", False):
+            cluster = _cluster()
             if cluster is not None:
                 agree_python_random(chief=cluster.is_chief)
+
+    def make_generator(original):
+        def _finite_generator(self):
+            agree_if_marked(self)
             yield from original(self)
 
         return _finite_generator
+
+    def make_run(original):
+        def _run(self):
+            try:
+                agree_if_marked(self)
+            except Exception as error:  # noqa: BLE001 - upstream's _run reports through the queue
+                self.future_queue.put(error)
+                return
+            original(self)
+
+        return _run
+
+    def make_epoch_iterator(original):
+        def __init__(self, distribute_strategy=None, *args, **kwargs):
+            original(self, distribute_strategy, *args, **kwargs)
+            adapter = self.data_adapter
+            if isinstance(adapter, upstream.keras_py_dataset_adapter_class()):
+                agree = _spans_workers(distribute_strategy)
+                adapter.tfdist_agree_shuffle = agree
+                if adapter.enqueuer is not None:
+                    adapter.enqueuer.tfdist_agree_shuffle = agree
+
+        return __init__
 
     patch(
         upstream.keras_py_dataset_adapter_class(),
         "_finite_generator",
         "keras_tf_workers_agree_shuffle",
-        make,
+        make_generator,
+    )
+    patch(
+        upstream.keras_ordered_enqueuer_class(), "_run", "keras_tf_workers_agree_shuffle", make_run
+    )
+    patch(
+        upstream.keras_tf_trainer_module().TFEpochIterator,
+        "__init__",
+        "keras_tf_workers_agree_shuffle",
+        make_epoch_iterator,
     )
 
 
@@ -163,10 +214,12 @@ FIXES = [
         fix_workers_agree_shuffle,
         targets=targets(
             "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
+            "keras.src.trainers.data_adapters.py_dataset_adapter:OrderedEnqueuer._run",
+            "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__",
         ),
         acts_where=(
-            "a shuffled PyDataset in a multi-worker TensorFlow job with collectives; one "
-            "worker, shuffle=False: upstream's path"
+            "a shuffled PyDataset (any workers, multiprocessing) of a model trained across "
+            "TensorFlow workers; one worker, a local model, shuffle=False: upstream's path"
         ),
         no_harm=(),  # none yet
     ),

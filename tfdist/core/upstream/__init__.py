@@ -58,6 +58,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_optimizer_micro_steps,
     keras_optimizer_update_step,
     keras_optimizer_uses_weight_decay,
+    keras_ordered_enqueuer_class,
     keras_progbar_logger_class,
     keras_py_dataset_adapter_class,
     keras_save_model_modules,
@@ -141,6 +142,7 @@ __all__ = [
     "keras_tf_trainer_module",
     "keras_loss_module",
     "keras_model_class",
+    "keras_ordered_enqueuer_class",
     "keras_py_dataset_adapter_class",
     "keras_save_model_modules",
     "keras_warm_save_skipsets",
@@ -428,6 +430,16 @@ REQUIRED["jax"] += [
 
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter.enqueuer",
+]
+# keras_tf_workers_agree_shuffle (tfdist.compat.tf_inputs): where a PyDataset fed by an
+# enqueuer draws its order, and where that thread reports an error.
+REQUIRED["keras"] += [
+    _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer._run",
+    "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__",
+]
+SOURCE_ATTRIBUTES += [
+    _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer.future_queue",
+    _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer.shuffle",
 ]
 # What keras_tf_generator_batches_copied wraps (tfdist.compat.tf_inputs): the function
 # from_generator iterates for a PyDataset, and the generator adapter's batch source.

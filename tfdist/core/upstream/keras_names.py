@@ -75,6 +75,14 @@ def keras_warm_save_skipsets() -> None:
         global_state.set_global_attribute(f"saving_attr_skiplist_{name}", skipset)
 
 
+def keras_ordered_enqueuer_class():
+    """Keras's ``OrderedEnqueuer``, which feeds a ``PyDataset`` with ``workers > 1`` or
+    ``use_multiprocessing``: it draws each epoch's order in ``_run``, its own thread."""
+    return importlib.import_module(
+        "keras.src.trainers.data_adapters.py_dataset_adapter"
+    ).OrderedEnqueuer
+
+
 def keras_py_dataset_adapter_class():
     """Keras's adapter of a ``PyDataset``: the shuffle-agreement fix wraps its
     ``_finite_generator``, where an epoch's order is drawn (no public hook runs then)."""
