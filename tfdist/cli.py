@@ -96,6 +96,7 @@ def _launch_options(args: argparse.Namespace):
         hosts=hosts or (launch.LOOPBACK,) * nnodes,
         allow_remote=args.allow_remote,
         shared_network=True if args.shared_network else None,  # None: TFDIST_SHARED_NETWORK
+        private_egress=False if args.no_private_egress else None,  # TFDIST_PRIVATE_EGRESS
         firewall=args.firewall == "apply",
         fixes=not args.no_fixes,
         grace=args.grace,
@@ -343,8 +344,14 @@ def _add_protection_flags(launch: argparse.ArgumentParser) -> None:
         "--shared-network",
         action="store_true",
         help="run a single-node job's workers on this host's network (their ports reachable "
-        "from it) instead of a private network namespace whose only interface is its own "
-        "loopback; for jobs that need the outside network (also TFDIST_SHARED_NETWORK=1)",
+        "from it) instead of a private network namespace (its own loopback, outbound "
+        "connections only) (also TFDIST_SHARED_NETWORK=1)",
+    )
+    launch.add_argument(
+        "--no-private-egress",
+        action="store_true",
+        help="give the private network's workers no outbound connection at all: loopback "
+        "only (also TFDIST_PRIVATE_EGRESS=0)",
     )
     launch.add_argument(
         "--firewall",

@@ -13,8 +13,12 @@ parameters on MNIST-sized synthetic data, global batch 128):
   logical CPU devices in one process (``TFDIST_CPU_DEVICES=2``, MirroredStrategy).
   The same model, data and global batch; no goal, it is what multi-worker costs.
 * ``network``: launch to the end of the first step, A: ``tfdist launch -n 2`` (workers
-  in a private network namespace, the default), B: ``tfdist launch -n 2
-  --shared-network``. Goal: A/B at most 1.05.
+  in a private network namespace, the default, with the user-mode network stack that
+  carries their outbound connections: its start is part of A), B: ``tfdist launch -n 2
+  --shared-network``. Goal: A/B at most 1.05. Also says which stack A had (``egress``:
+  pasta, slirp4netns, or none and why, from the launcher's log line) and what the stack
+  costs alone (``stack_start``: milliseconds to create a private network with and
+  without it, alternated in this process).
 
     python tools/bench_launcher.py            # 3 pairs each
     python tools/bench_launcher.py --quick    # 1 pair each, fewer steps
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,9 @@ if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkou
 
 from tfdist.core.cluster import worker_tf_config  # noqa: E402
 from tfdist.launch import free_ports  # noqa: E402
+from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork  # noqa: E402
+
+EGRESS_THROUGH = re.compile(r"outbound connections go out through (\S+) \(")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -70,6 +78,25 @@ def _report(text: str) -> dict:
 
 
 def _launcher(job_args: list[str], *flags: str) -> tuple[float, dict]:
+    started, report, _ = _launch(job_args, *flags)
+    return started, report
+
+
+def _egress(log: str) -> str:
+    """Which stack carried the private network's outbound connections, from the
+    launcher's log line: its name, ``none: why``, ``off`` or ``shared network``."""
+    line = next((x for x in log.splitlines() if "private network: " in x), "")
+    if match := EGRESS_THROUGH.search(line):
+        return match.group(1)
+    if "cannot reach anything outside it" in line:
+        return "none: " + line.split("this host's services): ", 1)[-1].split("; install")[0]
+    if "TFDIST_PRIVATE_EGRESS=0;" in line:
+        return "off (TFDIST_PRIVATE_EGRESS=0)"
+    return "shared network" if "shared network (--shared-network)" in log else "unknown"
+
+
+def _launch(job_args: list[str], *flags: str) -> tuple[float, dict, str]:
+    """Seconds since the epoch at launch, worker 0's report, the launcher's own log."""
     started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "tfdist", "launch", "-n", "2", *flags, str(JOB), *job_args],
@@ -83,7 +110,7 @@ def _launcher(job_args: list[str], *flags: str) -> tuple[float, dict]:
         raise RuntimeError(
             f"bench_launcher: tfdist launch exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, _report(proc.stdout)
+    return started, _report(proc.stdout), proc.stderr
 
 
 def _by_hand(job_args: list[str]) -> tuple[float, dict]:
@@ -185,17 +212,57 @@ def network(*, pairs: int = 3) -> dict:
         1.0
     """
     args = ["--first-step-only"]
+    egress: list[str] = []
 
     def measure(*flags: str) -> Callable[[], float]:
         def once() -> float:
-            started, report = _launcher(args, *flags)
+            started, report, log = _launch(args, *flags)
+            if not flags:
+                egress.append(_egress(log))
             return report["first_step"] - started
 
         return once
 
     result = _summary(*_alternate(measure(), measure("--shared-network"), pairs))
     result.update(unit="s", goal=f"<= {NETWORK_GOAL}", met=result["ratio_median"] <= NETWORK_GOAL)
+    result.update(egress=", ".join(sorted(set(egress))), stack_start=stack_start())
     return result
+
+
+def stack_start(*, repeats: int = 10) -> dict:
+    """Milliseconds to create a private network without (A) and with (B) its user-mode
+    network stack, alternated; their difference is what the stack adds to a start.
+
+    Example:
+        >>> stack_start(repeats=3)["tool"]  # doctest: +SKIP
+        'pasta'
+    """
+    tools: set[str] = set()
+
+    def create(egress: bool) -> Callable[[], float]:
+        def once() -> float:
+            started = time.perf_counter()
+            net = PrivateNetwork.create(egress=egress)
+            elapsed = (time.perf_counter() - started) * 1000
+            if egress:
+                tools.add(net.egress or f"none: {net.no_egress}")
+            net.close()
+            return elapsed
+
+        return once
+
+    try:
+        without, with_stack = _alternate(create(False), create(True), repeats)
+    except NamespaceUnavailable as err:
+        return {"error": str(err)}
+    return {
+        "unit": "ms",
+        "namespace_ms": statistics.median(without),
+        "with_stack_ms": statistics.median(with_stack),
+        "stack_ms": statistics.median(with_stack) - statistics.median(without),
+        "tool": ", ".join(sorted(tools)),
+        "repeats": repeats,
+    }
 
 
 def per_step(
@@ -254,7 +321,16 @@ def _print_network(n: dict) -> None:
         f"startup (launch to end of first step), private network / --shared-network: "
         f"{n['ratio_median']:.3f} (min {n['ratio_min']:.3f}, max {n['ratio_max']:.3f}, "
         f"n={len(n['ratios'])}); {n['a_median']:.2f} s vs {n['b_median']:.2f} s; goal <= "
-        f"{NETWORK_GOAL}: {'met' if n['met'] else 'NOT met'}"
+        f"{NETWORK_GOAL}: {'met' if n['met'] else 'NOT met'}; egress: {n['egress']}"
+    )
+    s = n["stack_start"]
+    if "error" in s:
+        print(f"private network creation not measured: {s['error']}")
+        return
+    print(
+        f"private network creation (median of {s['repeats']}): {s['namespace_ms']:.1f} ms "
+        f"loopback only, {s['with_stack_ms']:.1f} ms with its stack ({s['tool']}): the "
+        f"stack adds {s['stack_ms']:.1f} ms"
     )
 
 

@@ -25,6 +25,8 @@ variable                       default     meaning
 ``TFDIST_RESTART``             0           set by ``tfdist launch``: group restarts so far
 ``TFDIST_SHARED_NETWORK``      0           ``1``: ``tfdist launch`` workers use this host's
                                            network instead of a private one
+``TFDIST_PRIVATE_EGRESS``      1           ``0``: the private network's workers get no
+                                           outbound connections (loopback only)
 ``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
 =============================  ==========  ================================================
 
@@ -60,6 +62,8 @@ __all__ = [
     "SLURM_PORT_BASE_ENV",
     "RESTART_ENV",
     "SHARED_NETWORK_ENV",
+    "PRIVATE_EGRESS_ENV",
+    "private_egress",
     "MultiWorkerTimeouts",
     "Communication",
     "ALLREDUCE_ENV",
@@ -106,6 +110,7 @@ COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
 SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
 SHARED_NETWORK_ENV = "TFDIST_SHARED_NETWORK"
+PRIVATE_EGRESS_ENV = "TFDIST_PRIVATE_EGRESS"
 ALLREDUCE_ENV = "TFDIST_ALLREDUCE"
 BYTES_PER_PACK_ENV = "TFDIST_BYTES_PER_PACK"
 DEBUG_ENV = "TFDIST_DEBUG"
@@ -169,6 +174,18 @@ def restart_count(environ: Mapping[str, str] | None = None) -> int:
     return _env_int(_env(environ), RESTART_ENV, "tfdist launch sets it; do not set it.") or 0
 
 
+def _env_flag(environ: Mapping[str, str] | None, name: str, default: bool, hint: str) -> bool:
+    """A 1/0 switch: ``1``/``true``/``yes`` or ``0``/``false``/``no``; unset: ``default``."""
+    text = _env_text(_env(environ), name).lower()
+    if text == "":
+        return default
+    if text in ("0", "false", "no"):
+        return False
+    if text in ("1", "true", "yes"):
+        return True
+    raise ConfigError(f"{name} must be 1 or 0. Received: {name}={text!r}. {hint}")
+
+
 def shared_network(arg: bool | None = None, *, environ: Mapping[str, str] | None = None) -> bool:
     """Whether local ``tfdist launch`` jobs skip the private network: ``arg``, else
     ``TFDIST_SHARED_NETWORK`` (``1``/``true``/``yes`` or ``0``/``false``/``no``), else False.
@@ -179,15 +196,26 @@ def shared_network(arg: bool | None = None, *, environ: Mapping[str, str] | None
     """
     if arg is not None:
         return validate.instance(arg, bool, "shared_network", "tfdist", "a bool")
-    text = _env_text(_env(environ), SHARED_NETWORK_ENV).lower()
-    if text in ("", "0", "false", "no"):
-        return False
-    if text in ("1", "true", "yes"):
-        return True
-    raise ConfigError(
-        f"{SHARED_NETWORK_ENV} must be 1 or 0. Received: {SHARED_NETWORK_ENV}={text!r}. "
-        "Set it to 1 to run local jobs on this host's network (their ports exposed)."
+    hint = "Set it to 1 to run local jobs on this host's network (their ports exposed)."
+    return _env_flag(environ, SHARED_NETWORK_ENV, False, hint)
+
+
+def private_egress(arg: bool | None = None, *, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the private network carries the workers' outbound connections: ``arg``,
+    else ``TFDIST_PRIVATE_EGRESS`` (``1``/``true``/``yes`` or ``0``/``false``/``no``),
+    else True.
+
+    Example:
+        >>> private_egress(environ={"TFDIST_PRIVATE_EGRESS": "0"})
+        False
+    """
+    if arg is not None:
+        return validate.instance(arg, bool, "private_egress", "launch", "a bool")
+    hint = (
+        "Set it to 0 to keep the private network's workers off every outside network "
+        "(loopback only)."
     )
+    return _env_flag(environ, PRIVATE_EGRESS_ENV, True, hint)
 
 
 def debug(environ: Mapping[str, str] | None = None) -> bool:

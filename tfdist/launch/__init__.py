@@ -72,8 +72,10 @@ and exits 2); an argument of the wrong type raises ``TypeError``.
 Security: TensorFlow's gRPC server has no authentication and listens on all
 interfaces, whatever TF_CONFIG names. A single-node job's workers therefore run in a
 private network on Linux: one network namespace (created with a user namespace when not
-root) whose only interface is its own loopback, so their ports exist nowhere else; the
-launcher logs ``private network: ...`` and itself stays on this host's network.
+root) with its own loopback, so their ports exist nowhere else, and outbound
+connections through pasta or slirp4netns with no port forwarded in
+(``TFDIST_PRIVATE_EGRESS=0``: loopback only); the launcher logs ``private network:
+...`` and itself stays on this host's network.
 ``shared_network=True`` (``--shared-network``, ``TFDIST_SHARED_NETWORK=1``) opts out;
 where namespaces are not available the launcher warns, naming the exposed ports.
 Multi-node jobs use the hosts' network: addresses on other hosts must be allowed

@@ -5,10 +5,18 @@ names) and has no authentication: whoever reaches a worker's port can run Tensor
 operations in it. ``network_mode`` picks the protection for a job:
 
 * ``private`` (one node, the default on Linux): the workers share a new network
-  namespace whose only interface is its own loopback, so their ports exist nowhere
-  else. The launcher stays in this host's namespace (signals, output and exit codes are
-  unchanged); each worker joins the namespace between fork and exec. Where namespaces
-  are not available the job runs on this host's network with a warning.
+  namespace, so their ports exist nowhere else. The launcher stays in this host's
+  namespace (signals, output and exit codes are unchanged); each worker joins the
+  namespace between fork and exec. Where namespaces are not available the job runs on
+  this host's network with a warning.
+
+  Outbound only: a user-mode network stack attached to the namespace, ``pasta`` (from
+  the passt package) or else ``slirp4netns``, gives it a default route and carries the
+  workers' outbound connections (an object store, a data set hub, DNS) out through this
+  host's sockets; this host's loopback is reachable at the namespace's default gateway.
+  No port is forwarded into the namespace. Without either tool (or when it fails to
+  start) the namespace has its loopback only and one warning says so;
+  ``TFDIST_PRIVATE_EGRESS=0`` leaves the stack out on purpose.
 * ``shared`` (``shared_network=True``, ``--shared-network``, ``TFDIST_SHARED_NETWORK=1``):
   this host's network, for jobs that need the outside network.
 * ``hosts`` (several nodes, or a non-loopback host): the workers must use this host's
@@ -27,19 +35,24 @@ import logging
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 
-from tfdist.core.config import ConfigError
+from tfdist.core.config import PRIVATE_EGRESS_ENV, ConfigError, private_egress
 from tfdist.launch.options import LaunchOptions, check_options, is_loopback, split_host
 
 __all__ = [
+    "EGRESS_ENV",
+    "STACKS",
     "NamespaceUnavailable",
     "PrivateNetwork",
     "JobNetwork",
     "network_mode",
+    "private_egress",
     "node_ports",
     "firewall_rules",
     "firewall_table",
@@ -51,6 +64,11 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 _NAMESPACE_TIMEOUT_S = 10.0  # the holder process creating the namespace answering
 _NFT_TIMEOUT_S = 10.0  # one nft command
+_STACK_TIMEOUT_S = 10.0  # the user-mode network stack saying it is ready (or exiting)
+_STACK_STOP_S = 5.0  # the stack exiting after its cue, then again after SIGKILL
+EGRESS_ENV = PRIVATE_EGRESS_ENV
+STACKS = ("pasta", "slirp4netns")  # the user-mode network stacks, preferred first
+_NO_EGRESS_HINT = "install passt (or slirp4netns), or pass --shared-network"
 _DOCS = "docs/multi_worker.md"
 _MODES = {"shared": "shared network (--shared-network)", "hosts": "multi-node job"}
 
@@ -132,25 +150,181 @@ def _release(holder: subprocess.Popen) -> None:
     holder.stdout.close()
 
 
+def _fd_path(fd: int) -> str:
+    # The namespaces outlive their holder only through this launcher's fds; a stack
+    # inherits them (pass_fds) and opens the namespace by this path in its own /proc.
+    # No process has to stay alive in the namespace for it.
+    return f"/proc/self/fd/{fd}"
+
+
+def _pasta_argv(exe: str, net_fd: int, user_fd: int | None, ready_fd: int, log_fd: int):
+    """pasta (passt's namespace mode) attached to the namespace, outbound only (man pasta)."""
+    argv = [
+        exe,
+        "--foreground",  # stays our child: stopped by close, dies with the launcher
+        "--quiet",
+        "--config-net",  # addresses and default route in the namespace, as on this host
+        # pasta's default for each is auto: -t/-u bind every port a worker listens on to
+        # this host's addresses (checked every second), -T/-U bind this host's ports in
+        # the namespace. None: no port of the job reachable from outside, outbound only.
+        *("--tcp-ports", "none", "--udp-ports", "none", "--tcp-ns", "none", "--udp-ns", "none"),
+        # Stay this user. Started as root pasta switches to nobody, who cannot join the
+        # namespace (passt 2023-03: "Couldn't switch to pasta namespaces"), and a change
+        # of user clears the parent-death signal.
+        *("--runas", f"{os.geteuid()}:{os.getegid()}"),
+        *("--pid", _fd_path(ready_fd)),  # written once set up: the ready signal
+        *("--log-file", _fd_path(log_fd)),
+        # Its quit-on-delete watches a netns file's directory; a /proc/self/fd path is
+        # never deleted: close (or the launcher's death) ends it.
+        "--no-netns-quit",
+        *("--netns", _fd_path(net_fd)),
+    ]
+    return argv + (["--userns", _fd_path(user_fd)] if user_fd is not None else [])
+
+
+def _slirp4netns_argv(exe: str, net_fd: int, user_fd: int | None, ready_fd: int, exit_fd: int):
+    """slirp4netns attached to the namespace, outbound only (man slirp4netns).
+
+    No ``--api-socket``: its ``add_hostfwd`` is slirp4netns's only way to forward a port
+    in. Host loopback stays on (10.0.2.2 is this host's 127.0.0.1, as pasta's gateway).
+    """
+    argv = [exe, "--configure", "--mtu=65520", f"--ready-fd={ready_fd}"]
+    argv += [f"--exit-fd={exit_fd}", "--enable-seccomp", "--netns-type=path"]
+    if user_fd is None:  # root: the sandbox drops its capabilities
+        argv.append("--enable-sandbox")
+    else:  # no capabilities to drop; its setegid(0) fails in a namespace mapping this user
+        argv.append(f"--userns-path={_fd_path(user_fd)}")
+    return argv + [_fd_path(net_fd), "tap0"]
+
+
+def _die_with_launcher() -> None:  # pragma: no cover - runs in the child between fork and exec
+    # SIGKILL when the launcher dies, even by SIGKILL: a stack never outlives its job.
+    # Kept through exec; both stacks keep this user (see _pasta_argv), which keeps it.
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class _Stack:
+    """A running user-mode network stack of a private network (``pasta``, ``slirp4netns``)."""
+
+    def __init__(self, name: str, proc: subprocess.Popen, log, exit_fd: int | None):
+        self.name, self.proc, self.log = name, proc, log
+        self._exit_fd = exit_fd  # slirp4netns --exit-fd: closing our end ends it
+
+    @classmethod
+    def start(cls, name: str, exe: str, net_fd: int, user_fd: int | None, timeout: float):
+        """Starts ``name`` attached to the namespace; returns once it is ready.
+
+        Raises:
+            OSError: it could not start, exited, or was not ready within ``timeout``.
+        """
+        log = tempfile.TemporaryFile()  # its messages, for the reason it failed
+        ready_r, ready_w = os.pipe()
+        exit_r, exit_w = os.pipe() if name == "slirp4netns" else (None, None)
+        try:
+            if exit_r is None:  # pasta: no exit pipe
+                argv = _pasta_argv(exe, net_fd, user_fd, ready_w, log.fileno())
+            else:
+                argv = _slirp4netns_argv(exe, net_fd, user_fd, ready_w, exit_r)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=[
+                    f for f in (net_fd, user_fd, ready_w, exit_r, log.fileno()) if f is not None
+                ],
+                # Its own session: a Ctrl-C meant for the launcher must not end egress
+                # while the workers still save; the launcher stops it after them.
+                start_new_session=True,
+                preexec_fn=_die_with_launcher,
+            )
+        except (OSError, subprocess.SubprocessError) as err:
+            for fd in (ready_r, exit_w):
+                if fd is not None:
+                    os.close(fd)
+            log.close()
+            raise OSError(f"{name} did not start: {err}") from err
+        finally:
+            for fd in (ready_w, exit_r):
+                if fd is not None:
+                    os.close(fd)
+        stack = cls(name, proc, log, exit_w)
+        try:  # pasta writes its pid, slirp4netns "1"; EOF: it exited first
+            ready, _, _ = select.select([ready_r], [], [], timeout)
+            said = os.read(ready_r, 64).strip() if ready else b""
+        finally:
+            os.close(ready_r)
+        if said:
+            return stack
+        why = "exited" if ready else f"was not ready within {timeout:.0f} s"
+        code = stack.stop()
+        why += f" (exit status {code})" if code is not None and code >= 0 else ""
+        last = stack.last_words()
+        raise OSError(f"{name} {why}{': ' + last if last else ''}")
+
+    def last_words(self) -> str:
+        """The last line it logged (syslog complaints left out), or ""."""
+        try:
+            self.log.seek(0)
+            lines = self.log.read().decode(errors="replace").splitlines()
+        except (OSError, ValueError):  # closed
+            return ""
+        said = [line.strip() for line in lines if line.strip() and "syslog" not in line]
+        return said[-1] if said else ""
+
+    def stop(self) -> int | None:
+        """Ends it (its cue, SIGTERM, then SIGKILL); returns its exit status."""
+        if self._exit_fd is not None:
+            os.close(self._exit_fd)
+            self._exit_fd = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        for last_try in (False, True):
+            try:
+                return self.proc.wait(timeout=_STACK_STOP_S)
+            except subprocess.TimeoutExpired:
+                if last_try:
+                    logger.error("%s (pid %d) did not exit after SIGKILL", self.name, self.proc.pid)
+                    return None
+                self.proc.kill()
+        return None
+
+    def close(self) -> None:
+        self.stop()
+        self.log.close()
+
+
 class PrivateNetwork:
-    """A new network namespace with only a loopback, for workers to join (a context).
+    """A new network namespace for workers to join (a context): its own loopback, and
+    with a stack (``egress``) outbound connections through it.
 
     The namespaces live as long as this object holds them open (``close``) or a worker
-    is inside.
+    is inside; the stack until ``close`` or this process's end.
 
     Example:
-        >>> with PrivateNetwork.create() as net:  # doctest: +SKIP
-        ...     subprocess.run(["ss", "-ltn"], preexec_fn=net.enter)
+        >>> with PrivateNetwork.create(egress=True) as net:  # doctest: +SKIP
+        ...     subprocess.run(["ip", "route"], preexec_fn=net.enter)
     """
 
     def __init__(self, net_fd: int, user_fd: int | None):
         # Both None once closed (close).
         self.net_fd: int | None = net_fd
         self.user_fd: int | None = user_fd
+        self.stack: _Stack | None = None  # started by start_egress
+        self.no_egress = "not asked for"  # why there is no stack, for the log line
+
+    @property
+    def egress(self) -> str | None:
+        """The stack carrying the workers' outbound connections (``pasta``, ...), or None."""
+        return self.stack.name if self.stack is not None else None
 
     @classmethod
-    def create(cls, timeout: float = _NAMESPACE_TIMEOUT_S) -> PrivateNetwork:
-        """Creates the namespaces (in a short-lived holder process).
+    def create(
+        cls, timeout: float = _NAMESPACE_TIMEOUT_S, *, egress: bool = False
+    ) -> PrivateNetwork:
+        """Creates the namespaces (in a short-lived holder process): loopback only, or
+        with ``egress`` (``tfdist launch``'s default) the first stack of ``STACKS`` that
+        starts attached (``start_egress``).
 
         Raises:
             NamespaceUnavailable: not Linux, or the kernel refused (the reason is named).
@@ -166,11 +340,38 @@ class PrivateNetwork:
                     net_fd = os.open(f"/proc/{holder.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
                     path = f"/proc/{holder.pid}/ns/user"
                     user_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if user else None
-                    return cls(net_fd, user_fd)
+                    network = cls(net_fd, user_fd)
+                    break
                 reasons.append(line.removeprefix("error").strip(" :"))
             finally:
                 _release(holder)
-        raise NamespaceUnavailable(f"unshare(CLONE_NEWNET) failed: {'; '.join(reasons)}")
+        else:
+            raise NamespaceUnavailable(f"unshare(CLONE_NEWNET) failed: {'; '.join(reasons)}")
+        if egress:
+            try:
+                network.start_egress()
+            except BaseException:
+                network.close()
+                raise
+        return network
+
+    def start_egress(self, timeout: float = _STACK_TIMEOUT_S) -> None:
+        """Attaches the first of ``STACKS`` on PATH that starts; where none does the
+        namespace keeps its loopback only and ``no_egress`` says why."""
+        failed = []
+        if self.net_fd is None:
+            raise RuntimeError("private network: start_egress after close()")
+        for name in STACKS:
+            exe = shutil.which(name)
+            if exe is None:
+                continue
+            try:
+                self.stack = _Stack.start(name, exe, self.net_fd, self.user_fd, timeout)
+                return
+            except OSError as err:
+                logger.debug("private network: %s did not start: %s", name, err)
+                failed.append(str(err))
+        self.no_egress = "; ".join(failed) or f"neither {' nor '.join(STACKS)} is on PATH"
 
     def enter(self) -> None:  # pragma: no cover - runs in the child between fork and exec
         """Moves the calling (single-threaded, just forked) process into the namespace."""
@@ -180,7 +381,10 @@ class PrivateNetwork:
                 raise OSError(err, f"setns: {os.strerror(err)}")
 
     def close(self) -> None:
-        """Lets the namespaces go once no worker is inside."""
+        """Stops the stack; lets the namespaces go once no worker is inside."""
+        if self.stack is not None:
+            self.stack.close()
+            self.stack = None
         for fd in (self.net_fd, self.user_fd):
             if fd is not None:
                 os.close(fd)
@@ -288,13 +492,19 @@ def _nft(args: list[str], text: str | None = None) -> None:
 
 class JobNetwork:
     """The network of one ``run``: a fresh private namespace per group start, or this
-    host's network (with the firewall rule when asked); says which in one log line."""
+    host's network (with the firewall rule when asked); says which in one log line.
 
-    def __init__(self, options: LaunchOptions):
+    ``egress`` (default ``options.private_egress``: ``--no-private-egress``,
+    ``TFDIST_PRIVATE_EGRESS``, else True): the private namespace gets outbound
+    connections through a user-mode network stack.
+    """
+
+    def __init__(self, options: LaunchOptions, egress: bool | None = None):
         self.options, self.mode = options, network_mode(options)
+        self.egress = private_egress(options.private_egress if egress is None else egress)
         self._private: PrivateNetwork | None = None
         self._table: str | None = None
-        self._told = False
+        self._told = logging.NOTSET  # the level of the loudest line said so far
 
     def start(self, addresses: Sequence[str]) -> Callable[[], None] | None:
         """Prepares a group start; returns what each worker runs to enter its network."""
@@ -302,16 +512,11 @@ class JobNetwork:
         reason, level = _MODES.get(self.mode, ""), logging.WARNING
         if self.mode == "private":
             try:
-                self._private = PrivateNetwork.create()
+                self._private = PrivateNetwork.create(egress=self.egress)
             except NamespaceUnavailable as err:
                 reason = f"no private network ({err})"
             else:
-                self._tell(
-                    logging.INFO,
-                    f"private network: the workers share a network namespace with its own "
-                    f"loopback; their ports ({ports}) are not reachable from outside the job "
-                    "(--shared-network: use this host's network)",
-                )
+                self._tell(*self._private_line(self._private, ports))
                 return self._private.enter
         if self.options.firewall:
             self._apply(addresses)
@@ -324,6 +529,29 @@ class JobNetwork:
             message = self._exposed(ports)
         self._tell(level, f"{reason}: {message}")
         return None
+
+    def _private_line(self, private: PrivateNetwork, ports: str) -> tuple[int, str]:
+        shared = "--shared-network: this host's network"
+        if private.egress is not None:
+            return logging.INFO, (
+                f"private network: the workers share a network namespace; their ports "
+                f"({ports}) are not reachable from outside the job, and their outbound "
+                f"connections go out through {private.egress} ({EGRESS_ENV}=0: loopback "
+                f"only; {shared})"
+            )
+        head = (
+            f"private network: the workers share a network namespace with only its own "
+            f"loopback; their ports ({ports}) are not reachable from outside the job"
+        )
+        if not self.egress:
+            return (
+                logging.INFO,
+                f"{head}, nor anything outside it from them ({EGRESS_ENV}=0; {shared})",
+            )
+        return logging.WARNING, (
+            f"{head}, and they cannot reach anything outside it (other hosts, the internet, "
+            f"this host's services): {private.no_egress}; {_NO_EGRESS_HINT}"
+        )
 
     def _exposed(self, ports: str) -> str:
         peers = "the job's hosts" if self.mode == "hosts" else "this host"
@@ -341,9 +569,10 @@ class JobNetwork:
         self._table = table
 
     def _tell(self, level: int, message: str) -> None:
-        # One line per run: restarts keep the same protection.
-        logger.log(level if not self._told else logging.DEBUG, message)
-        self._told = True
+        # One line per run: restarts keep the same protection. A restart that brings a
+        # warning (its stack did not start) still says it, once.
+        logger.log(level if level > self._told else logging.DEBUG, message)
+        self._told = max(self._told, level)
 
     def end_group(self) -> None:
         """After a group's workers are gone: lets its namespace go."""

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from tfdist.core import validate
-from tfdist.core.config import ConfigError, shared_network
+from tfdist.core.config import ConfigError, private_egress, shared_network
 
 __all__ = ["LOOPBACK", "LaunchOptions", "check_options", "split_host", "is_loopback"]
 
@@ -101,6 +101,9 @@ class LaunchOptions:
             a private network namespace (for jobs that need the outside network; their
             ports are then reachable from it). None: ``TFDIST_SHARED_NETWORK``, else
             False. Multi-node jobs always use this host's network.
+        private_egress: the private network gives the workers outbound connections
+            (pasta or slirp4netns; no port forwarded in). None:
+            ``TFDIST_PRIVATE_EGRESS``, else True. False: loopback only.
         firewall: while the job runs, admit this node's worker ports only from loopback
             and the job's hosts with an nftables rule (needs root and ``nft``); not
             needed, and not applied, when the private network is in use.
@@ -137,6 +140,7 @@ class LaunchOptions:
     hosts: tuple[str, ...] = (LOOPBACK,)
     allow_remote: bool = False
     shared_network: bool | None = None
+    private_egress: bool | None = None
     firewall: bool = False
     fixes: bool = True
     grace: float = 30.0
@@ -241,12 +245,14 @@ class LaunchOptions:
             )
 
     def _check_network(self) -> None:
-        for name in ("shared_network", "firewall"):
+        for name in ("shared_network", "private_egress", "firewall"):
             value = getattr(self, name)
             if value is not None or name == "firewall":
                 validate.instance(value, bool, name, _WHERE, "a bool")
-        # Precedence: the argument, then TFDIST_SHARED_NETWORK, then False.
+        # Precedence: the argument, then TFDIST_SHARED_NETWORK / TFDIST_PRIVATE_EGRESS,
+        # then False / True.
         self._set("shared_network", shared_network(self.shared_network))
+        self._set("private_egress", private_egress(self.private_egress))
 
     def _check_timeouts(self) -> None:
         for name in ("grace", "stop_grace", "finish_timeout"):
