@@ -45,6 +45,28 @@ def test_fixes_are_applied_when_their_package_is_imported():
 
 
 @pytest.mark.devices
+def test_the_startup_hook_is_applied_like_a_fix_and_no_exclusion_removes_it():
+    """tfdist's own hook on ``Context.ensure_initialized`` goes through
+    ``fix_registry.apply_fix`` (guarded, recorded) like every fix; with every fix
+    excluded it is still there, so the logical devices still apply."""
+    proc = run_python(
+        """
+        import json
+        import tfdist
+        from tfdist import compat
+        from tfdist.core import process
+        import tensorflow as tf
+        devices = len(tf.config.list_logical_devices("CPU"))
+        print(json.dumps([process.state().applied_fixes, compat.applied(), devices]))
+        """,
+        TFDIST_CPU_DEVICES="2",
+        TFDIST_COMPAT_EXCLUDE="all",
+    )
+    recorded, applied, devices = last_json_line(proc.stdout)
+    assert recorded == ["tfdist_startup"] and applied == [] and devices == 2
+
+
+@pytest.mark.devices
 def test_a_tensorflow_op_before_the_scope_keeps_the_logical_devices():
     proc = run_python(
         """

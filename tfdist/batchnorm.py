@@ -47,7 +47,7 @@ import sys
 import threading
 import types
 
-from tfdist.core import config, process
+from tfdist.core import config, fix_registry
 
 __all__ = [
     "FIX_NAME",
@@ -197,16 +197,12 @@ def per_replica_statistics(distribution) -> bool:
 
 
 def _why_not_hooked(required: bool) -> str | None:
-    """Why the hook must not be installed now, or None."""
-    skipped = process.state().skipped_fixes.get(FIX_NAME)
-    if skipped:
-        return skipped
+    """Why the hook is not installed, after applying its fix record ``FIX`` (the one
+    way every fix is applied) unless it is excluded and not ``required``; or None."""
     excluded = config.compat_exclude()
     if not required and (FIX_NAME in excluded or "all" in excluded):
         return f"{FIX_NAME} is excluded by {config.COMPAT_EXCLUDE_ENV}"
-    from tfdist.core.fix_registry import Fix, guard, targets
-
-    return guard(Fix(FIX_NAME, SUMMARY, lambda: True, install, targets=targets(*TARGETS)))
+    return fix_registry.apply_fix(FIX)
 
 
 def _ensure_hook(required: bool) -> bool:
@@ -215,7 +211,6 @@ def _ensure_hook(required: bool) -> bool:
         return True
     reason = _why_not_hooked(required)
     if reason is None:
-        install()
         return True
     if required:
         raise RuntimeError(
@@ -248,3 +243,19 @@ def sync_scope(distribution, *, enabled: bool):
         yield distribution
     finally:
         _SYNC.reset(token)
+
+
+# The hook's fix record: listed in tfdist.compat.FIXES (applied with the others when Keras
+# is imported) and applied through the same fix_registry.apply_fix by ``_ensure_hook``.
+FIX = fix_registry.Fix(
+    FIX_NAME,
+    SUMMARY,
+    fix_registry.on_keras_backend("tensorflow"),
+    install,
+    targets=fix_registry.targets(*TARGETS),
+    acts_where=(
+        "BatchNormalization(synchronized=False).build under a strategy with >1 replica "
+        "(synchronized in sync_batchnorm scope, else warned once); otherwise upstream's"
+    ),
+    no_harm=(),  # none yet
+)

@@ -126,9 +126,14 @@ def _on_tensorflow_import(_module) -> None:
     versions.check("tensorflow")
 
     compat.apply_all(package="tensorflow")
-    fix_registry.patch(
-        upstream.tf_context_class(), "ensure_initialized", "tfdist_startup", _wrap_ensure
-    )
+    reason = fix_registry.apply_fix(STARTUP)
+    if reason is not None:
+        logger.warning(
+            "tfdist: cannot set this process up before TensorFlow starts (%s): "
+            "TFDIST_CPU_DEVICES and the multi-worker strategy of a launched job are not "
+            "applied; install a verified TensorFlow release (tfdist info).",
+            reason,
+        )
 
 
 def _on_keras_import(_module) -> None:
@@ -151,6 +156,38 @@ def _wrap_ensure(original):
         return original(self)
 
     return ensure_initialized
+
+
+def _hook_context() -> None:
+    from tfdist.core import fix_registry
+
+    fix_registry.patch(
+        upstream.tf_context_class(), "ensure_initialized", STARTUP.name, _wrap_ensure
+    )
+
+
+def _startup_record():
+    from tfdist.core import fix_registry
+
+    return fix_registry.Fix(
+        "tfdist_startup",
+        "tfdist sets the process up (logical CPU devices, the multi-worker strategy) just "
+        "before TensorFlow creates its context, whatever op comes first",
+        lambda: True,
+        _hook_context,
+        package="tensorflow",
+        targets=fix_registry.targets("tensorflow.python.eager.context:Context.ensure_initialized"),
+        acts_where=(
+            "the first creation of TensorFlow's context in the process; every later call: "
+            "upstream's"
+        ),
+    )
+
+
+# tfdist's own set-up hook, applied like every fix (fix_registry.apply_fix) and guarded by
+# the same checks, but no exclusion removes it: without it TFDIST_CPU_DEVICES and a
+# launched job's strategy do not apply. Not in tfdist.compat.FIXES: it repairs nothing.
+STARTUP = _startup_record()
 
 
 def auto_strategy(enabled: bool) -> None:

@@ -170,14 +170,12 @@ def apply_all(
                 continue
             if not _needed(fix):
                 continue
-            reason = _apply_guarded(fix)
+            reason = fix_registry.apply_fix(fix)
             if reason is None:
-                st.applied_fixes.append(fix.name)
                 logger.debug("tfdist.compat: applied %s", fix.name)
             else:
-                st.skipped_fixes[fix.name] = reason
                 _warn_skipped(fix, reason)
-        return list(st.applied_fixes)
+        return applied()
 
 
 fix_registry.register_apply_all(apply_all)
@@ -189,22 +187,6 @@ def _needed(fix: Fix) -> bool:
     except Exception as err:  # noqa: BLE001 - a guard must never break the import it runs in
         logger.debug("tfdist.compat: %s: could not tell whether it applies (%s)", fix.name, err)
         return False
-
-
-def _apply_guarded(fix: Fix) -> str | None:
-    """Applies ``fix`` unless a target is missing or changed; returns why not, or None.
-
-    A fix that fails half-way is rolled back (``fix_registry.journal``): upstream stays whole.
-    """
-    reason = fix_registry.guard(fix)
-    if reason is not None:
-        return reason
-    try:
-        with fix_registry.journal():
-            fix.apply()
-    except Exception as err:  # noqa: BLE001 - see above
-        return f"applying it failed ({type(err).__name__}: {err})"
-    return None
 
 
 def _warn_skipped(fix: Fix, reason: str) -> None:
@@ -258,10 +240,12 @@ def status() -> list[dict]:
 
 
 def applied() -> list[str]:
-    """Names of the fixes applied in this process so far.
+    """Names of the fixes of ``FIXES`` applied in this process so far, in order (tfdist's
+    own set-up hook, applied the same way, is not one).
 
     Example:
         >>> applied()  # doctest: +SKIP
         []
     """
-    return list(process.state().applied_fixes)
+    names = set(fix_names())
+    return [name for name in process.state().applied_fixes if name in names]

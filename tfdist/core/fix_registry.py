@@ -1,4 +1,5 @@
-"""The Fix record, its targets and guards, and the one way tfdist patches an upstream name.
+"""The Fix record, its targets and guards, and the one way tfdist patches an upstream name
+(``patch``) and applies a fix (``apply_fix``).
 
 A fix is a guest in upstream's house. Each ``Fix`` names its ``targets``: the upstream
 names it replaces or relies on (``"module:Attr.path"``, the form ``tfdist.core.upstream``
@@ -352,6 +353,42 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
     entries = getattr(_journal, "entries", None)
     if entries is not None:
         entries.append((owner, attr, raw, raw is not None))
+
+
+def apply_fix(fix: Fix) -> str | None:
+    """The one way a patch of upstream is applied: ``fix`` unless a target is missing or
+    changed (``guard``), rolled back whole if it fails half-way (``journal``), recorded
+    in the process state (``applied_fixes`` / ``skipped_fixes``); at most once per
+    process. Returns why it was not applied, or None. Never raises.
+
+    ``tfdist.compat.apply_all`` calls it for every fix of ``tfdist.compat.FIXES`` that
+    applies and is not excluded; ``tfdist.batchnorm`` for its hook when
+    ``tfdist.scope(sync_batchnorm=True)`` needs it although excluded; ``tfdist.startup``
+    for its own set-up hook (``STARTUP``), which no exclusion removes.
+
+    Example:
+        >>> apply_fix(Fix("noop", "nothing", lambda: True, lambda: None))  # doctest: +SKIP
+    """
+    from tfdist.core import process
+
+    st = process.state()
+    with st.lock:
+        if fix.name in st.applied_fixes:
+            return None
+        if fix.name in st.skipped_fixes:
+            return st.skipped_fixes[fix.name]
+        reason = guard(fix)
+        if reason is None:
+            try:
+                with journal():
+                    fix.apply()
+            except Exception as err:  # noqa: BLE001 - a fix must never break the import it runs in
+                reason = f"applying it failed ({type(err).__name__}: {err})"
+        if reason is None:
+            st.applied_fixes.append(fix.name)
+        else:
+            st.skipped_fixes[fix.name] = reason
+        return reason
 
 
 # ``tfdist.compat.apply_all``, registered by ``tfdist.compat`` when it is imported (the
