@@ -68,6 +68,10 @@ setup(
             "mypy>=1.10,<2",  # tests/project/test_structure.py type-checks tfdist/
             "keras-hub",
             "pyyaml",  # tests/e2e/test_kubernetes.py reads the manifests in docs/k8s/
+            # A real S3 API on 127.0.0.1 (moto's server) and the s3:// filesystem, for
+            # tests/checkpoint/test_object_store.py (tests/object_store.py starts the server).
+            "moto[server]>=5",
+            "s3fs",
         ],
         # The sessions that test other release pairs of the verified range (noxfile.py).
         "dev": ["tfdist[test]", "nox"],

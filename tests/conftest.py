@@ -7,6 +7,7 @@ pytest process, which stays on TensorFlow's defaults.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -184,3 +185,27 @@ def pytest_runtest_setup(item):
 def _no_inherited_cluster(monkeypatch):
     for key in _CLEAR:
         monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (tests/object_store.py), one per test module; ended,
+    its process killed if need be, after the module's last test."""
+    import object_store
+
+    with object_store.S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """An empty bucket of its own on the module's S3 server: ``.url(path)`` gives
+    ``s3://...`` URLs, ``.env`` what a job needs to reach them (credentials, region,
+    ``AWS_ENDPOINT_URL``), ``.fs`` an s3fs filesystem for the test's own reads and writes."""
+    import re
+
+    name = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:40].strip("-")
+    return s3_server.create_bucket(f"t{next(_BUCKETS)}-{name}")
+
+
+_BUCKETS = itertools.count()

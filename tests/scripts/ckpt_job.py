@@ -8,6 +8,10 @@ and can hurt itself on purpose:
                           with --sigkill-rank R only worker R does
     --sigkill-in-save K   SIGKILL itself in the middle of its K-th checkpoint write, with
                           the staging file half written
+    --sigkill-in-upload K a URL directory (s3:// on an endpoint from AWS_ENDPOINT_URL):
+                          SIGKILL itself in the middle of its K-th checkpoint upload, half
+                          the staging object's bytes sent in a PUT whose connection then
+                          dies with the process
     --sigterm-at-step N   send itself SIGTERM at global step N (a preemption notice);
                           with --sigterm-rank R only worker R does
     --sigterm-in-step N   TensorFlow: send itself SIGTERM from inside training step N (a
@@ -42,6 +46,7 @@ T0 = time.perf_counter()
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.core import storage  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
@@ -56,6 +61,7 @@ parser.add_argument(
     "--sigkill-attempt", type=int, default=0, help="--sigkill-at-step fires in this attempt"
 )
 parser.add_argument("--sigkill-in-save", type=int, default=None)
+parser.add_argument("--sigkill-in-upload", type=int, default=None)
 parser.add_argument("--sigterm-at-step", type=int, default=None)
 parser.add_argument("--sigterm-in-step", type=int, default=None)
 parser.add_argument("--sigterm-rank", type=int, default=None, help="only this worker (default all)")
@@ -190,6 +196,35 @@ if args.sigkill_in_save is not None and first_attempt:
         return real_add(archive_path, member, data)
 
     atomic.add_archive_member = add_then_die
+
+if args.sigkill_in_upload is not None and first_attempt:
+    import socket
+    import urllib.parse
+
+    from tfdist.checkpoint import names
+
+    real_upload = storage.upload
+    uploads = {"n": 0}
+
+    def upload_cut_by_a_kill(local, staging, final):
+        if names.parse_checkpoint_name(storage.basename(final)) is not None:
+            uploads["n"] += 1
+        if uploads["n"] != args.sigkill_in_upload:
+            return real_upload(local, staging, final)
+        # The staging object's PUT cut by the kill (sent raw and unsigned: moto's server
+        # checks no signature): the headers announce the whole archive, half of it goes
+        # out, then the process dies and the kernel closes its connection.
+        endpoint = urllib.parse.urlsplit(os.environ["AWS_ENDPOINT_URL"])
+        with open(local, "rb") as f:
+            data = f.read()
+        sock = socket.create_connection((endpoint.hostname, endpoint.port))
+        head = f"PUT /{staging.split('://', 1)[1]} HTTP/1.1\r\nHost: {endpoint.netloc}\r\n"
+        sock.sendall(f"{head}Content-Length: {len(data)}\r\n\r\n".encode())
+        sock.sendall(data[: len(data) // 2])
+        print(json.dumps({"dying_in_upload": final}), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    storage.upload = upload_cut_by_a_kill
 
 t_restore = time.perf_counter()
 if args.keras_backup:
@@ -330,8 +365,8 @@ print(
             "iterations": int(model.optimizer.iterations.numpy()),
             "weights": weights_of(model),
             "exit_code": exit_code,
-            # BackupAndRestore removes its directory when training ends
-            "checkpoints": sorted(os.listdir(args.dir)) if os.path.isdir(args.dir) else [],
+            # BackupAndRestore removes its directory when training ends; a URL's listing
+            "checkpoints": sorted(storage.listdir(args.dir)),
             "times": {
                 "import_and_setup": t_restore - T0,
                 "make_or_restore": t_restored - t_restore,
