@@ -3,7 +3,10 @@ one it gets wrong equals one device with them.
 
 ``tests/scripts/no_harm_job.py`` trains each case once per cell: 1 device (the reference),
 2 and 4 logical devices and 2 workers with every fix, and 2 and 4 logical devices with
-every fix excluded (``TFDIST_COMPAT_EXCLUDE=all``). A loss called inside a ``tf.cond``, a
+every fix excluded (``TFDIST_COMPAT_EXCLUDE=all``); on JAX, the cases without a
+TensorFlow ``train_step`` on 1 device (the reference), 2 devices and 2 processes with every
+fix, and 2 processes with every fix excluded (upstream equals one device there: the cases'
+numpy inputs are cut per process by Keras itself). A loss called inside a ``tf.cond``, a
 ``while`` loop or a nested ``tf.function`` (where a cross-replica all-reduce cannot be
 issued) equals one device with the fixes off, so it must with them on; a masked per-token
 loss ends away from one device with the fixes off (each replica divides by its own valid
@@ -26,13 +29,20 @@ WEIGHTS_TOLERANCE = 1e-5
 # The loss value is upstream's on every topology: Keras's tracker averages the replicas'
 # means weighted by their example counts, which under a mask is not one device's mean.
 LOSS_TOLERANCE = {"masked GRU": 1e-3}
-CELLS = {  # name -> (replicas, workers, fixes)
-    "2 devices": (2, 1, "on"),
-    "4 devices": (4, 1, "on"),
-    "2 workers": (2, 2, "on"),
-    "2 devices, fixes off": (2, 1, "off"),
-    "4 devices, fixes off": (4, 1, "off"),
+CELLS = {  # name -> (replicas, workers, fixes, backend)
+    "2 devices": (2, 1, "on", "tensorflow"),
+    "4 devices": (4, 1, "on", "tensorflow"),
+    "2 workers": (2, 2, "on", "tensorflow"),
+    "2 devices, fixes off": (2, 1, "off", "tensorflow"),
+    "4 devices, fixes off": (4, 1, "off", "tensorflow"),
+    "jax 2 devices": (2, 1, "on", "jax"),
+    "jax 2 processes": (2, 2, "on", "jax"),
+    "jax 2 processes, fixes off": (2, 2, "off", "jax"),
 }
+# What a cell runs: every case on TensorFlow, the cases without a TensorFlow train_step on
+# JAX (no_harm_job.JAX_CASES). Their inputs are numpy arrays, which Keras on JAX cuts
+# into equal parts per process itself: upstream equals one device there.
+JAX_CASES = ("masked GRU", "sample weights", "conv, batches of 6")
 # Where upstream is wrong (tfdist.compat.partial_batches): case -> the fixes-off cells
 # where it differs from one device or fails (an empty replica: an AddN of mismatched
 # gradient shapes).
@@ -48,28 +58,41 @@ def _reports(stdout: str) -> dict:
     return {w: report["cases"] for w, report in tagged_reports(stdout, "NOHARM", "worker").items()}
 
 
+def _spec(name: str) -> tuple[int, int, str, str]:
+    if name.endswith("1 device"):  # "1 device", "jax 1 device": the references
+        return 1, 1, "on", "jax" if name.startswith("jax") else "tensorflow"
+    return CELLS[name]
+
+
+def _reference(cell: str) -> dict:
+    """One device's cases, on the cell's backend."""
+    return _cell("jax 1 device" if _spec(cell)[3] == "jax" else "1 device")[0]
+
+
 @functools.cache
 def _cell(name: str) -> dict:
     """``{worker: {case: result}}`` of one cell."""
-    if name == "1 device":
-        replicas, workers, fixes = 1, 1, "on"
-    else:
-        replicas, workers, fixes = CELLS[name]
-    env = {"TFDIST_COMPAT_EXCLUDE": "all"} if fixes == "off" else {}
+    replicas, workers, fixes, backend = _spec(name)
+    env = {"KERAS_BACKEND": backend}
+    if fixes == "off":
+        env["TFDIST_COMPAT_EXCLUDE"] = "all"
+    cases = JAX_CASES if backend == "jax" else ()
     if workers > 1:
-        proc = launch_cli("-n", str(workers), str(JOB), timeout=600, **env)
+        proc = launch_cli("-n", str(workers), str(JOB), *cases, timeout=600, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     else:
-        code = f"import runpy, sys; sys.argv = [{str(JOB)!r}]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        argv = [str(JOB), *cases]
+        code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
         proc = run_python(code, timeout=600, warm=True, TFDIST_CPU_DEVICES=str(replicas), **env)
     reports = _reports(proc.stdout)
     assert sorted(reports) == list(range(workers)), f"{name}: reports from {sorted(reports)}"
-    for worker, cases in reports.items():
-        for case, result in cases.items():
+    for worker, found in reports.items():
+        for case, result in found.items():
             if "error" in result and name in UPSTREAM_DIFFERS.get(case, ()):
                 continue  # an upstream failure, checked by the test that expects it
             assert "error" not in result, f"{name}, worker {worker}, {case}: {result['error']}"
-            assert result["replicas"] == replicas, (name, worker, case, result["replicas"])
+            topology = (result["replicas"], result["workers"])
+            assert topology == (replicas, workers), (name, worker, case, topology)
     return reports
 
 
@@ -87,7 +110,7 @@ def _difference(reference: dict, got: dict, case: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("cell", [c for c, spec in CELLS.items() if spec[2] == "on"])
 def test_every_case_equals_one_device_with_the_fixes(cell):
-    reference = _cell("1 device")[0]
+    reference = _reference(cell)
     for worker, cases in _cell(cell).items():
         assert sorted(cases) == sorted(reference)
         for case, result in cases.items():
@@ -101,7 +124,7 @@ def test_every_case_equals_one_device_with_the_fixes(cell):
 @pytest.mark.parametrize("cell", [c for c, spec in CELLS.items() if spec[2] == "off"])
 def test_fixes_off_right_where_plain_keras_is_right(cell):
     """The cases the fixes must leave alone: upstream already equals one device."""
-    reference = _cell("1 device")[0]
+    reference = _reference(cell)
     for case, result in _cell(cell)[0].items():
         if cell not in UPSTREAM_DIFFERS.get(case, ()):
             weights, _ = _difference(reference[case], result, case)
@@ -111,11 +134,11 @@ def test_fixes_off_right_where_plain_keras_is_right(cell):
 @pytest.mark.upstream_failure(
     "keras_partial_batch_loss_weights", "tf_distribute_partial_batch_evenly"
 )
-@pytest.mark.parametrize("cell", [c for c, spec in CELLS.items() if spec[2] == "off"])
+@pytest.mark.parametrize("cell", sorted(set().union(*UPSTREAM_DIFFERS.values())))
 def test_fixes_off_upstream_differs_from_one_device(cell):
     """A masked loss (each replica divides by its own valid tokens) and, on 4 replicas,
     a global batch of 6 (upstream hands one replica no example)."""
-    reference = _cell("1 device")[0]
+    reference = _reference(cell)
     for case, cells in UPSTREAM_DIFFERS.items():
         if cell not in cells:
             continue

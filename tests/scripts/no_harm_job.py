@@ -3,6 +3,9 @@ topology: the no-harm matrix of the loss fixes (tests/compat/test_no_harm.py).
 
     TFDIST_CPU_DEVICES=4 python no_harm_job.py [CASE ...]      # logical devices
     tfdist launch -n 2 no_harm_job.py [CASE ...]                 # TensorFlow workers
+    KERAS_BACKEND=jax tfdist launch -n 2 no_harm_job.py 'masked GRU' ...  # JAX processes
+
+On JAX only the cases without a TensorFlow ``train_step`` run (``JAX_CASES``).
 
 Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.scope()``):
 
@@ -18,9 +21,9 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
   replicas: 2 + 2 + 1 + 1 each step, never an empty replica).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
-"replicas": r}}}``: the weights and (for compiled losses) the loss history, and the
-replicas of the strategy the case's model was built under (its own
-``distribute_strategy``, not the process's). A custom ``train_step`` reports its replica's
+"replicas": r, "workers": w}}}``: the weights and (for compiled losses) the loss
+history, and what the case's own model trained on (its ``distribute_strategy`` on
+TensorFlow, the devices holding its weights on JAX; not the process's). A custom ``train_step`` reports its replica's
 loss as upstream scales it (``1 / replicas``), so its history is not compared.
 A failing case reports ``{"error": ...}`` and the others still run.
 """
@@ -30,12 +33,15 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from pathlib import Path
 
-import keras
-import numpy as np
-import tensorflow as tf
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import trained_on  # noqa: E402
 
-import tfdist
+import tfdist  # noqa: E402
 
 VOCAB, LENGTH = 12, 9
 
@@ -179,15 +185,21 @@ CASES = {
 }
 
 
+# The cases any backend runs (the others are TensorFlow train_steps).
+JAX_CASES = ("masked GRU", "sample weights", "conv, batches of 6")
+
+
 def result(model: keras.Model) -> dict:
     values = {f"weight {i}": w.ravel().tolist() for i, w in enumerate(model.get_weights())}
     if not isinstance(model, CustomStep):  # a custom step reports its replica's scaled loss
         values["loss"] = [float(v) for v in model.history_values.history["loss"]]
-    return {"values": values, "replicas": model.distribute_strategy.num_replicas_in_sync}
+    # What the model itself trained on: its strategy on TensorFlow, the devices and
+    # processes holding its weights on JAX.
+    return {"values": values, **trained_on.model_topology(model)}
 
 
 def main() -> None:
-    names = sys.argv[1:] or list(CASES)
+    names = sys.argv[1:] or list(CASES if keras.backend.backend() == "tensorflow" else JAX_CASES)
     out = {}
     for name in names:
         keras.utils.set_random_seed(0)
