@@ -349,6 +349,61 @@ def test_batch_sizes_read_from_the_pipeline_and_which_cuts_leave_a_replica_empty
     assert out["takes"] == [True, True, False, False, False]
 
 
+_JAX_UNEVEN = """
+    import json, numpy as np, keras, tfdist
+    import tensorflow as tf
+    x = np.random.default_rng(0).random((41, 4)).astype("float32")  # batches of 8: last 1
+    y = x.sum(axis=1, keepdims=True)
+    out = {}
+    for kind in ("numpy", "tf.data"):
+        with tfdist.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse")
+        try:
+            if kind == "numpy":
+                model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+            else:
+                model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), verbose=0)
+            out[kind] = {"trained": True}
+        except Exception as error:
+            out[kind] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        out[kind]["steps"] = int(model.optimizer.iterations.numpy())
+        out[kind]["replicas"] = len(model.weights[0].value.sharding.device_set)
+    print(json.dumps(out))
+"""
+
+
+def _jax_uneven(**env) -> dict:
+    proc = run_python(_JAX_UNEVEN, warm=True, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", **env)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.jax
+@pytest.mark.devices
+def test_jax_one_process_refuses_an_uneven_batch_before_the_first_step():
+    """41 examples at 8 on 2 JAX devices (a last batch of 1): refused before any step,
+    naming the sizes, for arrays and for a tf.data pipeline."""
+    for kind, result in _jax_uneven().items():
+        assert result["replicas"] == 2, (kind, result)
+        assert result["steps"] == 0, (kind, result)
+        assert re.search(
+            r"^ValueError: tfdist: a batch of 1 examples cannot be split evenly "
+            r"between the 2 devices .*batch sizes \[1, 8\]",
+            result["error"],
+        ), result
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_jax_uneven_batch_refused_first")
+def test_jax_one_process_uneven_batch_fails_late_without_the_fix():
+    """Without the fix jax's IndivisibleError comes at the last batch, after 5 steps."""
+    found = _jax_uneven(TFDIST_COMPAT_EXCLUDE="keras_jax_uneven_batch_refused_first")
+    for kind, result in found.items():
+        assert result["steps"] == 5 and "IndivisibleError" in result["error"], (kind, result)
+
+
 EMPTY_JOB = SCRIPTS / "empty_replica_job.py"
 REFUSED_BEFORE_TRAINING = r"^ValueError: tfdist: fit's training data has a batch of \d+ example"
 REFUSED_BY_THE_PIPELINE = r"^InvalidArgumentError: .*tfdist: a training batch leaves a replica"

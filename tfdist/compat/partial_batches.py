@@ -55,6 +55,7 @@ __all__ = [
     "fix_even_split",
     "fix_jax_process_share",
     "fix_fit_marks_training_input",
+    "fix_jax_uneven_batch_refused_first",
     "split_evenly",
     "split_balanced",
     "leaves_a_replica_empty",
@@ -554,6 +555,72 @@ def fix_jax_process_share() -> None:
     )
 
 
+def _one_process_replicas() -> int:
+    """The data-parallel replicas of this one process's ``keras.distribution``; 1
+    without one, or when several processes feed it (``keras_jax_partial_batch_share``
+    and ``keras_jax_multi_process_inputs`` check those)."""
+    from keras import distribution as kd
+
+    distribution = kd.distribution()
+    if distribution is None or int(distribution.num_processes) != 1:
+        return 1
+    return int(distribution.num_model_replicas)
+
+
+def fix_jax_uneven_batch_refused_first() -> None:
+    """Refuses, before the first step, a batch that one JAX process cannot split evenly
+    between its devices, when the batch sizes are known.
+
+    Under a ``keras.distribution`` over several devices of one process, every batch is
+    one array split evenly between them; upstream finds a batch that cannot be (a last
+    batch of 89 at 128 on 2 devices) only when it comes, with jax's ``IndivisibleError``,
+    after a whole epoch of training (measured: 41 examples at 8 on 2 devices, 5 steps
+    trained first). The fix reads the sizes before the first step: arrays from Keras's
+    own adapter (its batch size and last partial batch), a ``tf.data`` pipeline where
+    ``batch_sizes`` can tell; and raises with the sizes and what to do. Sizes only the
+    data reveals, other inputs, one device, several processes: upstream's path.
+    """
+    module = upstream.keras_data_adapters_module()
+
+    def make(original):
+        def get_data_adapter(x, *args, **kwargs):
+            adapter = original(x, *args, **kwargs)
+            replicas = _one_process_replicas()
+            if replicas > 1:
+                sizes = _adapter_batch_sizes(adapter, x)
+                uneven = sorted(size for size in sizes or () if size % replicas)
+                if uneven:
+                    raise ValueError(
+                        f"tfdist: a batch of {uneven[0]} examples cannot be split evenly "
+                        f"between the {replicas} devices of the keras.distribution (batch "
+                        f"sizes {sorted(sizes)}): Keras on JAX gives every device the same "
+                        f"number of examples, and jax would fail when that batch comes. "
+                        f"Use a batch size and a dataset size whose every batch is a "
+                        f"multiple of {replicas} (or drop_remainder=True)."
+                    )
+            return adapter
+
+        return get_data_adapter
+
+    patch(module, "get_data_adapter", "keras_jax_uneven_batch_refused_first", make)
+
+
+def _adapter_batch_sizes(adapter, x) -> set[int] | None:
+    """The batch sizes an adapter will yield, when known before any data is read."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(x, tf.data.Dataset):
+        return batch_sizes(x)
+    batch = getattr(adapter, "batch_size", None)
+    count = getattr(adapter, "num_batches", None)
+    if not isinstance(adapter, upstream.keras_array_data_adapter_class()) or not batch:
+        return None
+    partial = adapter.partial_batch_size or 0
+    full = {batch} if count and count > (1 if partial else 0) else set()
+    return full | ({partial} if partial else set())
+
+
 FIXES = [
     Fix(
         "keras_partial_batch_loss_weights",
@@ -622,6 +689,27 @@ FIXES = [
         ),
         no_harm=(
             "tests/compat/test_partial_batches.py::test_a_batch_that_leaves_a_replica_empty_is_refused_in_training_only",
+        ),
+    ),
+    Fix(
+        "keras_jax_uneven_batch_refused_first",
+        "Keras on JAX, one process, several devices: a batch that cannot be split evenly "
+        "between them fails only when it comes, with jax's IndivisibleError, after "
+        "an epoch of training",
+        on_keras_backend("jax"),
+        fix_jax_uneven_batch_refused_first,
+        targets=targets(
+            "keras.src.trainers.data_adapters:get_data_adapter",
+            "keras.src.trainers.data_adapters.array_data_adapter:ArrayDataAdapter.partial_batch_size",
+            "keras.src.distribution.distribution_lib:Distribution.num_model_replicas",
+        ),
+        acts_where=(
+            "get_data_adapter under a keras.distribution over >1 device of one process, "
+            "arrays or tf.data with known batch sizes; other inputs, several processes: "
+            "upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes[jax 2 devices]",
         ),
     ),
     Fix(

@@ -29,6 +29,7 @@ from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __a
     jax_wait_at_barrier,
 )
 from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in __all__
+    keras_array_data_adapter_class,
     keras_backend_variable_class,
     keras_backup_load,
     keras_backup_paths,
@@ -152,6 +153,7 @@ __all__ = [
     "tf_static_batch_size",
     "keras_tf_optimizer_module",
     "keras_tree",
+    "keras_array_data_adapter_class",
     "keras_backend_variable_class",
     "keras_ops",
     "keras_progbar_logger_class",

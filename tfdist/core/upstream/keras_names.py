@@ -299,6 +299,14 @@ def keras_set_initial_epoch(model, epoch: int) -> None:
     model._initial_epoch = int(epoch)
 
 
+def keras_array_data_adapter_class():
+    """Keras's ``ArrayDataAdapter`` (numpy, jax and tf tensors, pandas): its batch size
+    and partial last batch are known before the first step."""
+    return importlib.import_module(
+        "keras.src.trainers.data_adapters.array_data_adapter"
+    ).ArrayDataAdapter
+
+
 def keras_data_adapters_module():
     """``keras.src.trainers.data_adapters``: ``get_data_adapter`` (which adapter an input
     gets, and the multi-process refusal) and ``is_tf_dataset`` live there; every epoch
