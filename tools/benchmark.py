@@ -393,6 +393,43 @@ def _executions(figures: Callable[..., dict]) -> Callable[[bool, int], dict]:
     return lambda quick, pairs: figures(quick, pairs, steps_per_execution=EXECUTION_STEPS)
 
 
+# The partial-batch fixes on full batches: 2 workers (the gRPC scalar all-reduce), 1 output.
+PARTIAL_BATCH_CONFIG = "2 workers, 1 output"
+PARTIAL_BATCH_GOAL = 1.05
+
+
+def _figures_partial_batch_cost(quick: bool, pairs: int) -> dict:
+    import bench_partial_batch_cost as pbc
+
+    if quick:
+        return pbc.measure(
+            pairs=pairs,
+            examples=10 * pbc.GLOBAL_BATCH,
+            epochs=2,
+            configs=(PARTIAL_BATCH_CONFIG,),
+            warmup=False,
+        )
+    return pbc.measure(pairs=pairs, configs=(PARTIAL_BATCH_CONFIG,))
+
+
+def _result_partial_batch_cost(f: dict, quick: bool) -> Result:
+    row = f["configs"][PARTIAL_BATCH_CONFIG]
+    a, b = statistics.median(row["a_ms"]), statistics.median(row["b_ms"])
+    same = row["weights_equal"]
+    met = None if quick else statistics.median(row["ratios"]) <= PARTIAL_BATCH_GOAL
+    return Result(
+        row["ratios"],
+        met=met if same else False,  # weights that differ on full batches: a bug, quick or not
+        a_values=row["a_ms"],
+        b_values=row["b_ms"],
+        value_unit="ms/step",
+        notes=f"{a:.1f} ms vs {b:.1f} ms per step ({a - b:+.1f} ms), "
+        f"the median of {row['timed_steps']} full steps per run; largest |A - B| of the final "
+        f"weights {row['max_abs_weight_diff']:.3g}"
+        + ("" if same else " (**A and B trained differently on full batches: a bug**)"),
+    )
+
+
 def _figures_checkpoint(quick: bool, pairs: int) -> dict:
     import bench_checkpoint
 
@@ -445,6 +482,7 @@ CHILD_ROWS = {
     "multi-worker-accumulation-k8": ChildRow(
         _executions(_figures_multi_worker_accumulation), _result_multi_worker_accumulation
     ),
+    "partial-batch-cost": ChildRow(_figures_partial_batch_cost, _result_partial_batch_cost),
     "checkpoint-save": ChildRow(_figures_checkpoint, lambda f, q: _result_checkpoint("save", f, q)),
     "checkpoint-restore": ChildRow(
         _figures_checkpoint, lambda f, q: _result_checkpoint("restore", f, q)
@@ -557,6 +595,13 @@ COMPARISONS = [
         "2 logical devices in one process, the same",
         "<= 1.2",
         _in_child("multi-worker-accumulation-k8"),
+    ),
+    Comparison(
+        "partial-batch-cost",
+        "2 workers, the partial-batch fixes on, ms/step on full batches",
+        "the same with the three fixes off (upstream)",
+        f"<= {PARTIAL_BATCH_GOAL}, weights A = B",
+        _in_child("partial-batch-cost"),
     ),
     Comparison(
         "checkpoint-save",

@@ -19,7 +19,9 @@ the date inside it; this tool renders those files into the pages' generated bloc
   same with ``--load 2``), and ``tools/logical_devices_measured.json`` (``python
   tools/bench_logical_devices.py --rounds 3 --json tools/logical_devices_measured.json``),
   and ``tools/step_breakdown_measured.json`` (``python tools/step_breakdown.py --pairs 2
-  --json tools/step_breakdown_measured.json``), in docs/benchmarks.md.
+  --json tools/step_breakdown_measured.json``), and ``tools/partial_batch_cost_measured.json``
+  (``python tools/bench_partial_batch_cost.py --pairs 5 --json
+  tools/partial_batch_cost_measured.json``), in docs/benchmarks.md.
 
     python tools/docs_figures.py            # print the blocks
     python tools/docs_figures.py --write    # replace them in the pages
@@ -51,6 +53,7 @@ EPOCH_START_JSON = TOOLS / "epoch_start_measured.json"
 EPOCH_START_LOADED_JSON = TOOLS / "epoch_start_loaded_measured.json"
 LOGICAL_DEVICES_JSON = TOOLS / "logical_devices_measured.json"
 STEP_BREAKDOWN_JSON = TOOLS / "step_breakdown_measured.json"
+PARTIAL_BATCH_COST_JSON = TOOLS / "partial_batch_cost_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -215,6 +218,15 @@ def step_breakdown_block(payload: dict) -> list[str]:
     return step_breakdown.format_table(payload).splitlines()
 
 
+def partial_batch_cost_block(payload: dict) -> list[str]:
+    """Full batches with the partial-batch fixes on and off (what
+    ``tools/bench_partial_batch_cost.py`` writes)."""
+    import bench_partial_batch_cost
+
+    lines = bench_partial_batch_cost.report(payload).splitlines()
+    return [_machine_line(payload["machine"]), "", lines[0], "", *(f"- {x}" for x in lines[1:])]
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -239,6 +251,8 @@ def blocks() -> dict[str, tuple[Path, str]]:
     found["logical devices"] = (DOCS / "benchmarks.md", logical)
     breakdown = step_breakdown_block(json.loads(STEP_BREAKDOWN_JSON.read_text()))
     found["step breakdown"] = (DOCS / "benchmarks.md", breakdown)
+    partial = partial_batch_cost_block(json.loads(PARTIAL_BATCH_COST_JSON.read_text()))
+    found["partial batch cost"] = (DOCS / "benchmarks.md", partial)
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()

@@ -64,6 +64,10 @@ def _sample_figures() -> dict:
         "multi-worker-accumulation-k8": {**_summary([1.1, 1.15], [1.0, 1.0]), "accumulation_steps": 4,
                                          "steps": 424, "warmup": 24, "goal_ratio": 1.2,
                                          "steps_per_execution": 8},
+        "partial-batch-cost": {"configs": {"2 workers, 1 output": {
+            "a_ms": [20.5, 21.0], "b_ms": [20.0, 20.0], "ratios": [1.025, 1.05],
+            "max_abs_weight_diff": 0.0, "weights_equal": True, "timed_steps": 237,
+            "steps_per_epoch": 80}}},
         "checkpoint-save": checkpoint,
         "checkpoint-restore": checkpoint,
     }  # fmt: skip
@@ -99,6 +103,11 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
     assert bench.CHILD_ROWS["launcher"].result(launcher, False).ratios == [2.0, 1.15]
     overhead = bench.CHILD_ROWS["overhead"].result(samples["overhead"], False)
     assert overhead.ratios == [1.01, 1.255] and overhead.met is False
+    partial = bench.CHILD_ROWS["partial-batch-cost"].result
+    assert partial(samples["partial-batch-cost"], False).met is True  # 1.0375 <= 1.05
+    differ = samples["partial-batch-cost"]["configs"]["2 workers, 1 output"]
+    differ = {"configs": {"2 workers, 1 output": {**differ, "weights_equal": False}}}
+    assert partial(differ, True).met is False and "a bug" in partial(differ, True).notes
 
 
 def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path):
@@ -251,6 +260,50 @@ def test_logical_devices_are_timed_against_one_device_round_by_round(monkeypatch
     assert env["TFDIST_CPU_DEVICES"] == "2" and env["TF_NUM_INTRAOP_THREADS"] == "1"
     assert "TFDIST_ALLREDUCE" not in env and env["A"] == "1"
     assert bl.config_env("1 device", {})["TFDIST_CPU_DEVICES"] == "1"
+
+
+def test_partial_batch_cost_alternates_fresh_runs_and_compares_their_weights(monkeypatch, tmp_path):
+    # docs/benchmarks.md, "What full batches pay for the partial-batch fixes".
+    import numpy as np
+
+    pbc = tool_module("bench_partial_batch_cost")
+    order = []
+
+    def run_config(name, side, model, examples, epochs, weights):
+        order.append((name, side))
+        # the first pair's A of 2 outputs (after the warm-up pair and 1 output's pair)
+        # trains differently: reported, not hidden
+        off = 1e-3 if len(order) == 5 else 0.0
+        np.savez(weights, np.full((2, 2), 0.5 + off, np.float32))
+        ms = 20.0 if side == "upstream" else 21.0
+        return {"ms_per_step": ms, "mean_ms_per_step": ms, "timed_steps": 237,
+                "steps_per_epoch": 80,
+                "replica_all_reduces_traced": {"fixes": 2.0, "upstream": 1.0}[side]}  # fmt: skip
+
+    monkeypatch.setattr(pbc, "run_config", run_config)
+    names = ("2 workers, 1 output", "2 workers, 2 outputs")
+    payload = pbc.measure(pairs=2, examples=1280, epochs=2, configs=names)
+    warm, a, b = ("2 workers, 1 output", "fixes"), "fixes", "upstream"
+    assert order == [warm, (names[0], b)] + [(n, s) for n in names for s in (a, b)] + [
+        (n, s) for n in names for s in (b, a)
+    ]  # fmt: skip
+    one, two = (payload["configs"][n] for n in names)
+    assert one["ratios"] == [1.05, 1.05] and one["weights_equal"] is True
+    assert len(one["a_mean_ms"]) == len(one["b_mean_ms"]) == 2  # not the warm-up's
+    assert two["weights_equal"] is False and two["max_abs_weight_diff"] > 1e-6
+    text = pbc.report(payload).splitlines()
+    assert text[1] == (
+        "2 workers, 1 output (1 scalar all-reduce(s) more a step): fixes on 21.0 ms, off "
+        "20.0 ms: +1.0 ms a step, A/B 1.05 (1.05-1.05, n=2), A slower in 2 of 2 pairs; weights "
+        "A = B (largest |A - B| 0)"
+    )
+    assert "**weights A != B" in text[2] and "a bug**" in text[2]
+    assert pbc._env("upstream", "workers")["TFDIST_COMPAT_EXCLUDE"] == pbc.EXCLUDE
+    assert "TFDIST_CPU_DEVICES" not in pbc._env("upstream", "workers")
+    assert pbc._env("fixes", "devices")["TFDIST_CPU_DEVICES"] == "2"
+    assert "TFDIST_COMPAT_EXCLUDE" not in pbc._env("fixes", "devices")
+    with pytest.raises(ValueError, match=r"Received: .*examples=1000"):
+        pbc.measure(examples=1000)  # not full batches only
 
 
 def test_bench_comm_names_its_variants():
