@@ -37,6 +37,7 @@ import sys
 import threading
 
 from tfdist import backends
+from tfdist.check import hook as check_hook
 from tfdist.core import cluster, config, process, quiet, upstream, versions
 
 __all__ = ["install", "installed", "auto_strategy"]
@@ -101,6 +102,7 @@ def install() -> None:
         return
     _installed = True
     quiet.install_defaults()
+    check_hook.start()  # under `tfdist check` only
     try:
         backend = backends.name()
     except config.ConfigError:
@@ -141,6 +143,7 @@ def _on_keras_import(_module) -> None:
 
     versions.check("keras")
     compat.apply_all()
+    check_hook.on_keras_import(_module)
 
 
 def _wrap_ensure(original):
@@ -325,3 +328,4 @@ def _on_keras_import_jax(_keras) -> None:
         # What keras.distribution.initialize() does after jax's: one random seed for every
         # process, so unseeded scripts still build the same initial weights everywhere.
         upstream.keras_jax_distribution_lib().initialize_rng()
+    check_hook.on_keras_import(_keras)

@@ -27,7 +27,7 @@ LAYERS = [
     {"saving", "data"},
     {"compat", "checkpoint"},  # compat: the Fix records (chief-only writes use saving)
     {"callbacks", "loops", "examples"},
-    {"startup", "bootstrap", "info"},
+    {"startup", "bootstrap", "info", "check"},
     {"cli", "__main__", "__init__"},
 ]
 # The floor's own layers: within tfdist.core, imports flow down these too.

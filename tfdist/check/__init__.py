@@ -1,0 +1,115 @@
+"""``tfdist check script.py``: does this unchanged script train one device's model when distributed?
+
+It runs the script's first ``steps`` training steps of its first ``fit`` on each
+topology on this machine's CPU, each in fresh processes (``runner``; the hook that stops
+``fit`` and records the weights is ``hook``), compares every topology with ``1 device``
+(``verdict``, through ``compare``: per variable, the largest absolute difference, a NaN
+never equal), shows the likely causes it has evidence for (``causes``), and reports
+(``report``). docs/check.md is the manual.
+
+Example:
+    >>> options = CheckOptions("train.py", steps=5)  # doctest: +SKIP
+    >>> report = check(options, progress=print)      # doctest: +SKIP
+    >>> report.exit_code                             # doctest: +SKIP
+    0
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CheckOptions", "DEFAULT_TOLERANCE", "check"]
+
+# Measured (docs/check.md, "Tolerance"): 2 devices or workers against one device after 20
+# steps differ by up to ~1e-7 (summation order in float32); a real defect by 1e-4 and more.
+DEFAULT_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What ``tfdist check`` runs: the script, its arguments, and how to check it."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    steps: int = 20
+    backend: str = "tensorflow"
+    topologies: str = ""  # "" -> topology.DEFAULTS
+    tolerance: float = DEFAULT_TOLERANCE
+    timeout: float = 300.0
+    keep: str | None = None  # a folder to keep the runs' files in
+
+
+def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line: None):
+    """Runs every topology, compares it with ``1 device``, and returns the ``Report``."""
+    from tfdist.check import causes, report, runner, topology, verdict
+
+    started = time.monotonic()
+    topologies = topology.parse_topologies(options.topologies or topology.DEFAULTS, options.backend)
+    folder = Path(options.keep or tempfile.mkdtemp(prefix="tfdist-check-"))
+    result = report.Report(options.script, options.backend, options.steps, options.tolerance)
+
+    def run(which, sync: bool = False):
+        name = str(which).replace(" ", "-") + ("-syncbn" if sync else "")
+        progress(f"tfdist check: running {which}{' (BatchNormalization synchronized)' * sync}")
+        done = runner.run_topology(
+            which,
+            options.script,
+            options.args,
+            steps=options.steps,
+            timeout=options.timeout,
+            folder=folder / name,
+            sync_batchnorm=sync,
+        )
+        progress(f"tfdist check: {which}: {done.status} in {done.seconds:.1f} s")
+        return done
+
+    try:
+        reference = run(topologies[0])
+        if reference.status == "done" and not reference.ranks[0].facts["steps"]:
+            reference.status = "no-steps"
+        if reference.status != "done":
+            result.error = _why_not(reference, options)
+            result.verdicts = [verdict.Verdict(reference, reference.status)]
+        else:
+            runs = [reference, *(run(t) for t in topologies[1:])]
+            result.verdicts = [verdict.judge(reference, r, options.tolerance) for r in runs]
+            result.causes = causes.find(
+                result.verdicts, reference, lambda t: run(t, sync=True), options.tolerance
+            )
+    finally:
+        if not options.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _why_not(reference, options: CheckOptions) -> str:
+    """Why ``1 device`` gave no result: the line a person needs, and the output's end."""
+    if reference.status == "no-fit":
+        return (
+            f"on 1 device it ended (exit code {reference.returncode}) without calling "
+            "keras.Model.fit: tfdist check measures fit only (a custom training loop, "
+            "tfdist.loops included, cannot be checked yet)"
+        )
+    if reference.status == "no-steps":
+        return (
+            "on 1 device its first fit returned without training a step (it resumed a "
+            "finished job from checkpoints in this folder? no data?)"
+        )
+    if reference.status == "timeout":
+        where = reference.waiting_at.get(0) or "before its first fit" + (
+            f" (fit at step {reference.progress[0].get('step')})"
+            if reference.progress.get(0, {}).get("state") == "fit"
+            else ""
+        )
+        return (
+            f"on 1 device it did not finish {options.steps} steps of fit within "
+            f"{options.timeout:g} s (waiting at {where}); raise --timeout if it is only slow"
+        )
+    tail = "\n".join(reference.output.strip().splitlines()[-8:])
+    return f"on 1 device it failed (exit code {reference.returncode}); its output ends:\n{tail}"

@@ -1,0 +1,236 @@
+"""The side of ``tfdist check`` that runs inside the user's unchanged script.
+
+``tfdist check`` starts the script through ``python -m tfdist.bootstrap`` (or ``tfdist
+launch``, whose workers run the same) with ``TFDIST_CHECK_DIR`` set. ``tfdist.startup``
+then calls ``start()`` at once and ``on_keras_import()`` when Keras is imported; the
+hook wraps ``keras.Model.fit`` so that the script's first ``fit``:
+
+1. gets one more callback that records each step's logs (loss and metrics) and sets
+   ``model.stop_training`` after ``TFDIST_CHECK_STEPS`` steps (Keras reads it after every
+   batch: ``keras/src/backend/*/trainer.py``), and the initial weights at its first step;
+2. when it returns, writes this process's result (``rank-R.npz``: weights after the
+   steps and at the start, per variable path; ``rank-R.json``: history and facts), waits
+   until every process of the job wrote its own (they all finished their collectives,
+   so none is left waiting on a peer that is gone), and ends the process with
+   ``os._exit(0)``: later saves, evaluations or prints of the script never run.
+
+``rank-R.progress`` says how far the process got (started, in fit at step k), and a
+``faulthandler`` timer writes every thread's stack to ``rank-R.stack`` shortly before
+the check's timeout, so that a hang names the line it waits on.
+``TFDIST_CHECK_SYNC_BN=1`` sets ``synchronized=True`` on every ``BatchNormalization`` of
+the model before ``fit`` traces its step (a re-run that shows whether they are the cause).
+
+Example:
+    $ TFDIST_CHECK_DIR=/tmp/c TFDIST_CHECK_STEPS=5 python -m tfdist.bootstrap train.py
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+__all__ = [
+    "DIR_ENV",
+    "STEPS_ENV",
+    "SYNC_BN_ENV",
+    "STACK_AFTER_ENV",
+    "active",
+    "start",
+    "on_keras_import",
+]
+
+DIR_ENV = "TFDIST_CHECK_DIR"
+STEPS_ENV = "TFDIST_CHECK_STEPS"
+SYNC_BN_ENV = "TFDIST_CHECK_SYNC_BN"
+STACK_AFTER_ENV = "TFDIST_CHECK_STACK_AFTER"  # seconds: when to write the stacks
+_FIX_NAME = "tfdist_check_fit"
+_PEERS_WAIT_S = 60.0
+
+
+def active() -> bool:
+    """Whether this process runs under ``tfdist check``."""
+    return bool(os.environ.get(DIR_ENV))
+
+
+def _rank() -> int:
+    from tfdist.core import cluster
+
+    info = cluster.cluster_from_env()
+    if not info.is_multi_worker:
+        return 0
+    return int(os.environ.get("RANK", info.task_index or 0))
+
+
+def _world() -> int:
+    from tfdist.core import cluster
+
+    return cluster.cluster_from_env().num_workers
+
+
+def _path(suffix: str) -> Path:
+    return Path(os.environ[DIR_ENV]) / f"rank-{_rank()}.{suffix}"
+
+
+def _progress(state: str, **facts) -> None:
+    """Overwrites this process's progress file (read by the check when it times out)."""
+    _path("progress").write_text(json.dumps({"state": state, "pid": os.getpid(), **facts}))
+
+
+def start() -> None:
+    """Called by ``tfdist.startup.install``: progress, and the stack dump before the timeout."""
+    if not active():
+        return
+    _progress("started")
+    after = float(os.environ.get(STACK_AFTER_ENV, "0") or 0)
+    if after > 0:
+        # A bare descriptor, open for the life of the process: faulthandler writes to it
+        # from its own thread, after Python objects may be gone.
+        fd = os.open(_path("stack"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        faulthandler.dump_traceback_later(after, exit=False, file=fd)
+
+
+def on_keras_import(keras) -> None:
+    """Wraps ``keras.Model.fit`` (the script's first ``fit`` is the one measured)."""
+    if not active():
+        return
+    from tfdist.core import fix_registry
+
+    def install() -> None:
+        fix_registry.patch(keras.Model, "fit", _FIX_NAME, _wrap_fit)
+
+    # Applied the one way every patch is (guard, journal, record); fit is Keras's public
+    # API, so no private target to fingerprint.
+    record = fix_registry.Fix(
+        _FIX_NAME, "tfdist check measures the first fit", lambda: True, install
+    )
+    reason = fix_registry.apply_fix(record)
+    if reason is not None:
+        raise RuntimeError(f"tfdist check cannot hook keras.Model.fit: {reason}")
+
+
+def _wrap_fit(original):
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        steps = int(os.environ.get(STEPS_ENV, "20"))
+        recorder = _recorder_class()(steps)
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), recorder]
+        batchnorm = _batchnorm_layers(self)
+        if os.environ.get(SYNC_BN_ENV) == "1":
+            for layer in batchnorm:
+                layer.synchronized = True  # read when fit traces its step, just below
+        _progress("fit", step=0)
+        try:
+            original(self, *args, **kwargs)
+        except BaseException as err:
+            _write_failure(err)
+            raise
+        _write_result(self, recorder, batchnorm)
+        _wait_for_peers()
+        os._exit(0)
+
+    return fit
+
+
+def _batchnorm_layers(model) -> list:
+    """The model's BatchNormalization layers, through the public ``layers`` of nested models."""
+    import keras
+
+    found, todo = [], list(getattr(model, "layers", ()))
+    while todo:
+        layer = todo.pop(0)
+        if isinstance(layer, keras.layers.BatchNormalization):
+            found.append(layer)
+        todo.extend(getattr(layer, "layers", ()))
+    return found
+
+
+def _recorder_class():
+    """A ``keras.callbacks.Callback`` subclass, made once Keras is imported."""
+    import keras
+    import numpy as np
+
+    class Recorder(keras.callbacks.Callback):
+        """Each step's logs; the weights at the first step; stops after ``steps`` steps."""
+
+        def __init__(self, steps: int):
+            super().__init__()
+            self.steps, self.done = steps, 0
+            self.history: dict[str, list[float]] = {}
+            self.initial: dict[str, np.ndarray] | None = None
+            self.steps_per_epoch: int | None = None
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.initial is None:
+                self.initial = _weights(self.model)
+                # Steps per epoch: a global batch that grows with the replicas shows here.
+                self.steps_per_epoch = self.params.get("steps")
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.done += 1
+            for key, value in (logs or {}).items():
+                self.history.setdefault(key, []).append(float(np.asarray(value)))
+            _progress("fit", step=self.done)
+            if self.done >= self.steps:
+                self.model.stop_training = True
+
+    return Recorder
+
+
+def _weights(model) -> dict:
+    """``{variable path: numpy array}``; a repeated path gets ``#2``, ``#3``..."""
+    import keras
+
+    out: dict = {}
+    for variable in model.weights:
+        key = variable.path
+        n = 1
+        while key in out:
+            n += 1
+            key = f"{variable.path}#{n}"
+        out[key] = keras.ops.convert_to_numpy(variable.value)
+    return out
+
+
+def _write_result(model, recorder, batchnorm: list) -> None:
+    import numpy as np
+
+    arrays = {f"final/{k}": v for k, v in _weights(model).items()}
+    arrays.update({f"initial/{k}": v for k, v in (recorder.initial or {}).items()})
+    tmp = _path("tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, _path("npz"))
+    facts = {
+        "steps": recorder.done,
+        "steps_per_epoch": recorder.steps_per_epoch,
+        "history": recorder.history,
+        "batchnorm": [layer.name for layer in batchnorm],
+        "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
+        "world": _world(),
+    }
+    _atomic_text(_path("json"), json.dumps(facts))
+    _progress("done", step=recorder.done)
+
+
+def _write_failure(err: BaseException) -> None:
+    _progress("failed", error=f"{type(err).__name__}: {err}"[:500])
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _wait_for_peers() -> None:
+    """Until every process of the job wrote its result: all left their collectives."""
+    world = _world()
+    folder = Path(os.environ[DIR_ENV])
+    deadline = time.monotonic() + _PEERS_WAIT_S
+    while time.monotonic() < deadline:
+        if all((folder / f"rank-{r}.json").exists() for r in range(world)):
+            return
+        time.sleep(0.05)

@@ -1,0 +1,130 @@
+"""The check's report: one line per topology and the likely causes, as text or as JSON.
+
+Example (text)::
+
+    tfdist check: train.py, 20 steps of fit, tensorflow, tolerance 1e-05
+      1 device    reference: 20 steps, loss 2.31 -> 1.87
+      2 devices   equal (worst sequential/dense/kernel 2.4e-07)
+      2 workers   DIFFERS: sequential/dense/kernel by 3.1e-03 (loss from step 1)
+    total 31.2 s
+    likely causes:
+      - worker_data: ...
+        fix: ...
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tfdist.check.causes import Cause
+from tfdist.check.verdict import Verdict
+
+__all__ = ["Report", "render", "as_json"]
+
+
+@dataclass
+class Report:
+    """Everything the check found; ``exit_code``: 0 equal, 1 a topology differs, 2 not run."""
+
+    script: str
+    backend: str
+    steps: int
+    tolerance: float
+    verdicts: list[Verdict] = field(default_factory=list)
+    causes: list[Cause] = field(default_factory=list)
+    seconds: float = 0.0
+    error: str = ""  # why the script could not be run or stopped
+
+    @property
+    def exit_code(self) -> int:
+        if self.error:
+            return 2
+        return 0 if all(v.status == "equal" for v in self.verdicts[1:]) else 1
+
+
+def _line(verdict: Verdict) -> str:
+    if verdict.run.topology.is_reference and verdict.run.status == "done":
+        facts = verdict.run.ranks[0].facts
+        loss = facts["history"].get("loss") or []
+        trend = f", loss {loss[0]:.4g} -> {loss[-1]:.4g}" if loss else ""
+        return f"reference: {facts['steps']} steps{trend}"
+    if verdict.status == "equal":
+        return f"equal (worst {_worst(verdict)})"
+    if verdict.status == "differs":
+        where = f" on process {verdict.rank}" if len(verdict.run.ranks) > 1 else ""
+        step = f" (loss from step {verdict.first_step})" if verdict.first_step else ""
+        return f"DIFFERS: {_worst(verdict)}{where}{step}"
+    return {
+        "timeout": f"TIMEOUT: not done after {verdict.run.seconds:.0f} s (see hang below)",
+        "failed": f"FAILED: exit code {verdict.run.returncode}",
+        "no-fit": "NO FIT: ended without calling fit",
+        "no-steps": "NO STEPS: fit trained no step",
+    }[verdict.status]
+
+
+def _worst(verdict: Verdict) -> str:
+    """The worse of the weights' and the history's differences, with its name."""
+    parts = [d for d in (verdict.weights, verdict.history) if d is not None]
+    worst = max(parts, key=lambda d: d.value)
+    if worst.reason:
+        return f"{worst.key}: {worst.reason}"
+    value = "inf" if math.isinf(worst.value) else f"{worst.value:.1e}"
+    return f"{worst.key} by {value}" if verdict.status == "differs" else f"{worst.key} {value}"
+
+
+def render(report: Report) -> str:
+    """The report a person reads in ten seconds."""
+    head = (
+        f"tfdist check: {report.script}, {report.steps} steps of fit, {report.backend}, "
+        f"tolerance {report.tolerance:g}"
+    )
+    lines = [head]
+    lines += [f"  {v.name:<13}{_line(v)}" for v in report.verdicts]
+    if report.error:
+        lines.append(f"could not stop this script: {report.error}")
+    lines.append(f"total {report.seconds:.1f} s")
+    if report.causes:
+        lines.append("likely causes:")
+        for cause in report.causes:
+            lines += [f"  - {cause.cause}: {cause.evidence}", f"    fix: {cause.fix}"]
+    elif report.exit_code == 1:
+        lines.append("likely causes: none the check can show (see docs/check.md)")
+    return "\n".join(lines)
+
+
+def _number(value: float | None):
+    return None if value is None or not math.isfinite(value) else value
+
+
+def _verdict_json(verdict: Verdict) -> dict:
+    weights, history = verdict.weights, verdict.history
+    return {
+        "topology": verdict.name,
+        "status": "reference"
+        if verdict.run.topology.is_reference and verdict.run.status == "done"
+        else verdict.status,
+        "seconds": round(verdict.run.seconds, 2),
+        "steps": verdict.steps,
+        "worst_variable": weights.key if weights else None,
+        "weight_difference": _number(weights.value) if weights else None,
+        "history_difference": _number(history.value) if history else None,
+        "not_comparable": (weights and weights.reason) or (history and history.reason) or None,
+        "first_differing_step": verdict.first_step,
+        "waiting_at": {str(k): v for k, v in verdict.run.waiting_at.items()},
+    }
+
+
+def as_json(report: Report) -> dict:
+    """The report as a JSON-ready dict (a difference that is not finite is ``null``)."""
+    return {
+        "script": report.script,
+        "backend": report.backend,
+        "steps": report.steps,
+        "tolerance": report.tolerance,
+        "exit_code": report.exit_code,
+        "error": report.error or None,
+        "total_seconds": round(report.seconds, 2),
+        "topologies": [_verdict_json(v) for v in report.verdicts],
+        "causes": [vars(c) for c in report.causes],
+    }
