@@ -52,6 +52,7 @@ IMPORT_TIME = (
 )
 _WARM_BACKENDS = ("tensorflow", "jax")
 _START_TIMEOUT_S = 120.0  # importing TensorFlow and Keras on a loaded 2-core machine
+_PARENT_CHECK_S = 5.0  # how often the warm process looks for its pytest process
 
 
 # ------------------------------------------------------------------ the warm process
@@ -175,8 +176,9 @@ def serve(fd: int) -> None:
     selector = selectors.DefaultSelector()
     selector.register(sock, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
-    while True:
-        for key, _ in selector.select():
+    parent = os.getppid()
+    while os.getppid() == parent:  # else the pytest process is gone: end as if it closed
+        for key, _ in selector.select(timeout=_PARENT_CHECK_S):
             if key.fileobj is sock:
                 msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
                 if not msg:
@@ -206,6 +208,9 @@ def serve(fd: int) -> None:
             if job is not None:
                 message = {"id": job, "returncode": _returncode(status)}
                 sock.sendall(json.dumps(message).encode() + b"\n")
+
+    for pid in children:
+        _kill_group(pid)
 
 
 def _kill_group(pid: int) -> None:
@@ -414,8 +419,10 @@ def _close_all() -> None:
 
 
 if __name__ == "__main__":
-    # Ends with the pytest process that started it, however that one ends.
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # Ends with the pytest process that started it, however that one ends: its end of the
+    # socket closes (serve returns), and a pytest process gone any other way leaves this
+    # one reparented (serve's select wakes every few seconds to see). Not PR_SET_PDEATHSIG:
+    # that fires when the *thread* that started this process ends, and jobs start from
+    # thread pools too (tests/e2e/test_checks_catch_faults.py): the pool's end killed the
+    # warm process under the next test's job (a BrokenPipeError in CI).
     serve(int(sys.argv[1]))

@@ -108,3 +108,21 @@ def test_a_job_that_changes_an_import_time_variable_starts_cold():
         [str(SCRIPTS / "faults.py")], env=child_env(), base_env=child_env(), cwd=REPO
     )
     assert isinstance(popen, warm_start.WarmProcess) and popen.wait(60) == 0
+
+
+def test_a_warm_process_started_from_a_thread_outlives_the_thread():
+    """Jobs start from thread pools too: the warm process a pool's thread started keeps
+    serving after that thread ended (it once died with it, under the next test's job)."""
+    import threading
+
+    made = {}
+    thread = threading.Thread(target=lambda: made.update(server=warm_start._Server(child_env())))
+    thread.start()
+    thread.join(timeout=300)
+    server = made["server"]
+    try:
+        job = server.start(["-c", "print('served')"], child_env(), str(REPO), text=True)
+        out, _ = job.communicate(timeout=120)
+        assert (job.returncode, out.strip()) == (0, "served")
+    finally:
+        server.close()
