@@ -37,6 +37,13 @@ CREDENTIALS = {
     "AWS_DEFAULT_REGION": "us-east-1",
 }
 
+# Straight to the server, whatever proxy the environment names: urllib's default opener
+# keeps the proxies of the environment it was first used in, and a test elsewhere in the
+# process points them at a closed port (tests/data/test_data.py's failing download): the
+# server then "refused" every connection although it listened (seen in CI).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 # The child: moto's threaded server on a port the OS picks, which it prints, then serves
 # until its stdin closes (the parent closed it, or died).
 _SERVE = """
@@ -71,20 +78,8 @@ class Bucket:
 class S3Server:
     """moto's S3 server in a child process; ``close()`` (or the ``with`` block) ends it."""
 
-    def __init__(self, ready_timeout: float = 60.0, attempts: int = 2):
-        # A server that printed its port but never answered was seen once in CI (port
-        # 45521, connection refused for 60 s, the process alive, nothing logged): not
-        # reproduced since. Each attempt's error says where its socket was (its network
-        # namespace against ours, the listening sockets it sees); a second server on a
-        # fresh port is tried once before the test errors.
-        errors = []
-        for _ in range(attempts):
-            try:
-                self._start(ready_timeout / attempts)
-                return
-            except RuntimeError as err:
-                errors.append(str(err))
-        raise RuntimeError("\n".join(errors))
+    def __init__(self, ready_timeout: float = 60.0):
+        self._start(ready_timeout)
 
     def _start(self, ready_timeout: float) -> None:
         self._log = tempfile.TemporaryFile()
@@ -124,7 +119,7 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                urllib.request.urlopen(self.endpoint + "/moto-api/", timeout=5).close()
+                _DIRECT.open(self.endpoint + "/moto-api/", timeout=5).close()
                 return
             except urllib.error.HTTPError:
                 return  # an HTTP answer of any status: it serves
