@@ -557,7 +557,10 @@ def test_without_a_stack_the_job_runs_on_loopback_and_one_line_warns(tmp_path):
     out = output.text()
     assert code == 0, out[-3000:]
     results = worker_results(output)
-    assert sorted(r["restart"] for r in results) == [0, 0, 1, 1], out
+    # Both group starts ran: w0 asks for the restart after its first result (w1's first
+    # may not come out before the launcher stops it), then both workers' second.
+    started = {(r["rank"], r["restart"]) for r in results}
+    assert {(0, 0), (0, 1), (1, 1)} <= started and started <= {(0, 0), (1, 0), (0, 1), (1, 1)}, out
     assert all(r["interfaces"] == ["lo"] and r["gateway"] is None for r in results)
     warnings = [line for line in out.splitlines() if "cannot reach anything outside it" in line]
     assert len(warnings) == 1, out
