@@ -70,8 +70,11 @@ def _become(request: dict, out_fd: int, err_fd: int, sock: socket.socket) -> Non
     sock.close()
     os.setsid()
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
+    # As in a fresh interpreter: CPython ignores SIGPIPE (a write to a closed pipe raises
+    # BrokenPipeError), and a child left at SIG_DFL died of it where a cold job would not.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, target in ((null, 0), (out_fd, 1), (err_fd, 2)):
