@@ -44,6 +44,8 @@ def _with_lean_imports(pythonpath: str | None) -> str:
 
 
 os.environ["PYTHONPATH"] = _with_lean_imports(os.environ.get("PYTHONPATH"))
+# `tfdist launch`'s workers fork from this process's warm process too (tests/warm_python).
+os.environ.update(warm_start.LAUNCH_ENV)
 
 
 def child_env(**overrides: str) -> dict[str, str]:
@@ -110,11 +112,14 @@ def popen_python(*argv: str, warm: bool = True, **env):
 
 
 def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
-    """``python -m tfdist launch *argv`` from the repository, output captured."""
+    """``python -m tfdist launch *argv`` from the repository, output captured; its
+    workers fork from the warm process (tests/warm_python)."""
+    child = child_env(**env)
+    warm_start.prepare(child, child_env())
     return subprocess.run(
         [sys.executable, "-m", "tfdist", "launch", *argv],
         cwd=REPO,
-        env=child_env(**env),
+        env=child,
         capture_output=True,
         text=True,
         timeout=timeout,

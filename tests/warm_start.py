@@ -27,8 +27,10 @@ before; so do all jobs with ``TFDIST_TEST_WARM=0``. Example::
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,16 +60,31 @@ _PARENT_CHECK_S = 5.0  # how often the warm process looks for its pytest process
 # ------------------------------------------------------------------ the warm process
 
 
-def _become(request: dict, out_fd: int, err_fd: int, sock: socket.socket) -> None:
-    """The forked child takes the job's process group, files, environment and seeds."""
+def _become(request: dict, fds: list[int], sock: socket.socket) -> None:
+    """The forked child takes the job's process group, files, environment and seeds.
+
+    ``fds``: its stdout and stderr, or (a job of ``warm_python``) its stdin, stdout and
+    stderr, then the network and user namespaces to join."""
     import atexit as child_atexit
     import posix
     import random
 
-    # The warm process's own exit notes (tests/lean_imports' ledger) are not the job's.
+    # The warm process's own exit note (tests/lean_imports' ledger) is not the job's; the
+    # exit functions its imports registered are, as in a fresh interpreter (jax's
+    # clean_up, which shuts its distributed client down in order: without it a chief's
+    # exit aborted the other process).
     os._exit = posix._exit
-    child_atexit._clear()
+    ledger = sys.modules.get("sitecustomize")
+    if getattr(ledger, "_AT_EXIT", None) is not None:
+        child_atexit.unregister(ledger._AT_EXIT)  # type: ignore[union-attr]
     sock.close()
+    for fd in request.get("close_fds", ()):
+        os.close(fd)
+    if len(fds) == 2:
+        in_fd, out_fd, err_fd = os.open(os.devnull, os.O_RDONLY), fds[0], fds[1]
+    else:
+        in_fd, out_fd, err_fd = fds[:3]
+        _join_namespaces(fds[3:])
     os.setsid()
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGTERM):
@@ -76,8 +93,7 @@ def _become(request: dict, out_fd: int, err_fd: int, sock: socket.socket) -> Non
     # BrokenPipeError), and a child left at SIG_DFL died of it where a cold job would not.
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    null = os.open(os.devnull, os.O_RDONLY)
-    for fd, target in ((null, 0), (out_fd, 1), (err_fd, 2)):
+    for fd, target in ((in_fd, 0), (out_fd, 1), (err_fd, 2)):
         os.dup2(fd, target)
         os.close(fd)
     env = request["env"]
@@ -95,6 +111,19 @@ def _become(request: dict, out_fd: int, err_fd: int, sock: socket.socket) -> Non
         import sitecustomize  # tests/lean_imports: the child's own ledger lines
 
         sitecustomize._ledger(env["TFDIST_TEST_LEDGER"])
+
+
+def _join_namespaces(fds: list[int]) -> None:
+    """Enters the user, then the network namespace ``fds`` name (a launcher's private
+    network: ``warm_python`` was started in it), where they are not this process's."""
+    import ctypes
+
+    setns = ctypes.CDLL(None, use_errno=True).setns
+    for fd, kind, flag in zip(fds, ("user", "net"), (0x10000000, 0x40000000), strict=False):
+        if os.fstat(fd).st_ino != os.stat(f"/proc/self/ns/{kind}").st_ino:
+            if setns(fd, flag) != 0:
+                raise OSError(ctypes.get_errno(), f"setns({kind})")
+        os.close(fd)
 
 
 def _run_main(request: dict) -> None:
@@ -132,14 +161,14 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _child(request: dict, out_fd: int, err_fd: int, sock: socket.socket) -> None:
+def _child(request: dict, fds: list[int], sock: socket.socket) -> None:
     """Runs in the forked child: becomes the job, then exits with its code."""
     import posix
     import traceback
 
     code = 1
     try:
-        _become(request, out_fd, err_fd, sock)
+        _become(request, fds, sock)
         _run_main(request)
         code = 0
     except SystemExit as exc:
@@ -160,60 +189,175 @@ def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def serve(fd: int) -> None:
-    """The warm process: imports, then forks a child per request until its socket closes."""
-    import selectors
+def warm_key(env: dict[str, str]) -> str:
+    """Which warm process a job can fork from: its Keras backend and, on JAX, the ``JAX_*``
+    variables jax reads at import (the name of its socket in ``WARM_DIR``;
+    tests/warm_python.py computes the same).
 
+    Example:
+        >>> warm_key({}), warm_key({"KERAS_BACKEND": "tensorflow", "JAX_ENABLE_X64": "1"})
+        ('tensorflow', 'tensorflow')
+    """
+    backend = env.get("KERAS_BACKEND", "tensorflow")
+    flags = sorted(f"{k}={v}" for k, v in env.items() if k.startswith("JAX_"))
+    if backend != "jax" or not flags:
+        return backend
+    return f"{backend}-{hashlib.sha1(chr(10).join(flags).encode()).hexdigest()[:12]}"
+
+
+def import_time_difference(env: dict[str, str], warm_env: dict[str, str]) -> str | None:
+    """The first variable read at import (``IMPORT_TIME``; on JAX ``JAX_*`` too) in which a
+    job's environment differs from its warm process's, or None: then it can fork from it."""
+    keys = set(IMPORT_TIME)
+    if env.get("KERAS_BACKEND", "tensorflow") == "jax":
+        keys |= {k for k in (*env, *warm_env) if k.startswith("JAX_")}
+    defaults = {"KERAS_BACKEND": "tensorflow"}
+    return next(
+        (
+            k
+            for k in sorted(keys)
+            if env.get(k, defaults.get(k)) != warm_env.get(k, defaults.get(k))
+        ),
+        None,
+    )
+
+
+class _Warm:
+    """The warm process's state: its sockets and the jobs it forked."""
+
+    def __init__(self, fd: int, listen_path: str | None):
+        import selectors
+
+        self.base_path = list(sys.path[1:])  # without this file's folder
+        self.sock = socket.socket(fileno=fd)
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.sock, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.listener = None
+        if listen_path:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.listener.bind(listen_path)
+            self.listener.listen(64)
+            self.selector.register(self.listener, selectors.EVENT_READ)
+        self.children: dict[int, int | socket.socket] = {}  # pid -> pytest's job id, or shim
+        self.shims: dict[socket.socket, int] = {}  # a warm_python connection -> its job (0)
+
+    def fork(self, request: dict, fds: list[int]) -> int:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            others = [c.fileno() for c in self.shims]
+            others += [self.listener.fileno()] if self.listener else []
+            request = {**request, "base_path": self.base_path, "close_fds": others}
+            _child(request, fds, self.sock)
+        for fd in fds:
+            os.close(fd)
+        return pid
+
+    def from_pytest(self) -> bool:
+        """A job from the pytest process; False when it closed its socket."""
+        msg, fds, _, _ = socket.recv_fds(self.sock, 1 << 20, 2)
+        if not msg:
+            return False
+        request = json.loads(msg)
+        pid = self.fork(request, fds)
+        self.children[pid] = request["id"]
+        self.sock.sendall(json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")
+        return True
+
+    def accept(self) -> None:
+        import selectors
+
+        assert self.listener is not None
+        conn, _ = self.listener.accept()
+        self.selector.register(conn, selectors.EVENT_READ)
+        self.shims[conn] = 0
+
+    def from_shim(self, conn: socket.socket) -> None:
+        """A ``warm_python``'s job, or its end (then its job is killed)."""
+        try:
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 5)
+        except OSError:
+            msg, fds = b"", []
+        if not msg:
+            if self.shims[conn]:
+                _kill_group(self.shims[conn])
+            self.selector.unregister(conn)
+            del self.shims[conn]
+            conn.close()
+            return
+        request = json.loads(msg)
+        differs = import_time_difference(request["env"], dict(os.environ))
+        if differs is not None:
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(json.dumps({"cold": f"{differs} differs"}).encode())
+            return
+        pid = self.fork(request, fds)
+        self.children[pid] = conn
+        self.shims[conn] = pid
+        conn.sendall(json.dumps({"pid": pid}).encode())
+
+    def reap(self) -> None:
+        """Reports each ended job's exit code to whoever asked for it."""
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self.children.pop(pid, None)
+            code = _returncode(status)
+            if isinstance(job, socket.socket):
+                if self.shims.get(job) == pid:
+                    self.shims[job] = 0
+                    try:
+                        job.sendall(json.dumps({"returncode": code}).encode())
+                    except OSError:
+                        pass
+            elif job is not None:
+                message = {"id": job, "returncode": code}
+                self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def kill_all(self) -> None:
+        for pid in self.children:
+            _kill_group(pid)
+
+
+def serve(fd: int, listen_path: str | None = None) -> None:
+    """The warm process: imports, then forks a child per request until its socket closes.
+
+    Requests come from the pytest process (``fd``) and, when ``listen_path`` is given, from
+    ``warm_python`` processes (one connection each: the job's files and namespaces, its pid
+    back, then its exit code; a connection closed first kills the job).
+    """
     import keras  # noqa: F401 - the point: imported once, before any fork
     import numpy  # noqa: F401
     import tensorflow  # noqa: F401
 
-    base_path = list(sys.path[1:])  # without this file's folder
-    sock = socket.socket(fileno=fd)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock.sendall(b'{"ready": true}\n')
-    children: dict[int, int] = {}
-    selector = selectors.DefaultSelector()
-    selector.register(sock, selectors.EVENT_READ)
-    selector.register(wake_r, selectors.EVENT_READ)
+    warm = _Warm(fd, listen_path)
+    warm.sock.sendall(b'{"ready": true}\n')
     parent = os.getppid()
     while os.getppid() == parent:  # else the pytest process is gone: end as if it closed
-        for key, _ in selector.select(timeout=_PARENT_CHECK_S):
-            if key.fileobj is sock:
-                msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 2)
-                if not msg:
-                    for pid in children:
-                        _kill_group(pid)
+        for key, _ in warm.selector.select(timeout=_PARENT_CHECK_S):
+            if key.fileobj is warm.sock:
+                if not warm.from_pytest():
+                    warm.kill_all()
                     return
-                request = json.loads(msg)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                pid = os.fork()
-                if pid == 0:
-                    _child({**request, "base_path": base_path}, fds[0], fds[1], sock)
-                for fd_ in fds:
-                    os.close(fd_)
-                children[pid] = request["id"]
-                sock.sendall(json.dumps({"id": request["id"], "pid": pid}).encode() + b"\n")
+            elif key.fileobj is warm.listener:
+                warm.accept()
+            elif isinstance(key.fileobj, socket.socket):
+                warm.from_shim(key.fileobj)
             else:
-                os.read(wake_r, 4096)
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            job = children.pop(pid, None)
-            if job is not None:
-                message = {"id": job, "returncode": _returncode(status)}
-                sock.sendall(json.dumps(message).encode() + b"\n")
-
-    for pid in children:
-        _kill_group(pid)
+                os.read(warm.wake_r, 4096)
+        warm.reap()
+    warm.kill_all()
 
 
 def _kill_group(pid: int) -> None:
@@ -275,15 +419,34 @@ class WarmProcess:
         return self._read(self._out), self._read(self._err)
 
 
+# Where this pytest process's warm processes listen for ``warm_python`` (tests/warm_python:
+# ``tfdist launch``'s workers, TFDIST_LAUNCH_PYTHON): one socket per backend.
+WARM_DIR = tempfile.mkdtemp(prefix="tfdist-warm-")
+atexit.register(shutil.rmtree, WARM_DIR, True)
+# What a test child needs to start launch workers warm (conftest puts it on os.environ).
+_SHIM = Path(WARM_DIR) / "python"
+_SHIM.write_text(
+    f"#!{sys.executable} -IS\n" + (Path(__file__).resolve().parent / "warm_python.py").read_text()
+)
+_SHIM.chmod(0o755)
+LAUNCH_ENV = {
+    "TFDIST_LAUNCH_PYTHON": str(_SHIM),
+    "TFDIST_TEST_WARM_DIR": WARM_DIR,
+    "TFDIST_TEST_PYTHON": sys.executable,
+}
+
+
 class _Server:
     """The test side of one warm process."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], *, listen: bool = False):
+        """``listen``: also serve ``warm_python`` (one warm process per backend does)."""
         self.env = dict(env)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = tempfile.TemporaryFile()  # the imports' warnings: no pipe to fill
+        path = os.path.join(WARM_DIR, warm_key(env) + ".sock")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, str(theirs.fileno())],
+            [sys.executable, __file__, str(theirs.fileno()), *([path] if listen else [])],
             env=self.env,
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
@@ -363,23 +526,31 @@ def _server_for(env: dict[str, str], base_env: dict[str, str]) -> _Server | None
     """The warm process this job can fork from (started on first use), or None."""
     if os.environ.get("TFDIST_TEST_WARM", "1") == "0":
         return None
-    backend = env.get("KERAS_BACKEND", "tensorflow")
-    if backend not in _WARM_BACKENDS or backend in _FAILED:
+    backend, key = env.get("KERAS_BACKEND", "tensorflow"), warm_key(env)
+    if backend not in _WARM_BACKENDS or key in _FAILED:
         return None
     with _STARTING:
-        server = _SERVERS.get(backend)
-        if server is None and backend not in _FAILED:
+        server = _SERVERS.get(key)
+        if server is None and key not in _FAILED:
+            jax_flags = {k: v for k, v in env.items() if k.startswith("JAX_")}
+            warm_env = {**base_env, "KERAS_BACKEND": backend}
+            if backend == "jax":
+                warm_env = {k: v for k, v in warm_env.items() if not k.startswith("JAX_")}
+                warm_env.update(jax_flags)
             try:
-                server = _SERVERS[backend] = _Server({**base_env, "KERAS_BACKEND": backend})
+                server = _SERVERS[key] = _Server(warm_env, listen=True)
             except (OSError, RuntimeError) as err:
-                _FAILED.add(backend)
+                _FAILED.add(key)
                 print(f"warm_start: jobs start cold ({err})", file=sys.stderr)
-    if server is None:
+    if server is None or import_time_difference(env, server.env) is not None:
         return None
-    keys = set(IMPORT_TIME) - {"KERAS_BACKEND"}
-    keys |= {k for k in (*env, *server.env) if k.startswith("JAX_")}  # jax reads them at import
-    same = all(env.get(k) == server.env.get(k) for k in keys)
-    return server if same else None
+    return server
+
+
+def prepare(env: dict[str, str], base_env: dict[str, str]) -> None:
+    """Starts the warm process a job with ``env`` would use, for the ``tfdist launch``
+    workers it starts (``warm_python``); they start cold where there is none."""
+    _server_for(env, base_env)
 
 
 def popen(argv: list[str], *, env: dict[str, str], base_env: dict[str, str], cwd, text=True):
@@ -428,4 +599,4 @@ if __name__ == "__main__":
     # that fires when the *thread* that started this process ends, and jobs start from
     # thread pools too (tests/e2e/test_checks_catch_faults.py): the pool's end killed the
     # warm process under the next test's job (a BrokenPipeError in CI).
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)

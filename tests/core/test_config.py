@@ -25,6 +25,27 @@ def test_bad_environment_values_are_config_errors_naming_the_variable(text):
         config.cpu_devices(environ={"TFDIST_CPU_DEVICES": text})
 
 
+def test_launch_python_argument_then_environment_then_the_launchers_own(tmp_path, monkeypatch):
+    import sys
+
+    from tfdist.launch import LaunchOptions
+    from tfdist.launch.environment import worker_command
+
+    wrapper = tmp_path / "py"
+    wrapper.write_text('#!/bin/sh\nexec python3 "$@"\n')
+    wrapper.chmod(0o755)
+    assert config.launch_python(environ={}) == sys.executable
+    assert config.launch_python(environ={"TFDIST_LAUNCH_PYTHON": str(wrapper)}) == str(wrapper)
+    assert config.launch_python("/x/py", environ={"TFDIST_LAUNCH_PYTHON": str(wrapper)}) == "/x/py"
+    with pytest.raises(config.ConfigError, match=r"TFDIST_LAUNCH_PYTHON='/no/such/python'.*Unset"):
+        config.launch_python(environ={"TFDIST_LAUNCH_PYTHON": "/no/such/python"})
+    with pytest.raises(TypeError, match="python"):
+        config.launch_python(3)  # type: ignore[arg-type]
+    monkeypatch.setenv("TFDIST_LAUNCH_PYTHON", str(wrapper))
+    command = worker_command(LaunchOptions(nproc=2, target="train.py"))
+    assert command == [str(wrapper), "-m", "tfdist.bootstrap", "train.py"]
+
+
 def test_config_error_is_a_value_error():
     assert issubclass(config.ConfigError, ValueError)
 

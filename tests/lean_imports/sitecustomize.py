@@ -51,6 +51,9 @@ if os.environ.get("TFDIST_TEST_FULL_IMPORTS") != "1":
 # one when it exits normally (CPU seconds of all its threads), tagged with the pytest test
 # that started it (pytest sets PYTEST_CURRENT_TEST in the environment children inherit). A
 # process killed (kill -9) has a start line only.
+_AT_EXIT = None  # this process's exit note, once _ledger registered it
+
+
 def _ledger(path: str) -> None:
     import atexit
     import json
@@ -91,6 +94,8 @@ def _ledger(path: str) -> None:
 
     write({"event": "start"})
     atexit.register(at_exit)
+    global _AT_EXIT
+    _AT_EXIT = at_exit  # a job forked from this process unregisters it (tests/warm_start.py)
     # os._exit skips atexit (workers end that way to skip TensorFlow's teardown): note first.
     real_exit = os._exit
 

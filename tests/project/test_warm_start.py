@@ -103,7 +103,13 @@ def test_a_job_that_changes_an_import_time_variable_starts_cold():
     assert _warm(["-c", code]).stdout.strip() == "['tensorflow']"
     assert _warm(["-c", code], TF_ENABLE_ONEDNN_OPTS="0").stdout.strip() == "[]"
     assert _warm(["-c", code], KERAS_BACKEND="jax").stdout.strip() == "['jax', 'tensorflow']"
-    assert _warm(["-c", code], KERAS_BACKEND="jax", JAX_ENABLE_X64="1").stdout.strip() == "[]"
+    # jax's own import-time flags: a warm process of their own, started with them.
+    x64 = "import jax, sys; print('tensorflow' in sys.modules, jax.config.jax_enable_x64)"
+    assert _warm(["-c", x64], KERAS_BACKEND="jax").stdout.split() == ["True", "False"]
+    assert _warm(["-c", x64], KERAS_BACKEND="jax", JAX_ENABLE_X64="1").stdout.split() == [
+        "True",
+        "True",
+    ]
     popen = warm_start.popen(
         [str(SCRIPTS / "faults.py")], env=child_env(), base_env=child_env(), cwd=REPO
     )
@@ -126,3 +132,82 @@ def test_a_warm_process_started_from_a_thread_outlives_the_thread():
         assert (job.returncode, out.strip()) == (0, "served")
     finally:
         server.close()
+
+
+def _shim(*argv, **env):
+    """``tfdist launch``'s warm worker interpreter (tests/warm_python.py), started as the
+    launcher starts it."""
+    child = child_env(**env)
+    warm_start.prepare(child, child_env())
+    python = warm_start.LAUNCH_ENV["TFDIST_LAUNCH_PYTHON"]
+    return subprocess.Popen(
+        [python, *argv],
+        env=child,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+SHIM_PROBE = """
+import json, os, sys
+print(json.dumps({"pid": os.getpid(), "net": os.readlink("/proc/self/ns/net"),
+                  "tensorflow": "tensorflow" in sys.modules, "argv": sys.argv}), flush=True)
+"""
+
+
+def test_the_launch_workers_python_forks_the_job_and_stands_in_for_it():
+    """What tfdist launch sees of a worker (its pid's exit code or signal, signals sent to
+    its group, its death) is the forked job's; the job joins the worker's network."""
+    import os
+    import time
+
+    shim = _shim("-c", SHIM_PROBE, "x")
+    out, _ = shim.communicate(timeout=120)
+    job = last_json_line(out)
+    assert job["tensorflow"] and job["argv"] == ["-c", "x"] and job["pid"] != shim.pid
+    for code, expected in (("import sys; sys.exit(3)", 3), ("import os; os._exit(0)", 0)):
+        assert _shim("-c", code).wait(120) == expected
+    killed = _shim("-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert killed.wait(120) == -signal.SIGKILL
+
+    # A signal to the worker's group reaches the job, which ends as it chooses.
+    code = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: (print('term', flush=True), sys.exit(7)))\n"
+        "print('ready', flush=True)\ntime.sleep(60)\n"
+    )
+    term = _shim("-c", code)
+    assert term.stdout.readline().strip() == "ready"
+    os.killpg(term.pid, signal.SIGTERM)
+    assert term.wait(60) == 7 and term.stdout.read().strip() == "term"
+
+    # A worker killed -9 (its launcher's death, a fault test): its job goes too.
+    orphan = _shim("-c", "import os, time; print(os.getpid(), flush=True); time.sleep(60)")
+    job_pid = int(orphan.stdout.readline())
+    os.killpg(orphan.pid, signal.SIGKILL)
+    orphan.wait(30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{job_pid}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{job_pid}")
+
+    # In a network namespace of its own (the launcher's private network), so is the job.
+    python = warm_start.LAUNCH_ENV["TFDIST_LAUNCH_PYTHON"]
+    netns = subprocess.run(
+        ["unshare", "--net", python, "-c", SHIM_PROBE],
+        env=child_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    inside = last_json_line(netns.stdout)
+    assert inside["tensorflow"] and inside["net"] != os.readlink("/proc/self/ns/net")
+
+    # An import-time variable the warm process did not start with: a cold start.
+    cold, _ = _shim("-c", SHIM_PROBE, TF_ENABLE_ONEDNN_OPTS="0").communicate(timeout=120)
+    assert not last_json_line(cold)["tensorflow"]

@@ -27,6 +27,8 @@ variable                       default     meaning
                                            network instead of a private one
 ``TFDIST_PRIVATE_EGRESS``      1           ``0``: the private network's workers get no
                                            outbound connections (loopback only)
+``TFDIST_LAUNCH_PYTHON``       launcher's  the interpreter ``tfdist launch`` starts its
+                                           workers with (a path, or a name on PATH)
 ``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
 =============================  ==========  ================================================
 
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -111,6 +115,7 @@ SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
 SHARED_NETWORK_ENV = "TFDIST_SHARED_NETWORK"
 PRIVATE_EGRESS_ENV = "TFDIST_PRIVATE_EGRESS"
+LAUNCH_PYTHON_ENV = "TFDIST_LAUNCH_PYTHON"
 ALLREDUCE_ENV = "TFDIST_ALLREDUCE"
 BYTES_PER_PACK_ENV = "TFDIST_BYTES_PER_PACK"
 DEBUG_ENV = "TFDIST_DEBUG"
@@ -216,6 +221,30 @@ def private_egress(arg: bool | None = None, *, environ: Mapping[str, str] | None
         "(loopback only)."
     )
     return _env_flag(environ, PRIVATE_EGRESS_ENV, True, hint)
+
+
+def launch_python(arg: str | None = None, *, environ: Mapping[str, str] | None = None) -> str:
+    """The interpreter ``tfdist launch`` starts workers with: ``arg``, else
+    ``TFDIST_LAUNCH_PYTHON``, else the launcher's own (``sys.executable``). A wrapper that
+    takes Python's arguments works too (a profiler's, a container's).
+
+    Example:
+        >>> launch_python(environ={}) == sys.executable
+        True
+    """
+    if arg is not None:
+        return validate.instance(arg, str, "python", "launch", "an interpreter's path (a str)")
+    text = _env(environ).get(LAUNCH_PYTHON_ENV, "").strip()
+    if not text:
+        return sys.executable
+    found = shutil.which(text)
+    if found is None:
+        raise ConfigError(
+            f"{LAUNCH_PYTHON_ENV} must name an executable Python interpreter (a path, or a "
+            f"name on PATH). Received: {LAUNCH_PYTHON_ENV}={text!r}. Unset it to start "
+            "workers with the launcher's own interpreter."
+        )
+    return found
 
 
 def debug(environ: Mapping[str, str] | None = None) -> bool:

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import sys
 from dataclasses import dataclass
 
 from tfdist.core import validate
-from tfdist.core.config import ConfigError, private_egress, shared_network
+from tfdist.core.config import ConfigError, launch_python, private_egress, shared_network
 
 __all__ = ["LOOPBACK", "LaunchOptions", "check_options", "split_host", "is_loopback"]
 
@@ -113,7 +112,8 @@ class LaunchOptions:
         stop_grace: seconds between SIGTERM and SIGKILL when stopping the survivors of
             a failed worker (they are usually stuck in a collective).
         finish_timeout: once one worker exited 0, how long the others may still run.
-        python: the interpreter for the workers.
+        python: the interpreter for the workers (default: ``TFDIST_LAUNCH_PYTHON``, else
+            the launcher's own).
         log_dir: write worker i's whole output (stdout and stderr, unfiltered, without
             progress-bar redraws) to ``LOG_DIR/worker-<i>.log``; the console then only
             gets the launcher's messages unless ``tee``.
@@ -146,7 +146,7 @@ class LaunchOptions:
     grace: float = 30.0
     stop_grace: float = 5.0
     finish_timeout: float = 600.0
-    python: str = sys.executable
+    python: str | None = None  # None: TFDIST_LAUNCH_PYTHON, else the launcher's own
     log_dir: str | None = None
     tee: bool = False
     verbose: bool = False
@@ -160,6 +160,7 @@ class LaunchOptions:
         self._check_network()
         self._check_timeouts()
         self._check_output()
+        self._set("python", launch_python(self.python))
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # normalizing a field of a frozen instance
