@@ -17,9 +17,10 @@ the release range (test_versions), and the 1-device = N-device equivalence suite
 (test_distribute, test_idioms, test_clipping, test_accumulation, test_keras_callbacks,
 test_resume_world_size) with the test of their checks (test_checks_catch_faults).
 
-Each jax session runs every JAX suite (JAX_TESTS). CI's newest-jax session runs only
-CI_NEWEST_JAX_TESTS (.ci/run reads them from here; README.md says which run where); every
-JAX suite runs in CI's main test command on the jax its interpreter installs.
+Each jax session runs every JAX suite (JAX_TESTS). CI's newest-jax session runs them too
+(CI_NEWEST_JAX_TESTS, with CI_NEWEST_JAX_OPTIONS: the mixed suites' JAX cells; .ci/run
+reads both from here and README.md says which run where); every JAX suite also runs in
+CI's main test command on the jax its interpreter installs.
 """
 
 import os
@@ -62,7 +63,7 @@ JAX_TESTS = [
     "tests/test_custom_loops.py",
     "tests/e2e/test_idioms.py",
 ]
-# What CI's newest-jax session runs (a subset, to keep CI under its time budget).
+# What CI's newest-jax session runs: every JAX suite, with CI_NEWEST_JAX_OPTIONS.
 CI_NEWEST_JAX_TESTS = [
     "tests/e2e/test_jax.py",
     "tests/core/test_fix_guards.py",
@@ -73,7 +74,12 @@ CI_NEWEST_JAX_TESTS = [
     "tests/backends/test_layouts.py",
     "tests/checkpoint/test_jax_checkpoint.py",
     "tests/e2e/test_jax_faults.py",
+    "tests/test_custom_loops.py",
+    "tests/e2e/test_idioms.py",
 ]
+# The idiom suite's (and fix guards') TensorFlow cells run in CI's main stage, not twice
+# (tests/conftest.py: --backend deselects them).
+CI_NEWEST_JAX_OPTIONS = ["--backend=jax"]
 
 nox.options.reuse_existing_virtualenvs = True
 

@@ -179,6 +179,30 @@ MNIST_ON_DISK = (MNIST_DIR / "mnist").is_dir()
 MNIST_MISSING = f"needs MNIST on disk: no {MNIST_DIR / 'mnist'} (set TFDS_DATA_DIR)"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--backend",
+        choices=("tensorflow", "jax"),
+        help="deselect the cells of tests parametrized by `backend` that run another "
+        "backend (CI's newest-jax session runs the mixed suites' JAX cells: noxfile.py)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--backend B``: a test parametrized with another ``backend`` is deselected (it runs
+    in the session for that backend), never skipped."""
+    wanted = config.getoption("--backend")
+    if wanted is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if params.get("backend", wanted) != wanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_runtest_setup(item):
     if item.get_closest_marker("mnist") is not None and not MNIST_ON_DISK:
         if os.environ.get("CI", "").lower() == "true":
