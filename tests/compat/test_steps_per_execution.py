@@ -99,13 +99,26 @@ def matrix(tmp_path_factory):
 @pytest.mark.parametrize("backend, topology", list(CELLS))
 def test_steps_per_execution_matches_one_device(matrix, backend, topology):
     reference, cell = matrix[backend, "1 device"], matrix[backend, topology]
+    assert len(reference["cases"]) == (len(JAX_CASES) if backend == "jax" else 5)
+    check_cell(reference, cell, backend, topology)
+
+
+def check_cell(
+    reference: dict, cell: dict, backend: str, topology: str, fixed: list | None = None
+) -> None:
+    """The cell ran on ``topology`` (every worker, every case's models) and each of its
+    workers' cases equals one device's (tests/e2e/test_checks_catch_faults.py injects a
+    fault for each of these checks). ``fixed``: the model kinds whose ``fit`` ran the fix
+    (default: the cell's, for every case)."""
     one = {"backend": backend, "replicas": 1, "workers": 1, "steps_per_execution": 4}
     assert reference["topology"] == {**one, "fixed": []}  # one replica: upstream's function
-    assert len(reference["cases"]) == (len(JAX_CASES) if backend == "jax" else 5)
-    want = {key: CELLS[backend, topology][key] for key in ("replicas", "workers")}
+    expected = dict(CELLS[backend, topology])
+    if fixed is not None:
+        expected["fixed"] = fixed
+    want = {key: expected[key] for key in ("replicas", "workers")}
     assert sorted(cell["workers"]) == list(range(want["workers"]))
     for rank, worker in cell["workers"].items():  # every worker's, not the chief's alone
-        assert worker["topology"] == {**one, **CELLS[backend, topology]}, rank
+        assert worker["topology"] == {**one, **expected}, f"worker {rank}: {worker['topology']}"
         for name, case in worker["cases"].items():  # what each case's models ran on
             assert case.get("trained_on") == [want], (rank, name, case.get("trained_on"))
         failures = equivalence.case_failures(reference["cases"], worker["cases"], TOLERANCE)

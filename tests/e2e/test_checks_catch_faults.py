@@ -13,13 +13,19 @@ pass without it:
   process trains on one device: the process's topology passes, the idiom's own fails;
 - ``inert_callback``: a callback that does nothing fails the callback-acted check;
 - ``late_resume``: a checkpoint resumed one step late fails the resume test's check.
+
+The partial-batch and steps_per_execution jobs (tests/compat/test_partial_batches.py,
+test_steps_per_execution.py) take ``nan``, ``one_device`` and ``outside_distribution`` too,
+each caught by that file's own checks.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +33,12 @@ import test_idioms
 import test_resume_world_size as world_size
 
 from conftest import REPO, SCRIPTS, equivalence
+
+# tests/compat's partial-batch suite, importable when this file runs alone too (pytest puts
+# a test file's folder on sys.path only when it collects that file).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat"))
+import test_partial_batches as partial  # noqa: E402
+import test_steps_per_execution as spe  # noqa: E402
 
 NotEquivalent = equivalence.NotEquivalent
 CALLBACKS = sorted(test_idioms.ACTED)
@@ -178,6 +190,86 @@ def test_a_checkpoint_resumed_one_step_late_fails_the_resume_check(tmp_path):
     assert late["resumed_step"] == 10 and late["steps"] == 24  # the counts look right
     with pytest.raises(NotEquivalent, match="differs by"):
         world_size.check_resumed(late, "1", reference)
+
+
+PARTIAL_CASE = "last 5 tf.data"  # 2 replicas cut its last batch 3 + 2
+# A job's runs for the fault tests: {name: (topology, environment)}.
+FAULT_RUNS = {
+    "reference": ("1 device", {}),
+    "clean": ("2 devices", {}),
+    "nan": ("2 devices", {"TFDIST_TEST_FAULT": "nan"}),
+    "one_device": ("2 devices", {"TFDIST_TEST_FAULT": "one_device"}),
+    "outside": ("2 devices", {"TFDIST_TEST_FAULT": "outside_distribution"}),
+}
+
+
+@pytest.fixture(scope="module")
+def partial_runs() -> dict[str, dict]:
+    """The partial-batch job on TensorFlow, one case: a clean reference and a run per fault
+    (2 at a time)."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(partial._run, topology, PARTIAL_CASE, **env)
+            for name, (topology, env) in FAULT_RUNS.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_partial_batch_job_fails_that_files_checks(partial_runs):
+    reference, clean = partial_runs["reference"], partial_runs["clean"]
+    partial._check_topology(reference, "tensorflow", "1 device")
+    partial._check_topology(clean, "tensorflow", "2 devices")  # the checks pass without one
+    partial._assert_equal_to_one_device(reference, clean)
+    assert set(clean["cases"]) == {PARTIAL_CASE}
+
+    nan = partial_runs["nan"]
+    partial._check_topology(nan, "tensorflow", "2 devices")
+    with pytest.raises(AssertionError, match="non-finite"):
+        partial._assert_equal_to_one_device(reference, nan)
+
+    # One device's numbers are one device's: only the topology checks tell.
+    for fault, where in (("one_device", r"'replicas': 1"), ("outside", PARTIAL_CASE)):
+        run = partial_runs[fault]
+        partial._assert_equal_to_one_device(reference, run)
+        with pytest.raises(AssertionError, match=where):
+            partial._check_topology(run, "tensorflow", "2 devices")
+
+
+SPE_CASE = "mlp numpy"
+
+
+@pytest.fixture(scope="module")
+def spe_runs(tmp_path_factory) -> dict[str, dict]:
+    """The steps_per_execution job on TensorFlow, one case: a clean reference and a run per
+    fault, side by side as that file runs its matrix."""
+    tmp = tmp_path_factory.mktemp("spe_faults")
+    procs = {
+        name: spe._start("tensorflow", topology, f"{tmp}/{name}", SPE_CASE, **env)
+        for name, (topology, env) in FAULT_RUNS.items()
+    }
+    return {name: spe._finish(proc) for name, proc in procs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_steps_per_execution_job_fails_that_files_check(spe_runs):
+    reference = spe_runs["reference"]
+
+    def check(run):
+        spe.check_cell(reference, run, "tensorflow", "2 devices", fixed=["mlp"])
+
+    check(spe_runs["clean"])  # the check passes without a fault
+    with pytest.raises(AssertionError, match="non-finite"):
+        check(spe_runs["nan"])
+    with pytest.raises(AssertionError, match=r"'replicas': 1"):
+        check(spe_runs["one_device"])
+    outside = spe_runs["outside"]
+    assert outside["topology"]["replicas"] == 2  # the process ran on 2 devices, its model
+    assert outside["cases"][SPE_CASE]["trained_on"] == [{"replicas": 1, "workers": 1}]
+    with pytest.raises(AssertionError, match=r"'replicas': 2, .*'fixed': \[\]"):
+        check(outside)  # on one: the fix never ran for it
 
 
 def test_the_mnist_rule_is_only_conftests():

@@ -12,24 +12,32 @@ none. Every case builds its model from the same weights and prints what one devi
 give: weights, losses per epoch, validation losses, evaluate's results, predictions.
 Prints one JSON line on every worker: ``PARTIAL {"topology": {...}, "rank": r, "cases": {name:
 {"values": {...}, "trained_on": [...]} or {"error": "..."}}}``; ``trained_on`` is what
-each case's models ran on (tests/scripts/trained_on.py).
+each case's models ran on (tests/scripts/trained_on.py). ``TFDIST_TEST_FAULT``
+(tests/scripts/faults.py: ``nan``, ``one_device``, ``outside_distribution``) injects a
+fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
 
-import keras
-import numpy as np
-
-import tfdist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
+
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import trained_on  # noqa: E402
+
+import tfdist  # noqa: E402
 
 BATCH = 16
 SIZES = {"last 1": 33, "last 5": 37, "last 8": 40, "last 12": 44, "none": 48}
@@ -47,7 +55,7 @@ def data(examples: int, seed: int = 0):
 
 def build(conv: bool):
     """The same starting weights on every topology (``seeded_classifier``)."""
-    with tfdist.scope():
+    with contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope():
         if conv:  # the tutorials' layers
             layers = [
                 keras.layers.Conv2D(4, 3, activation="relu"),
@@ -284,7 +292,10 @@ def main() -> None:
         keras.utils.set_random_seed(0)
         trained_on.NOTED.clear()
         try:
-            out[name] = {"values": run(*spec), "trained_on": list(trained_on.NOTED)}
+            values = run(*spec)
+            if faults.active("nan"):
+                values["weight 0"][0] = float("nan")
+            out[name] = {"values": values, "trained_on": list(trained_on.NOTED)}
         except Exception as error:  # a failing case is a result, not a crash of the others
             traceback.print_exc()
             out[name] = {"error": f"{type(error).__name__}: {str(error)[:1500]}"}

@@ -14,10 +14,14 @@ the predictions; the checkpoint case also lists the files ``tfdist.callbacks.che
 (``save_freq=3``) wrote. Prints one JSON line on every worker: ``SPE {"topology": {...},
 "rank": r, "cases": {name: {"values": {...}, "trained_on": [...]} or {"error": "..."}}}``;
 ``trained_on`` is what the case's models ran on (tests/scripts/trained_on.py).
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``one_device``,
+``outside_distribution``) injects a fault tests/e2e/test_checks_catch_faults.py must see
+caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -25,13 +29,17 @@ import tempfile
 import traceback
 from pathlib import Path
 
-import keras
-import numpy as np
-
-import tfdist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import faults  # noqa: E402
+
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import trained_on  # noqa: E402
+
+import tfdist  # noqa: E402
 
 K = 4
 BATCH = 16
@@ -77,7 +85,7 @@ def _optimizer(kind: str):
 
 def build(kind: str, steps_per_execution: int = K):
     """The same starting weights on every topology, compiled with ``steps_per_execution``."""
-    with tfdist.scope():
+    with contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope():
         layers = _layers(kind)
         model = keras.Sequential([keras.Input((6, 6, 1)), *layers, keras.layers.Dense(3)])
         local = np.random.default_rng(42)
@@ -116,6 +124,8 @@ class BatchEnds(keras.callbacks.Callback):
 
 def _values(model, history, ends: BatchEnds, evaluate, predict) -> dict:
     values = {f"weight {i}": w.ravel().tolist() for i, w in enumerate(model.get_weights())}
+    if faults.active("nan"):
+        values["weight 0"][0] = float("nan")
     values.update({k: list(v) for k, v in history.history.items()})
     for kind, calls in ends.calls.items():
         values[f"{kind} batch ends"] = {str(i): call for i, call in enumerate(calls)}
