@@ -36,8 +36,15 @@ def cold(reason: str):
     os.execv(python, [python, *sys.argv[1:]])
 
 
-def warm_key(env):
-    """tests/warm_start.py's ``warm_key``: the backend, and on JAX its ``JAX_*`` flags."""
+def warm_key(env: dict[str, str]) -> str:
+    """Which warm process a job can fork from: its Keras backend and, on JAX, the ``JAX_*``
+    variables jax reads at import (the name of its socket in ``TFDIST_TEST_WARM_DIR``;
+    tests/warm_start.py names its sockets with this function too).
+
+    Example:
+        >>> warm_key({}), warm_key({"KERAS_BACKEND": "tensorflow", "JAX_ENABLE_X64": "1"})
+        ('tensorflow', 'tensorflow')
+    """
     backend = env.get("KERAS_BACKEND", "tensorflow")
     flags = sorted(f"{k}={v}" for k, v in env.items() if k.startswith("JAX_"))
     if backend != "jax" or not flags:
@@ -106,4 +113,5 @@ def main():
     os._exit(code)
 
 
-main()
+if __name__ == "__main__":  # the stand-in; tests/warm_start.py imports warm_key
+    main()

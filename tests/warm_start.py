@@ -27,7 +27,6 @@ before; so do all jobs with ``TFDIST_TEST_WARM=0``. Example::
 from __future__ import annotations
 
 import atexit
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from warm_python import warm_key  # the socket each warm process listens on
 
 # Read when TensorFlow, Keras or Python start: a job that sets another value starts cold.
 IMPORT_TIME = (
@@ -187,22 +188,6 @@ def _child(request: dict, fds: list[int], sock: socket.socket) -> None:
 
 def _returncode(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def warm_key(env: dict[str, str]) -> str:
-    """Which warm process a job can fork from: its Keras backend and, on JAX, the ``JAX_*``
-    variables jax reads at import (the name of its socket in ``WARM_DIR``;
-    tests/warm_python.py computes the same).
-
-    Example:
-        >>> warm_key({}), warm_key({"KERAS_BACKEND": "tensorflow", "JAX_ENABLE_X64": "1"})
-        ('tensorflow', 'tensorflow')
-    """
-    backend = env.get("KERAS_BACKEND", "tensorflow")
-    flags = sorted(f"{k}={v}" for k, v in env.items() if k.startswith("JAX_"))
-    if backend != "jax" or not flags:
-        return backend
-    return f"{backend}-{hashlib.sha1(chr(10).join(flags).encode()).hexdigest()[:12]}"
 
 
 def import_time_difference(env: dict[str, str], warm_env: dict[str, str]) -> str | None:

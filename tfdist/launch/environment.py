@@ -23,7 +23,6 @@ from tfdist.core.config import (
     CPU_DEVICES_ENV,
     RESTART_ENV,
     ConfigError,
-    launch_python,
 )
 from tfdist.launch.options import LOOPBACK, LaunchOptions, check_options, is_loopback, split_host
 
@@ -161,10 +160,9 @@ def worker_command(options: LaunchOptions) -> list[str]:
     """
     check_options(options, "worker_command")
     target = ["-m", options.target] if options.module else [options.target]
-    python = options.python or launch_python()  # LaunchOptions set it; a type's formality
     if options.fixes:
-        return [python, "-m", BOOTSTRAP_MODULE, *target, *options.args]
-    return [python, *target, *options.args]
+        return [options.python, "-m", BOOTSTRAP_MODULE, *target, *options.args]
+    return [options.python, *target, *options.args]
 
 
 def _gpus_per_worker(options: LaunchOptions, gpus: list[str]) -> int:

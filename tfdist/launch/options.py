@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tfdist.core import validate
 from tfdist.core.config import ConfigError, launch_python, private_egress, shared_network
@@ -146,7 +146,7 @@ class LaunchOptions:
     grace: float = 30.0
     stop_grace: float = 5.0
     finish_timeout: float = 600.0
-    python: str | None = None  # None: TFDIST_LAUNCH_PYTHON, else the launcher's own
+    python: str = field(default_factory=launch_python)  # TFDIST_LAUNCH_PYTHON, else ours
     log_dir: str | None = None
     tee: bool = False
     verbose: bool = False
