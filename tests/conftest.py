@@ -64,12 +64,14 @@ def child_env(**overrides: str) -> dict[str, str]:
 
 
 def run_python(
-    code: str, *, timeout: float = 180, check: bool = True, warm: bool = False, **env
+    code: str, *, timeout: float = 180, check: bool = True, warm: bool = True, **env
 ) -> subprocess.CompletedProcess:
-    """Runs ``code`` in a fresh interpreter; fails the test with its output on error.
+    """Runs ``code`` in a fresh process; fails the test with its output on error.
 
-    ``warm=True``: forked from a process that imported TensorFlow and Keras already
-    (tests/warm_start.py), for jobs that do not test how a process starts.
+    By default the process is forked from one that imported TensorFlow and Keras already
+    (tests/warm_start.py; a job whose environment changes an import-time variable starts
+    cold by itself). ``warm=False``: a fresh interpreter, for tests of how a process
+    starts (what it imports, in which order, what it prints while importing).
     """
     if warm:
         proc = warm_start.run(

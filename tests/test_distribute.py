@@ -149,7 +149,8 @@ def test_cli_help_does_not_import_tensorflow():
         except SystemExit as e:
             assert e.code == 0
         print("TF" if "tensorflow" in sys.modules else "NO-TF")
-        """
+        """,
+        warm=False,  # what a fresh process imports is what is tested
     )
     assert proc.stdout.strip().endswith("NO-TF")
     assert "info" in proc.stdout

@@ -65,6 +65,9 @@ def test_info_under_jax_reports_the_mesh_and_never_joins_the_job():
         JAX_NUM_PROCESSES="2",
         JAX_PROCESS_ID="1",
         TFDIST_REGISTER_TIMEOUT="600",  # joining would outlast run_python's timeout
+        # A fresh interpreter: these JAX_* variables would be a warm process's own, which
+        # imports Keras (and starts jax) with them before the job runs.
+        warm=False,
     )
     assert "backend:       jax" in proc.stdout and "mesh {'batch': 4}" in proc.stdout
     assert "replicas=4" in proc.stdout

@@ -15,8 +15,13 @@ import pytest
 from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
 
 
+def run_fresh(code: str, **env):
+    """``run_python`` in a fresh interpreter: how a process starts is what these test."""
+    return run_python(code, warm=False, **env)
+
+
 def test_import_tfdist_installs_hooks_without_importing_tensorflow():
-    proc = run_python(
+    proc = run_fresh(
         """
         import sys, tfdist
         from tfdist import startup
@@ -29,7 +34,7 @@ def test_import_tfdist_installs_hooks_without_importing_tensorflow():
 
 @pytest.mark.devices
 def test_fixes_are_applied_when_their_package_is_imported():
-    proc = run_python(
+    proc = run_fresh(
         """
         import json
         import tfdist
@@ -49,7 +54,7 @@ def test_the_startup_hook_is_applied_like_a_fix_and_no_exclusion_removes_it():
     """tfdist's own hook on ``Context.ensure_initialized`` goes through
     ``fix_registry.apply_fix`` (guarded, recorded) like every fix; with every fix
     excluded it is still there, so the logical devices still apply."""
-    proc = run_python(
+    proc = run_fresh(
         """
         import json
         import tfdist
@@ -68,7 +73,7 @@ def test_the_startup_hook_is_applied_like_a_fix_and_no_exclusion_removes_it():
 
 @pytest.mark.devices
 def test_a_tensorflow_op_before_the_scope_keeps_the_logical_devices():
-    proc = run_python(
+    proc = run_fresh(
         """
         import tfdist
         import tensorflow as tf
@@ -82,7 +87,7 @@ def test_a_tensorflow_op_before_the_scope_keeps_the_logical_devices():
 
 @pytest.mark.devices
 def test_tensorflow_started_before_tfdist_was_imported_is_still_a_clear_error():
-    proc = run_python(
+    proc = run_fresh(
         """
         import tensorflow as tf
         tf.constant(1.0)                     # too late: devices are fixed
@@ -99,7 +104,7 @@ def test_tensorflow_started_before_tfdist_was_imported_is_still_a_clear_error():
 
 def _tutorial(n_devices: int | None = None) -> dict:
     env = {"TFDIST_CPU_DEVICES": str(n_devices)} if n_devices else {}
-    proc = run_python(
+    proc = run_fresh(
         f"import runpy; runpy.run_path({str(SCRIPTS / 'tutorial_order.py')!r}, "
         "run_name='__main__')",
         timeout=300,

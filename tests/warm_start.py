@@ -457,10 +457,13 @@ class _Server:
         except (TimeoutError, BlockingIOError):
             return None
         if not data:
-            self._log.seek(0)
-            log = self._log.read().decode(errors="replace")
-            raise RuntimeError(f"warm_start: the warm process ended:\n{log[-3000:]}")
+            raise RuntimeError(f"warm_start: the warm process ended:\n{self.log()}")
         return json.loads(data)
+
+    def log(self) -> str:
+        """The end of what the warm process printed (its imports' warnings, a crash)."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-3000:]
 
     def _dispatch(self, message: dict) -> None:
         if "pid" in message:
@@ -474,7 +477,10 @@ class _Server:
             self._next += 1
             job = self._next
             request = json.dumps({"id": job, "argv": argv, "env": env, "cwd": str(cwd)})
-            socket.send_fds(self.sock, [request.encode()], [out.fileno(), err.fileno()])
+            try:
+                socket.send_fds(self.sock, [request.encode()], [out.fileno(), err.fileno()])
+            except OSError as error:
+                raise RuntimeError(f"warm_start: the warm process ended:\n{self.log()}") from error
             while job not in self._pids:
                 message = self._receive(_START_TIMEOUT_S)
                 if message is None:
@@ -516,6 +522,15 @@ def _server_for(env: dict[str, str], base_env: dict[str, str]) -> _Server | None
         return None
     with _STARTING:
         server = _SERVERS.get(key)
+        if server is not None and server.proc.poll() is not None:
+            # It ended (a crash is in its log): one failed job, not every later one.
+            print(
+                f"warm_start: a warm process ended; starting another\n{server.log()}",
+                file=sys.stderr,
+            )
+            server = _SERVERS.pop(key)
+            server.close()
+            server = None
         if server is None and key not in _FAILED:
             jax_flags = {k: v for k, v in env.items() if k.startswith("JAX_")}
             warm_env = {**base_env, "KERAS_BACKEND": backend}

@@ -127,7 +127,6 @@ def test_save_and_load_round_trip_through_s3(s3_bucket):
                    for a, b in zip(model.get_weights(), loaded.get_weights()))
         print(json.dumps({{"diff": diff, "n": len(loaded.get_weights())}}))
         """,
-        warm=True,
         **s3_bucket.env,
     )
     result = last_json_line(proc.stdout)

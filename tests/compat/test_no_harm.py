@@ -83,7 +83,7 @@ def _cell(name: str) -> dict:
     else:
         argv = [str(JOB), *cases]
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-        proc = run_python(code, timeout=600, warm=True, TFDIST_CPU_DEVICES=str(replicas), **env)
+        proc = run_python(code, timeout=600, TFDIST_CPU_DEVICES=str(replicas), **env)
     reports = _reports(proc.stdout)
     assert sorted(reports) == list(range(workers)), f"{name}: reports from {sorted(reports)}"
     for worker, found in reports.items():

@@ -76,7 +76,7 @@ def _run(topology: str, *args: str, check: bool = True, backend: str = "tensorfl
     if topology == "2 devices":
         env["TFDIST_CPU_DEVICES"] = "2"
     code = f"import runpy, sys; sys.argv = {[str(JOB), *args]!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
-    proc = run_python(code, timeout=600, check=check, warm=True, **env)
+    proc = run_python(code, timeout=600, check=check, **env)
     return proc if not check else _report(proc.stdout)
 
 
@@ -325,7 +325,7 @@ def test_batch_sizes_read_from_the_pipeline_and_which_cuts_leave_a_replica_empty
         out["takes"] = [takes_empty_replicas(m) for m in (dense, nested, bn, conv, custom)]
         print(json.dumps(out))
     """
-    out = json.loads(run_python(code, warm=True).stdout.strip().splitlines()[-1])
+    out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
     assert out["batch"] == [1, 16]
     assert out["drop"] == [16]
     assert out["even"] == [16]
@@ -373,7 +373,7 @@ _JAX_UNEVEN = """
 
 
 def _jax_uneven(**env) -> dict:
-    proc = run_python(_JAX_UNEVEN, warm=True, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", **env)
+    proc = run_python(_JAX_UNEVEN, KERAS_BACKEND="jax", TFDIST_CPU_DEVICES="2", **env)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -413,7 +413,7 @@ def _empty_replica_cases(devices: int, *cases: str, **env) -> dict:
         f"import runpy, sys; sys.argv = {[str(EMPTY_JOB), *cases]!r}; "
         "runpy.run_path(sys.argv[0], run_name='__main__')"
     )
-    proc = run_python(code, timeout=600, warm=True, TFDIST_CPU_DEVICES=str(devices), **env)
+    proc = run_python(code, timeout=600, TFDIST_CPU_DEVICES=str(devices), **env)
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("EMPTY ")]
     report = json.loads(line.removeprefix("EMPTY "))
     assert report["replicas"] == devices, report["replicas"]

@@ -80,7 +80,7 @@ def run_job(backend: str, topology: str, *idioms: str, **env) -> dict:
         env["TFDIST_CPU_DEVICES"] = "2"
     code = f"import runpy, sys; sys.argv = {[str(JOB), *idioms]!r}; "
     code += f"runpy.run_path({str(JOB)!r}, run_name='__main__')"
-    return _values(run_python(code, timeout=600, warm=True, **env).stdout)
+    return _values(run_python(code, timeout=600, **env).stdout)
 
 
 @functools.cache

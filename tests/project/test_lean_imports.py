@@ -15,9 +15,11 @@ print(json.dumps({"skipped": skipped, "own": [jax.numpy.ones(2).tolist(), matplo
 
 
 def test_children_skip_upstreams_optional_imports_but_not_their_own():
-    lean = last_json_line(run_python(PROBE, KERAS_BACKEND="tensorflow").stdout)
+    lean = last_json_line(run_python(PROBE, warm=False, KERAS_BACKEND="tensorflow").stdout)
     assert lean == {"skipped": {"jax": True, "matplotlib": True}, "own": [[1.0, 1.0], "matplotlib"]}
     full = last_json_line(
-        run_python(PROBE, KERAS_BACKEND="tensorflow", TFDIST_TEST_FULL_IMPORTS="1").stdout
+        run_python(
+            PROBE, warm=False, KERAS_BACKEND="tensorflow", TFDIST_TEST_FULL_IMPORTS="1"
+        ).stdout
     )
     assert full["skipped"] == {"jax": False, "matplotlib": False}, full

@@ -72,10 +72,10 @@ def test_each_job_sets_up_its_own_devices_and_fixes_like_a_fresh_process():
         " 'kernel': m.layers[0].kernel.numpy().tolist()}))\n"
     )
     seed = "import keras; keras.utils.set_random_seed(5)\n"
-    cold = last_json_line(run_python(seed + code, TFDIST_CPU_DEVICES="2").stdout)
+    cold = last_json_line(run_python(seed + code, warm=False, TFDIST_CPU_DEVICES="2").stdout)
     for devices, excluded in (("2", None), ("1", None), ("2", "all")):
         env = {"TFDIST_CPU_DEVICES": devices, "TFDIST_COMPAT_EXCLUDE": excluded}
-        warm = last_json_line(run_python(seed + code, warm=True, **env).stdout)
+        warm = last_json_line(run_python(seed + code, **env).stdout)
         assert warm["replicas"] == int(devices)
         assert (warm["applied"] == []) == (excluded == "all")
         if devices == "2" and excluded is None:
