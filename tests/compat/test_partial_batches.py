@@ -10,7 +10,7 @@ global batch is one array split evenly over the devices: a batch with an odd num
 examples cannot be split between 2 replicas, and those cells must fail with an error
 (never a silent difference). The TensorFlow MNIST tutorial's pipeline runs at 3000, 7000
 and 15000 examples (last batches of 56, 88 and 24) on TensorFlow's 2 devices and 2 workers,
-and on JAX's 2 processes.
+and on JAX's 2 processes; on TensorFlow also at MNIST's whole 60000 (last batch 96).
 
 The upstream failures the fixes repair (``tfdist.compat.partial_batches``) are shown with
 the fixes excluded: on TensorFlow the tutorial at 7000 examples ends away from one device
@@ -133,11 +133,12 @@ def test_partial_batch_matrix_matches_one_device(backend, topology):
             assert re.search(EARLY_ODD_ERROR, worker["cases"]["last 5 tf.data"]["error"])
 
 
-# The tutorial's sizes per cell (on JAX a process per size and topology: ``_tutorial``).
+# The tutorial's sizes per cell (on JAX a process per size and topology: ``_tutorial``);
+# on TensorFlow MNIST's whole train split too, the tutorial's own size (469 steps).
 TUTORIAL_SIZES = (3000, 7000, 15000)
 TUTORIAL_CELLS = {
-    ("tensorflow", "2 devices"): TUTORIAL_SIZES,
-    ("tensorflow", "2 workers"): TUTORIAL_SIZES,
+    ("tensorflow", "2 devices"): (*TUTORIAL_SIZES, 60000),
+    ("tensorflow", "2 workers"): (*TUTORIAL_SIZES, 60000),
     ("jax", "2 workers"): TUTORIAL_SIZES,
 }
 
@@ -177,8 +178,8 @@ def _tutorial_reference(backend: str, sizes: tuple) -> dict:
 @pytest.mark.parametrize("backend, topology", list(TUTORIAL_CELLS))
 def test_mnist_tutorial_at_its_sizes_matches_one_device(backend, topology):
     """MNIST's tutorial pipeline (tfds -> map -> cache -> batch(128) -> prefetch, Conv2D +
-    MaxPooling2D): last batches of 56, 88 and 24 (``TUTORIAL_CELLS``), in float64 (see
-    the job)."""
+    MaxPooling2D): last batches of 56, 88 and 24 (``TUTORIAL_CELLS``), and 96 at the
+    whole 60000 on TensorFlow, in float64 (see the job)."""
     sizes = TUTORIAL_CELLS[backend, topology]
     reference = {"cases": _tutorial_reference(backend, sizes)}
     cell = _tutorial(topology, backend, sizes)
