@@ -79,35 +79,108 @@ def test_a_nan_is_never_equal_and_a_shape_change_is_named():
     assert compare.compare({"w": np.ones(2)}, {"w": np.ones(2) + 1e-7}).equal(1e-5)
 
 
-def _run(name: str, initial: float, final: float, steps_per_epoch: int = 10, ranks: int = 1):
-    """A finished run as the hook would leave it: one variable ``w``, a 3-step loss."""
+def _run(
+    name: str,
+    initial: float,
+    final: float,
+    steps_per_epoch: int = 10,
+    ranks: int = 1,
+    loss: float | None = None,
+    **facts,
+):
+    """A finished run as the hook would leave it: one variable ``w``, a 3-step loss whose
+    last two steps are ``loss`` (``final`` when None); ``facts`` are added to every
+    process's, a tuple value giving each process its own."""
     which = topology.parse_topologies(name, "tensorflow")[-1]
-    facts = {"steps": 3, "history": {"loss": [1.0, final, final]}, "unsynchronized": []}
-    facts["steps_per_epoch"] = steps_per_epoch
-    result = runner.Rank(facts, {"w": np.array([final])}, {"w": np.array([initial])})
-    return runner.Run(which, 1.0, "done", 0, dict.fromkeys(range(ranks), result))
+    step = final if loss is None else loss
+    results = {}
+    for rank in range(ranks):
+        mine = {k: v[rank] if isinstance(v, tuple) else v for k, v in facts.items()}
+        known = {"steps": 3, "history": {"loss": [1.0, step, step]}, "unsynchronized": []}
+        known.update(steps_per_epoch=steps_per_epoch, **mine)
+        weights = {"w": np.array([final])}, {"w": np.array([initial])}
+        results[rank] = runner.Rank(known, *weights)
+    return runner.Run(which, 1.0, "done", 0, results)
 
 
-def _causes(*runs):
-    reference = _run("1 device", 0.0, 0.5)
+def _causes(*runs, reference=None, rerun=None):
+    reference = reference or _run("1 device", 0.0, 0.5)
     judged = [verdict.judge(reference, r, 1e-5) for r in (reference, *runs)]
-    found = causes.find(judged, reference, lambda t: pytest.fail("no re-run expected"), 1e-5)
-    return judged, [c.cause for c in found]
+    found = causes.find(
+        judged, reference, rerun or (lambda t, v: pytest.fail("no re-run expected")), 1e-5
+    )
+    return judged, found
 
 
 def test_workers_that_start_from_other_weights_are_named_as_seeded_apart():
     judged, found = _causes(_run("2 devices", 0.0, 0.5), _run("2 workers", 0.3, 0.7, ranks=2))
     assert [v.status for v in judged] == ["equal", "equal", "differs"]
-    assert found == ["worker_seeds"]
+    assert [c.cause for c in found] == ["worker_seeds"]
     text = report.render(report.Report("s.py", "tensorflow", 3, 1e-5, judged))
     assert "2 workers    DIFFERS: w by 2.0e-01 on process 0 (loss from step 2)" in text
 
 
 def test_another_global_batch_or_no_seed_is_named_before_anything_else():
     _, found = _causes(_run("2 devices", 0.0, 0.9, steps_per_epoch=5))
-    assert found == ["global_batch"]
+    assert [c.cause for c in found] == ["global_batch"]
     _, found = _causes(_run("2 devices", 0.2, 0.9))
-    assert found == ["unseeded"]
+    assert [c.cause for c in found] == ["unseeded"]
+
+
+def test_random_layers_are_judged_by_a_rerun_with_them_inert_against_one_device_inert():
+    reference = _run("1 device", 0.0, 0.5, random=["dropout"])
+    asked = []
+
+    def rerun(which, variant):
+        asked.append((str(which), variant))
+        # With the layers inert, one device and two devices train the same model.
+        return _run(str(which), 0.0, 0.4, random=["dropout"], inert=["dropout"])
+
+    _, found = _causes(_run("2 devices", 0.0, 0.9), reference=reference, rerun=rerun)
+    assert asked == [("1 device", "inert_random"), ("2 devices", "inert_random")]
+    (cause,) = found
+    assert cause.cause == "random_layers" and "['dropout']" in cause.evidence
+    assert "2 devices with them inert: equal (worst w 0.0e+00, was 4.0e-01)" in cause.evidence
+    assert "not a defect in itself" in cause.fix
+
+
+def test_a_difference_from_an_epochs_partial_last_batch_is_named_only_there():
+    def reference(last):
+        return _run("1 device", 0.0, 0.5, steps_per_epoch=2, batch=32, last=last)
+
+    # The loss differs first at step 2, the last of a 2-step epoch; the weights do not.
+    differs_at_end = _run("2 devices", 0.0, 0.5, steps_per_epoch=2, loss=0.6)
+    _, found = _causes(differs_at_end, reference=reference(21))
+    (cause,) = found
+    assert cause.cause == "partial_batch"
+    assert "first differ at step 2, the last of epoch 1" in cause.evidence
+    assert "whose batch holds 21 of 32 examples" in cause.evidence
+    assert "the weights after the steps are equal" in cause.evidence
+    assert "drop_remainder=True" in cause.fix
+    _, found = _causes(differs_at_end, reference=reference(32))  # every batch full
+    assert found == []
+    mid_epoch = _run("2 devices", 0.0, 0.5, steps_per_epoch=3, loss=0.6)
+    _, found = _causes(
+        mid_epoch, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
+    )
+    assert found == []
+
+
+def test_workers_without_sharding_are_named_apart_from_other_worker_data():
+    devices = _run("2 devices", 0.0, 0.5)
+    off = _run("2 workers", 0.0, 0.7, ranks=2, shard_policy="OFF")
+    _, found = _causes(devices, off)
+    assert [c.cause for c in found] == ["unsharded_data"]
+    assert "AutoShardPolicy.OFF" in found[0].evidence
+    other = _run("2 workers", 0.0, 0.7, ranks=2, fingerprint=("aa", "bb"))
+    _, found = _causes(devices, other)
+    assert [c.cause for c in found] == ["worker_data"]
+    assert "other arrays on each worker: fingerprints process 0 aa, process 1 bb" in (
+        found[0].evidence
+    )
+    same = _run("2 workers", 0.0, 0.7, ranks=2, fingerprint="aa")
+    _, found = _causes(devices, same)
+    assert "every worker was given the same arrays (fingerprint aa)" in found[0].evidence
 
 
 @pytest.mark.slow
@@ -126,16 +199,22 @@ def test_a_correct_script_is_equal_on_every_topology_and_stops_after_fit(tmp_pat
         assert f"tfdist check: {name}: done in" in proc.stderr
 
 
-@pytest.mark.slow
-def test_unsynchronized_batchnorm_is_named_and_synchronizing_it_removes_the_difference(tmp_path):
-    script = str(SCRIPTS / "correct.py")
-    argv = ("--steps", "8", "--topologies", "2 devices", "--json", script, "--bn", "plain")
-    proc = check_cli(*argv, cwd=tmp_path)
+def _the_cause_on_two_devices(tmp_path: Path, *script_args: str) -> dict:
+    """``correct.py SCRIPT_ARGS`` checked on 2 devices for 8 steps: it must differ by more
+    than rounding, with one cause, which is returned (cause, evidence, fix)."""
+    argv = ("--steps", "8", "--topologies", "2 devices", "--json", str(SCRIPTS / "correct.py"))
+    proc = check_cli(*argv, *script_args, cwd=tmp_path)
     assert proc.returncode == 1, _fail(proc)
     report = json.loads(proc.stdout)
     assert report["topologies"][1]["status"] == "differs"
     assert report["topologies"][1]["weight_difference"] > 1e-3
     (cause,) = report["causes"]
+    return cause
+
+
+@pytest.mark.slow
+def test_unsynchronized_batchnorm_is_named_and_synchronizing_it_removes_the_difference(tmp_path):
+    cause = _the_cause_on_two_devices(tmp_path, "--bn", "plain")
     assert cause["cause"] == "batchnorm"
     assert "['batch_normalization']" in cause["evidence"]
     assert "2 devices with them synchronized: equal" in cause["evidence"]
@@ -190,3 +269,44 @@ def test_a_correct_script_is_equal_on_jax_devices_and_processes(tmp_path):
     got = {t["topology"]: t["status"] for t in report["topologies"]}
     assert got == {"1 device": "reference", "2 devices": "equal", "2 processes": "equal"}
     assert all(t["weight_difference"] <= 1e-5 for t in report["topologies"])
+
+
+@pytest.mark.slow
+def test_dropout_differs_on_two_devices_and_making_it_inert_removes_the_difference(tmp_path):
+    cause = _the_cause_on_two_devices(tmp_path, "--random", "dropout")
+    assert cause["cause"] == "random_layers"
+    assert "['dropout']" in cause["evidence"]
+    assert "2 devices with them inert: equal" in cause["evidence"]
+    assert "not a defect in itself" in cause["fix"]
+
+
+@pytest.mark.slow
+def test_an_unevenly_shared_partial_last_batch_is_named_and_an_even_one_is_equal(tmp_path):
+    argv = ("--steps", "16", "--topologies", "2 devices", "--json", str(SCRIPTS / "correct.py"))
+    # 501 examples at 32: step 16 is epoch 1's last batch, 21 examples (11 + 10).
+    proc = check_cli(*argv, "--examples", "501", cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    report = json.loads(proc.stdout)
+    assert report["topologies"][1]["first_differing_step"] == 16
+    (cause,) = report["causes"]
+    assert cause["cause"] == "partial_batch"
+    assert "whose batch holds 21 of 32 examples; they differ at steps [16]" in cause["evidence"]
+    assert "drop_remainder=True" in cause["fix"]
+    # 500: a last batch of 20, 10 + 10: equal through the partial batch.
+    proc = check_cli(*argv, "--examples", "500", cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    assert json.loads(proc.stdout)["topologies"][1]["steps"] == 16
+
+
+@pytest.mark.slow
+def test_a_dataset_with_sharding_off_is_named_on_workers_and_its_twin_is_equal(tmp_path):
+    argv = ("--steps", "4", "--topologies", "2 workers", str(SCRIPTS / "unsharded_dataset.py"))
+    proc = check_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    assert "2 workers    DIFFERS" in proc.stdout
+    assert "unsharded_data: 2 workers differs and the tf.data input of process(es) [0, 1] " in (
+        proc.stdout
+    )
+    assert "worker_data" not in proc.stdout
+    proc = check_cli(*argv, "--policy", "auto", cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)

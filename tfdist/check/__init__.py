@@ -53,9 +53,9 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
     folder = Path(options.keep or tempfile.mkdtemp(prefix="tfdist-check-"))
     result = report.Report(options.script, options.backend, options.steps, options.tolerance)
 
-    def run(which, sync: bool = False):
-        name = str(which).replace(" ", "-") + ("-syncbn" if sync else "")
-        progress(f"tfdist check: running {which}{' (BatchNormalization synchronized)' * sync}")
+    def run(which, variant: str = ""):
+        name = str(which).replace(" ", "-") + (f"-{variant}" if variant else "")
+        progress(f"tfdist check: running {which}{_VARIANT_NAMES.get(variant, '')}")
         done = runner.run_topology(
             which,
             options.script,
@@ -63,7 +63,7 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
             steps=options.steps,
             timeout=options.timeout,
             folder=folder / name,
-            sync_batchnorm=sync,
+            variant=variant,
         )
         progress(f"tfdist check: {which}: {done.status} in {done.seconds:.1f} s")
         return done
@@ -78,14 +78,19 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
         else:
             runs = [reference, *(run(t) for t in topologies[1:])]
             result.verdicts = [verdict.judge(reference, r, options.tolerance) for r in runs]
-            result.causes = causes.find(
-                result.verdicts, reference, lambda t: run(t, sync=True), options.tolerance
-            )
+            result.causes = causes.find(result.verdicts, reference, run, options.tolerance)
     finally:
         if not options.keep:
             shutil.rmtree(folder, ignore_errors=True)
     result.seconds = time.monotonic() - started
     return result
+
+
+# How the progress line names a re-run (runner.VARIANTS).
+_VARIANT_NAMES = {
+    "sync_batchnorm": " (BatchNormalization synchronized)",
+    "inert_random": " (random layers inert)",
+}
 
 
 def _why_not(reference, options: CheckOptions) -> str:

@@ -6,13 +6,21 @@
 - ``batchnorm``: unsynchronized ``BatchNormalization`` layers on TensorFlow, and a re-run
   of a differing topology with them synchronized (``TFDIST_CHECK_SYNC_BN=1``): equal
   again, or not.
+- ``random_layers``: random layers (``Dropout``, ``GaussianNoise``, ``RandomFlip``...)
+  draw on every replica apart, and a re-run of a differing topology with them inert
+  (``TFDIST_CHECK_INERT_RANDOM=1``): equal again, or not.
+- ``partial_batch``: the logged values first differ at an epoch's last step, whose batch
+  is partial (or of a size ``fit``'s input did not tell).
 - ``global_batch``: another number of steps per epoch than ``1 device`` (the global batch
   grows with the replicas), or ``unseeded``: ``N devices`` starts from other initial
   weights than ``1 device``: the other causes are not looked for then.
 - ``fewer_steps``: a run whose fit trained fewer steps than the reference's.
+- ``unsharded_data``: a differing ``N workers`` whose ``tf.data`` input turns auto-sharding
+  off (``AutoShardPolicy.OFF``): every worker reads the whole dataset.
 - ``worker_seeds`` / ``worker_data``: ``N devices`` equal but ``N workers`` not: the
   workers start from other initial weights (a seed from the worker index), or from the
-  same ones but see other data (numpy arrays or a dataset not sharded).
+  same ones but see other data (other arrays, told by their fingerprints, or the same
+  arrays in another order).
 
 Example:
     >>> [c.cause for c in find(verdicts, reference, rerun, 1e-5)]  # doctest: +SKIP
@@ -24,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tfdist.check.compare import compare
+from tfdist.check.compare import compare, first_differing_step
 from tfdist.check.runner import Run
 from tfdist.check.topology import Topology
 from tfdist.check.verdict import Verdict, judge
@@ -41,7 +49,8 @@ class Cause:
     fix: str
 
 
-Rerun = Callable[[Topology], Run]  # the topology again, BatchNormalization synchronized
+# The topology again, as a variant (runner.VARIANTS): "sync_batchnorm", "inert_random".
+Rerun = Callable[[Topology, str], Run]
 
 
 def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
@@ -53,7 +62,11 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     if first:  # every step differs from the start: the causes below would be guesses
         return [*causes, first]
     causes += _batchnorm(verdicts, reference, rerun, tolerance)
-    causes += _workers(verdicts, reference, tolerance)
+    causes += _random_layers(verdicts, reference, rerun, tolerance)
+    causes += _partial_batch(verdicts, reference, tolerance)
+    causes += _unsharded(verdicts)
+    if not any(c.cause == "unsharded_data" for c in causes):
+        causes += _workers(verdicts, reference, tolerance)
     return causes
 
 
@@ -145,30 +158,157 @@ def _failed(verdict: Verdict) -> Cause:
     )
 
 
-def _batchnorm(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
-    unsynced = reference.ranks[0].facts.get("unsynchronized", [])
-    differing = [v for v in verdicts if v.status == "differs" and v.run.topology.count > 1]
-    if not unsynced or not differing or reference.topology.backend != "tensorflow":
-        return []
+def _several_replicas_differing(verdicts: list[Verdict]) -> list[Verdict]:
+    return [v for v in verdicts if v.status == "differs" and v.run.topology.count > 1]
+
+
+def _rerun_shown(
+    differing: list[Verdict], reference: Run, rerun: Rerun, tolerance: float, variant: str, how: str
+) -> str:
+    """Each differing topology re-run as ``variant`` and judged against ``reference`` (a
+    run of the same variant when the variant changes one device's model too): "2 devices
+    with them HOW: equal (...)"."""
     shown = []
     for verdict in differing:
-        again = judge(reference, rerun(verdict.run.topology), tolerance)
+        again = judge(reference, rerun(verdict.run.topology, variant), tolerance)
         before = verdict.weights.value if verdict.weights else float("nan")
         after = (
             f"equal (worst {_worst(again)}, was {before:.1e})"
             if again.status == "equal"
             else f"still {again.status} ({_worst(again)}; was {before:.1e})"
         )
-        shown.append(f"{verdict.name} with them synchronized: {after}")
+        shown.append(f"{verdict.name} with them {how}: {after}")
+    return "; ".join(shown)
+
+
+def _batchnorm(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
+    unsynced = reference.ranks[0].facts.get("unsynchronized", [])
+    differing = _several_replicas_differing(verdicts)
+    if not unsynced or not differing or reference.topology.backend != "tensorflow":
+        return []
+    shown = _rerun_shown(differing, reference, rerun, tolerance, "sync_batchnorm", "synchronized")
     return [
         Cause(
             "batchnorm",
             f"unsynchronized BatchNormalization layers {unsynced}: each replica normalises "
-            "with its own part of the batch; " + "; ".join(shown),
+            "with its own part of the batch; " + shown,
             "build the model inside tfdist.scope(sync_batchnorm=True), or pass "
             "synchronized=True to each BatchNormalization",
         )
     ]
+
+
+def _random_layers(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
+    """Random layers that draw on every replica apart, shown by a re-run with them inert."""
+    random = reference.ranks[0].facts.get("random", [])
+    differing = _several_replicas_differing(verdicts)
+    if not random or not differing:
+        return []
+    # Inert layers change one device's training too: the re-runs are compared with one
+    # device's re-run, not with the script's reference.
+    inert_reference = rerun(reference.topology, "inert_random")
+    if inert_reference.status != "done":
+        shown = f"1 device with them inert: {inert_reference.status} (no comparison)"
+    else:
+        shown = "1 device re-run with them inert as the reference; " + _rerun_shown(
+            differing, inert_reference, rerun, tolerance, "inert_random", "inert"
+        )
+    return [
+        Cause(
+            "random_layers",
+            f"random layers {random} (dropout, noise or augmentation): on several replicas "
+            "each replica draws for its own part of the batch, so no step draws what one "
+            "device draws; " + shown,
+            "not a defect in itself: the draws are random on one device too, and the model "
+            "trains as well. To compare a script with this check, make the layers draw "
+            "nothing (rate=0, or a flag that leaves them out) and check again; or accept "
+            "the difference. A topology still differing with them inert has another cause",
+        )
+    ]
+
+
+def _differing_steps(verdict: Verdict, reference: Run, tolerance: float) -> list[int]:
+    """The steps (1-based) at which any logged value differs from the reference's."""
+    ref = reference.ranks[0].facts["history"]
+    got = verdict.run.ranks[verdict.rank].facts["history"]
+    steps = set()
+    for key in ref.keys() & got.keys():
+        for step, (a, b) in enumerate(zip(ref[key], got[key], strict=False), 1):
+            if first_differing_step([a], [b], tolerance):
+                steps.add(step)
+    return sorted(steps)
+
+
+def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[Cause]:
+    """A difference that first shows at an epoch's last step, whose batch is partial."""
+    facts = reference.ranks[0].facts
+    per_epoch, batch, last = facts.get("steps_per_epoch"), facts.get("batch"), facts.get("last")
+    if not per_epoch or (batch and last == batch):
+        return []  # unknown epochs, or every batch full: not this cause
+    at_end = [
+        v
+        for v in verdicts
+        if v.status == "differs" and v.first_step and v.first_step % per_epoch == 0
+    ]
+    if not at_end:
+        return []
+    size = (
+        f"whose batch holds {last} of {batch} examples"
+        if batch
+        else "whose size fit's input did not tell"
+    )
+    shown = []
+    for verdict in at_end:
+        weights = (
+            "the weights after the steps are equal (worst "
+            f"{verdict.weights.key} {verdict.weights.value:.1e}): only the values logged "
+            "for that step differ"
+            if verdict.weights and verdict.weights.equal(tolerance)
+            else "the weights differ from there"
+        )
+        steps = _differing_steps(verdict, reference, tolerance)
+        shown.append(
+            f"{verdict.name}: the logged values first differ at step {verdict.first_step}, "
+            f"the last of epoch {verdict.first_step // per_epoch} ({per_epoch} steps per "
+            f"epoch), {size}; they differ at steps {steps}; {weights}"
+        )
+    return [
+        Cause(
+            "partial_batch",
+            "a partial last batch split between the replicas: " + "; ".join(shown),
+            "make every batch full: drop the remainder (tf.data's batch(..., "
+            "drop_remainder=True); tfdist.data.pipeline drops it when shuffling), or a "
+            "dataset size divisible by the global batch; on TensorFlow a last batch that "
+            "the replicas share evenly (a multiple of their number) is also equal. With "
+            "equal weights the training is one device's and the difference can be accepted",
+        )
+    ]
+
+
+def _unsharded(verdicts: list[Verdict]) -> list[Cause]:
+    """Differing workers whose tf.data input turns auto-sharding off."""
+    for verdict in verdicts:
+        if verdict.status != "differs" or verdict.run.topology.kind != "worker":
+            continue
+        off = [r for r, rank in sorted(verdict.run.ranks.items()) if _policy(rank) == "OFF"]
+        if off:
+            return [
+                Cause(
+                    "unsharded_data",
+                    f"{verdict.name} differs and the tf.data input of process(es) {off} "
+                    "sets AutoShardPolicy.OFF: every worker reads the whole dataset rather "
+                    "than its share, so the workers train on the same examples where one "
+                    "device trains on all of them",
+                    "leave the auto-shard policy to TensorFlow (AUTO) or set DATA, or build "
+                    "the input with tfdist.data.pipeline (it sets the policy); with OFF, "
+                    "shard it yourself: dataset.shard(num_workers, worker_index) before batch",
+                )
+            ]
+    return []
+
+
+def _policy(rank) -> str | None:
+    return rank.facts.get("shard_policy")
 
 
 def _worst(verdict: Verdict) -> str:
@@ -193,13 +333,29 @@ def _workers(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[
             "worker_data",
             f"{devices[0].name} equal but {verdict.name} not; every worker started from the "
             f"reference's initial weights, and the loss differs {step}: the workers train "
-            "on other data than their share of the global batch (a dataset not sharded, or "
-            "a shuffle, augmentation or dropout seeded from the worker index)",
+            f"on other data than their share of the global batch ({_given(verdict)})",
             "give every worker the same data, order and seed, and let tfdist shard it: "
             "keras.utils.set_random_seed(0) and tfdist.data.pipeline(dataset, "
             "per_replica_batch=..., seed=0) on every worker",
         )
     ]
+
+
+def _given(verdict: Verdict) -> str:
+    """What the processes' fit inputs say: other arrays, the same ones, or unknown."""
+    prints = {r: rank.facts.get("fingerprint") for r, rank in sorted(verdict.run.ranks.items())}
+    if None in prints.values() or len(prints) < 2:
+        return (
+            "a dataset not sharded, or a shuffle, augmentation or dropout seeded from the "
+            "worker index"
+        )
+    if len(set(prints.values())) > 1:
+        shown = ", ".join(f"process {r} {p}" for r, p in prints.items())
+        return f"fit was given other arrays on each worker: fingerprints {shown}"
+    return (
+        "every worker was given the same arrays (fingerprint "
+        f"{prints[0]}): a shuffle, augmentation or dropout seeded from the worker index"
+    )
 
 
 def _seeds(verdict: Verdict, devices: Verdict, rank: int, start) -> Cause:

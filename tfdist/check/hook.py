@@ -18,7 +18,15 @@ hook wraps ``keras.Model.fit`` so that the script's first ``fit``:
 ``faulthandler`` timer writes every thread's stack to ``rank-R.stack`` shortly before
 the check's timeout, so that a hang names the line it waits on.
 ``TFDIST_CHECK_SYNC_BN=1`` sets ``synchronized=True`` on every ``BatchNormalization`` of
-the model before ``fit`` traces its step (a re-run that shows whether they are the cause).
+the model before ``fit`` traces its step (a re-run that shows whether they are the cause);
+``TFDIST_CHECK_INERT_RANDOM=1`` calls every random layer of the model (one that draws from
+a ``keras.random.SeedGenerator``: ``Dropout``, ``GaussianNoise``, ``RandomFlip``...) in
+inference mode, where it draws nothing, for the same purpose.
+
+Besides the history, each process's facts say what the causes need: the model's
+``BatchNormalization`` and random layers, the global batch and the size of each epoch's
+last batch (when ``fit``'s input tells them without reading data), a fingerprint of the
+arrays given to ``fit`` and the auto-shard policy of a ``tf.data`` input.
 
 Example:
     $ TFDIST_CHECK_DIR=/tmp/c TFDIST_CHECK_STEPS=5 python -m tfdist.bootstrap train.py
@@ -37,6 +45,7 @@ __all__ = [
     "DIR_ENV",
     "STEPS_ENV",
     "SYNC_BN_ENV",
+    "INERT_RANDOM_ENV",
     "STACK_AFTER_ENV",
     "active",
     "start",
@@ -46,6 +55,7 @@ __all__ = [
 DIR_ENV = "TFDIST_CHECK_DIR"
 STEPS_ENV = "TFDIST_CHECK_STEPS"
 SYNC_BN_ENV = "TFDIST_CHECK_SYNC_BN"
+INERT_RANDOM_ENV = "TFDIST_CHECK_INERT_RANDOM"
 STACK_AFTER_ENV = "TFDIST_CHECK_STACK_AFTER"  # seconds: when to write the stacks
 _FIX_NAME = "tfdist_check_fit"
 _PEERS_WAIT_S = 60.0
@@ -122,30 +132,167 @@ def _wrap_fit(original):
         if os.environ.get(SYNC_BN_ENV) == "1":
             for layer in batchnorm:
                 layer.synchronized = True  # read when fit traces its step, just below
+        random = _random_layers(self)
+        inert = (
+            [_make_inert(layer) for layer in random]
+            if os.environ.get(INERT_RANDOM_ENV) == "1"
+            else []
+        )
+        facts = {
+            "batchnorm": [layer.name for layer in batchnorm],
+            "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
+            "random": [layer.name for layer in random],
+            "inert": [layer.name for layer, made in zip(random, inert, strict=False) if made],
+            **_input_facts(args, kwargs),
+        }
         _progress("fit", step=0)
         try:
             original(self, *args, **kwargs)
         except BaseException as err:
             _write_failure(err)
             raise
-        _write_result(self, recorder, batchnorm)
+        _write_result(self, recorder, facts)
         _wait_for_peers()
         os._exit(0)
 
     return fit
 
 
-def _batchnorm_layers(model) -> list:
-    """The model's BatchNormalization layers, through the public ``layers`` of nested models."""
-    import keras
-
+def _all_layers(model) -> list:
+    """The model's layers, through the public ``layers`` of nested models."""
     found, todo = [], list(getattr(model, "layers", ()))
     while todo:
         layer = todo.pop(0)
-        if isinstance(layer, keras.layers.BatchNormalization):
-            found.append(layer)
+        found.append(layer)
         todo.extend(getattr(layer, "layers", ()))
     return found
+
+
+def _batchnorm_layers(model) -> list:
+    """The model's BatchNormalization layers."""
+    import keras
+
+    return [x for x in _all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
+
+
+def _random_layers(model) -> list:
+    """The model's layers that draw random numbers in training: those holding a
+    ``keras.random.SeedGenerator`` (Keras's dropouts, noises and random augmentations,
+    and a custom layer built the same way)."""
+    import keras
+
+    def draws(layer) -> bool:
+        return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
+
+    return [layer for layer in _all_layers(model) if draws(layer)]
+
+
+def _make_inert(layer) -> bool:
+    """Makes ``layer`` draw nothing: its ``call`` runs in inference mode (Dropout and
+    GaussianNoise are then the identity, a random augmentation its deterministic
+    inference form). Read when fit traces its step; False when ``call`` takes no
+    ``training`` argument (nothing to switch)."""
+    import inspect
+
+    original = layer.call
+    if "training" not in inspect.signature(original).parameters:
+        return False
+
+    def call(*args, **kwargs):
+        kwargs["training"] = False  # Keras passes the training flag; this wins
+        return original(*args, **kwargs)
+
+    layer.call = call  # the instance's attribute: Layer.__call__ calls self.call
+    return True
+
+
+def _input_facts(args: tuple, kwargs: dict) -> dict:
+    """What fit's input tells without reading data: ``batch`` (the global batch) and
+    ``last`` (each epoch's last batch) when known, the arrays' ``fingerprint``, and a
+    ``tf.data`` input's ``shard_policy``.
+
+    Example: ``fit(x[:500], y[:500], batch_size=32)`` -> ``{"batch": 32, "last": 20,
+    "fingerprint": "..."}``.
+    """
+    try:
+        return _read_input(args, kwargs)
+    except Exception as err:  # a fact the check cannot read must not stop the script
+        return {"input_unread": f"{type(err).__name__}: {err}"[:200]}
+
+
+def _read_input(args: tuple, kwargs: dict) -> dict:
+    names = ("x", "y", "batch_size")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    x = given.get("x")
+    if _is_dataset(x):
+        return {"shard_policy": _shard_policy(x), **_dataset_batches(x, given)}
+    leaves = _array_leaves((x, given.get("y")))
+    if not leaves or given.get("steps_per_epoch"):
+        return {}
+    facts: dict = {"fingerprint": _fingerprint(leaves)}
+    batch = given.get("batch_size") or 32  # Keras's default for arrays
+    count = len(leaves[0])
+    split = given.get("validation_split") or 0.0
+    if split:
+        count = int(count * (1.0 - split))  # Keras keeps floor(n * (1 - split)) for training
+    if count:
+        facts.update(batch=batch, last=count % batch or batch)
+    return facts
+
+
+def _is_dataset(x) -> bool:
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(x, tf.data.Dataset)
+
+
+def _shard_policy(dataset) -> str:
+    """The auto-shard policy ``dataset`` asks for (``AUTO`` unless its options set one)."""
+    return dataset.options().experimental_distribute.auto_shard_policy.name
+
+
+def _dataset_batches(dataset, given: dict) -> dict:
+    """The batch and the last batch of a ``tf.data`` input, when its pipeline says."""
+    from tfdist.compat import partial_batches
+
+    sizes = None if given.get("steps_per_epoch") else partial_batches.batch_sizes(dataset)
+    if not sizes:
+        return {}
+    return {"batch": max(sizes), "last": min(sizes)}
+
+
+def _array_leaves(data) -> list:
+    """The numpy arrays in ``data`` (nested tuples, lists, dicts); [] when any leaf is not one."""
+    import numpy as np
+
+    leaves, todo = [], [data]
+    while todo:
+        item = todo.pop(0)
+        if item is None:
+            continue
+        if isinstance(item, dict):
+            todo.extend(item[k] for k in sorted(item))
+        elif isinstance(item, list | tuple):
+            todo.extend(item)
+        elif isinstance(item, np.ndarray):
+            leaves.append(item)
+        else:
+            return []  # a tensor, a generator, a PyDataset: not hashed
+    return leaves
+
+
+def _fingerprint(arrays: list) -> str:
+    """A short hash of the arrays' shapes and bytes: equal arrays, equal fingerprints."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.blake2b(digest_size=8)
+    for array in arrays:
+        digest.update(repr((array.shape, array.dtype.str)).encode())
+        digest.update(np.ascontiguousarray(array).data)
+    return digest.hexdigest()
 
 
 def _recorder_class():
@@ -195,7 +342,7 @@ def _weights(model) -> dict:
     return out
 
 
-def _write_result(model, recorder, batchnorm: list) -> None:
+def _write_result(model, recorder, facts: dict) -> None:
     import numpy as np
 
     arrays = {f"final/{k}": v for k, v in _weights(model).items()}
@@ -204,11 +351,10 @@ def _write_result(model, recorder, batchnorm: list) -> None:
     np.savez(tmp, **arrays)
     os.replace(tmp, _path("npz"))
     facts = {
+        **facts,
         "steps": recorder.done,
         "steps_per_epoch": recorder.steps_per_epoch,
         "history": recorder.history,
-        "batchnorm": [layer.name for layer in batchnorm],
-        "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
         "world": _world(),
     }
     _atomic_text(_path("json"), json.dumps(facts))

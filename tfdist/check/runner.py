@@ -33,11 +33,16 @@ import numpy as np
 from tfdist.check import hook
 from tfdist.check.topology import Topology, command
 
-__all__ = ["Rank", "Run", "run_topology"]
+__all__ = ["Rank", "Run", "VARIANTS", "run_topology"]
 
 _STOP_GRACE_S = 5.0
 # Variables of the caller's shell that would change what a run is (its cluster, its devices).
 _CLEARED = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
+# A re-run's variant -> the variable that asks the hook for it (a cause's evidence).
+VARIANTS = {
+    "sync_batchnorm": hook.SYNC_BN_ENV,  # every BatchNormalization synchronized
+    "inert_random": hook.INERT_RANDOM_ENV,  # every random layer drawing nothing
+}
 
 
 @dataclass
@@ -61,10 +66,10 @@ class Run:
     progress: dict[int, dict] = field(default_factory=dict)
     waiting_at: dict[int, str] = field(default_factory=dict)  # rank -> "file:line: code"
     output: str = ""
-    sync_batchnorm: bool = False
+    variant: str = ""  # "" or a key of VARIANTS
 
 
-def _environment(topology: Topology, folder: Path, steps: int, timeout: float, sync: bool):
+def _environment(topology: Topology, folder: Path, steps: int, timeout: float, variant: str):
     env = {k: v for k, v in os.environ.items() if k not in _CLEARED}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.update(
@@ -80,8 +85,10 @@ def _environment(topology: Topology, folder: Path, steps: int, timeout: float, s
             hook.STACK_AFTER_ENV: str(max(timeout - 3.0, 1.0)),
         }
     )
-    if sync:
-        env[hook.SYNC_BN_ENV] = "1"
+    for name in VARIANTS.values():
+        env.pop(name, None)  # the caller's shell asks for no variant
+    if variant:
+        env[VARIANTS[variant]] = "1"
     return env
 
 
@@ -93,12 +100,20 @@ def run_topology(
     steps: int,
     timeout: float,
     folder: Path,
-    sync_batchnorm: bool = False,
+    variant: str = "",
 ) -> Run:
-    """Runs ``script`` on ``topology`` until its first ``fit`` did ``steps`` steps."""
+    """Runs ``script`` on ``topology`` until its first ``fit`` did ``steps`` steps.
+
+    ``variant``: "" (the script as it is) or a key of ``VARIANTS`` (a re-run for a cause).
+    """
+    if variant and variant not in VARIANTS:
+        raise ValueError(
+            f"run_topology: variant must be '' or one of {sorted(VARIANTS)}. "
+            f"Received: variant={variant!r}."
+        )
     folder.mkdir(parents=True, exist_ok=True)
     argv, extra = command(topology, os.path.abspath(script), args)
-    env = {**_environment(topology, folder, steps, timeout, sync_batchnorm), **extra}
+    env = {**_environment(topology, folder, steps, timeout, variant), **extra}
     started = time.monotonic()
     with open(folder / "output.log", "w") as log:
         proc = subprocess.Popen(
@@ -111,7 +126,7 @@ def run_topology(
         )
         returncode, timed_out = _wait(proc, timeout)
     run = Run(topology, time.monotonic() - started, "done", returncode)
-    run.sync_batchnorm = sync_batchnorm
+    run.variant = variant
     _collect(run, folder, script)
     if len(run.ranks) < _processes(topology):
         run.status = "timeout" if timed_out else _why_no_result(run)
