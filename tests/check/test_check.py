@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tfdist import cli
-from tfdist.check import causes, compare, report, runner, topology, verdict
+from tfdist.check import causes, compare, hook, report, runner, topology, verdict
 
 from conftest import REPO, child_env
 
@@ -142,6 +142,15 @@ def test_random_layers_are_judged_by_a_rerun_with_them_inert_against_one_device_
     assert cause.cause == "random_layers" and "['dropout']" in cause.evidence
     assert "2 devices with them inert: equal (worst w 0.0e+00, was 4.0e-01)" in cause.evidence
     assert "not a defect in itself" in cause.fix
+    assert "not made inert" not in cause.evidence
+
+    def rerun_not_inert(which, variant):  # a custom layer whose call takes no training
+        return _run(str(which), 0.0, 0.9, random=["dropout"], inert=[])
+
+    _, found = _causes(_run("2 devices", 0.0, 0.9), reference=reference, rerun=rerun_not_inert)
+    assert "not made inert (their call takes no training argument): ['dropout']" in (
+        found[0].evidence
+    )
 
 
 def test_a_difference_from_an_epochs_partial_last_batch_is_named_only_there():
@@ -181,6 +190,37 @@ def test_workers_without_sharding_are_named_apart_from_other_worker_data():
     same = _run("2 workers", 0.0, 0.7, ranks=2, fingerprint="aa")
     _, found = _causes(devices, same)
     assert "every worker was given the same arrays (fingerprint aa)" in found[0].evidence
+
+
+def test_the_hook_reads_the_batches_and_sharding_from_fits_input_without_reading_data():
+    import tensorflow as tf
+
+    x, y = np.zeros((501, 2), "float32"), np.zeros((501, 1), "float32")
+    facts = hook._input_facts((x, y), {"batch_size": 32})
+    assert (facts["batch"], facts["last"]) == (32, 21)
+    assert facts["fingerprint"] == hook._input_facts((x.copy(), y), {})["fingerprint"]
+    assert facts["fingerprint"] != hook._input_facts((x + 1, y), {})["fingerprint"]
+    # Keras trains on floor(501 * 0.8) = 400 examples: 12 full batches and one of 16.
+    assert hook._input_facts((x, y), {"validation_split": 0.2})["last"] == 16
+    assert "last" not in hook._input_facts((x, y), {"steps_per_epoch": 5})
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+    assert hook._input_facts((dataset,), {}) == {"shard_policy": "AUTO", "batch": 32, "last": 21}
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    assert hook._input_facts((dataset.with_options(options),), {})["shard_policy"] == "OFF"
+
+
+def test_random_layers_are_found_in_nested_models_and_made_inert_in_training():
+    import keras
+
+    inner = keras.Sequential([keras.layers.Dense(4), keras.layers.GaussianNoise(1.0)])
+    model = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dropout(0.5)])
+    found = hook._random_layers(model)
+    assert sorted(type(layer).__name__ for layer in found) == ["Dropout", "GaussianNoise"]
+    x = np.ones((8, 4), "float32")
+    assert not np.allclose(model(x, training=True), model(x, training=False))
+    assert all(hook._make_inert(layer) for layer in found)
+    np.testing.assert_array_equal(model(x, training=True), model(x, training=False))
 
 
 @pytest.mark.slow

@@ -213,6 +213,10 @@ def _random_layers(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> 
         shown = "1 device re-run with them inert as the reference; " + _rerun_shown(
             differing, inert_reference, rerun, tolerance, "inert_random", "inert"
         )
+        made = inert_reference.ranks[0].facts.get("inert", [])
+        left = [name for name in random if name not in made]
+        if left:  # a call without a training argument: nothing to switch off
+            shown += f"; not made inert (their call takes no training argument): {left}"
     return [
         Cause(
             "random_layers",

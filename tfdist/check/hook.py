@@ -132,17 +132,17 @@ def _wrap_fit(original):
         if os.environ.get(SYNC_BN_ENV) == "1":
             for layer in batchnorm:
                 layer.synchronized = True  # read when fit traces its step, just below
-        random = _random_layers(self)
+        drawing = _random_layers(self)
         inert = (
-            [_make_inert(layer) for layer in random]
+            [_make_inert(layer) for layer in drawing]
             if os.environ.get(INERT_RANDOM_ENV) == "1"
             else []
         )
         facts = {
             "batchnorm": [layer.name for layer in batchnorm],
             "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
-            "random": [layer.name for layer in random],
-            "inert": [layer.name for layer, made in zip(random, inert, strict=False) if made],
+            "random": [layer.name for layer in drawing],
+            "inert": [layer.name for layer, made in zip(drawing, inert, strict=False) if made],
             **_input_facts(args, kwargs),
         }
         _progress("fit", step=0)
