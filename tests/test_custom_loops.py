@@ -131,9 +131,16 @@ JAX_LOOP = LoopJob(
             "processes": 1,
             "devices": 4,
             "one_device.devices": 1,
+            "one_device.state_devices": 1,
             "distributed.devices": 4,
+            "distributed.state_devices": 4,  # the mesh given was the mesh trained on
         },
-        "launched": {"processes": 2, "devices": 4, "distributed.devices": 4},
+        "launched": {
+            "processes": 2,
+            "devices": 4,
+            "distributed.devices": 4,
+            "distributed.state_devices": 4,
+        },
     },
     ("--dropout",),
     # Sharded checkpoints, every process killed right after step 16's save call, that
@@ -162,11 +169,20 @@ def damage_newest_and_resume(job: LoopJob, directory, single):
     assert max_diff(resumed["weights"], full["weights"]) <= TOLERANCE
 
 
-def run_single(job: LoopJob, directory):
-    """One process: the one-device reference, and all the process's devices matching it."""
+def run_single(job: LoopJob, directory, *, check: bool = True, **env):
+    """One process: the one-device reference, and all the process's devices matching it
+    (``check_single``, unless ``check=False``); ``env`` adds to the process's environment."""
     single = run_script(
-        job.script, directory, "--one-device-too", *job.extra, **job.single_env, **job.env
+        job.script, directory, "--one-device-too", *job.extra, **job.single_env, **job.env, **env
     )
+    if check:
+        check_single(job, single)
+    return single
+
+
+def check_single(job: LoopJob, single: dict) -> None:
+    """``run_single``'s process ran on its devices, its one-device reference trained and
+    saved as planned, and its distributed variant ended with the reference's weights."""
     check_topology(single, job.topology["single"])
     reference = single["one_device"]
     assert reference["step"] == STEPS and reference["restored_from"] is None
@@ -175,7 +191,6 @@ def run_single(job: LoopJob, directory):
     assert reference["checkpoints"] == [
         "ckpt-2-2.keras", "ckpt-2-6.keras", "ckpt-2.keras", "ckpt-3-4.keras", "ckpt-3-8.keras"
     ]  # fmt: skip
-    return single
 
 
 def check_loop(job: LoopJob, tmp_path, single, single_dir):

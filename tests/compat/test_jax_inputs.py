@@ -43,14 +43,20 @@ def _by_kind(lines) -> dict[str, dict]:
     return results
 
 
-def _one_process(devices: int | None = None) -> dict[str, dict]:
-    env = {"KERAS_BACKEND": "jax"}
+def _one_process(
+    devices: int | None = None, *kinds: str, warm: bool = False, **env
+) -> dict[str, dict]:
+    """``jax_inputs_job.py`` in one process on ``devices`` (``kinds`` only, if named;
+    ``env`` adds to its environment; ``warm``: forked from a warm process, see
+    ``run_python``)."""
+    env["KERAS_BACKEND"] = "jax"
     if devices:
         env["TFDIST_CPU_DEVICES"] = str(devices)
     proc = run_python(
-        f"import runpy, sys; sys.argv = ['jax_inputs_job.py']; "
+        f"import runpy, sys; sys.argv = {['jax_inputs_job.py', *kinds]!r}; "
         f"runpy.run_path({str(JOB)!r}, run_name='__main__')",
         timeout=300,
+        warm=warm,
         **env,
     )
     return _by_kind(line for line in proc.stdout.splitlines() if '"kind"' in line)
@@ -74,11 +80,11 @@ def _two_processes(*args: str, **env) -> dict[int, dict[str, dict]]:
     return {process: _by_kind(found) for process, found in by_process.items()}
 
 
-def _assert_same(one: dict[str, dict], other: dict[str, dict]) -> None:
-    """Every kind of ``other`` equals one device's within TOL (losses, metrics, weights,
-    predictions row by row, so in order)."""
-    assert KINDS <= set(other), sorted(KINDS - set(other))
-    for kind in sorted(KINDS):
+def _assert_same(one: dict[str, dict], other: dict[str, dict], kinds=KINDS) -> None:
+    """Every kind of ``other`` (of ``kinds``) equals one device's within TOL (losses,
+    metrics, weights, predictions row by row, so in order)."""
+    assert kinds <= set(other), sorted(kinds - set(other))
+    for kind in sorted(kinds):
         a, b = one[kind], other[kind]
         keys = [key for key in ("history", "metrics", "weights", "predictions") if key in a]
         assert keys, kind
@@ -92,6 +98,16 @@ def _assert_topology(results: dict[str, dict], replicas: int, processes: int, de
     setup = results["setup"]
     got = (setup["replicas"], setup["processes"], setup["devices"])
     assert got == (replicas, processes, devices), setup
+
+
+def _assert_models_ran_on(results: dict[str, dict], replicas: int, processes: int) -> None:
+    """Every kind's model ran on ``replicas`` devices of ``processes`` processes (its
+    ``trained_on``): a model built outside ``tfdist.scope()`` runs on one."""
+    kinds = sorted(KINDS & set(results))
+    assert kinds, sorted(results)
+    for kind in kinds:
+        ran_on = results[kind]["trained_on"]
+        assert ran_on == [{"replicas": replicas, "workers": processes}], (kind, ran_on)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +124,7 @@ def one_device():
         "processes": 1,
         "devices": 1,
     }
+    _assert_models_ran_on(results, replicas=1, processes=1)
     loss = results["numpy"]["history"]["loss"]
     assert loss[-1] < loss[0]  # it trained
     # The kinds differ from one another where their inputs do (weights, shuffles).
@@ -122,6 +139,7 @@ def one_device():
 def test_four_devices_in_one_process_match_one_device(one_device):
     four = _one_process(4)
     _assert_topology(four, replicas=4, processes=1, devices=4)
+    _assert_models_ran_on(four, replicas=4, processes=1)
     assert four["setup"]["share"] is None  # one process: upstream's inputs
     _assert_same(one_device, four)
 
@@ -135,6 +153,7 @@ def test_two_processes_match_one_device_for_every_input_kind(one_device):
     results = _two_processes()
     for process in (0, 1):
         _assert_topology(results[process], replicas=4, processes=2, devices=4)
+        _assert_models_ran_on(results[process], replicas=4, processes=2)
         # Process p feeds part p of 2 of every batch, which 4 replicas split.
         assert results[process]["setup"]["share"] == [process, 2, 4]
         _assert_same(one_device, results[process])

@@ -14,6 +14,7 @@ file saved by every worker. A chief killed -9 inside a save leaves the previous 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -37,22 +38,30 @@ def _run(tmp_path, backend: str, *args: str, **env):
     )
 
 
-@pytest.mark.slow
-@pytest.mark.multiworker
-@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
-def test_twenty_saves_and_loads_on_every_worker(tmp_path, backend):
-    proc = _run(tmp_path, backend, "20")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = _results(proc)
+def check_saves(results: dict, directory: Path, backend: str) -> None:
+    """Both workers reported, their model trained on both (``trained_on``: a model built
+    outside ``tfdist.scope()`` trains on its worker alone), every load read the weights
+    just saved, and ``directory`` holds the saved files only."""
     assert sorted(results) == [0, 1] and all(r["workers"] == 2 for r in results.values())
     for worker, result in results.items():
+        ran_on = result["trained_on"]
+        assert ran_on == [{"replicas": 2, "workers": 2}], (worker, "trained_on", ran_on)
         assert result["failures"] == [], (worker, result["failures"][:5])
         assert result["worst"] == 0.0
     # the workers' own paths were removed by them; nothing else but the saved files
     expected = ["callback.keras", "chief.keras", "counts.weights.h5", "function.keras"]
     expected += ["model.keras", "tutorial.keras", "w.weights.h5"]
     expected += ["export"] if backend == "tensorflow" else []
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
+    assert sorted(p.name for p in directory.iterdir()) == sorted(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_twenty_saves_and_loads_on_every_worker(tmp_path, backend):
+    proc = _run(tmp_path, backend, "20")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    check_saves(_results(proc), tmp_path, backend)
 
 
 @pytest.mark.multiworker

@@ -16,7 +16,11 @@ pass without it:
 
 The partial-batch and steps_per_execution jobs (tests/compat/test_partial_batches.py,
 test_steps_per_execution.py) take ``nan``, ``one_device`` and ``outside_distribution`` too,
-each caught by that file's own checks.
+each caught by that file's own checks; so does the JAX custom loop
+(tests/test_custom_loops.py). The TensorFlow custom loop takes ``nan`` and ``one_device``;
+the jax-inputs job (tests/compat/test_jax_inputs.py) and the user-save job
+(tests/compat/test_user_saves.py) ``nan`` and ``outside_distribution``: each job runs once
+per fault on one case, and its file's own checks catch each fault.
 """
 
 from __future__ import annotations
@@ -29,16 +33,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_custom_loops as loops
 import test_idioms
 import test_resume_world_size as world_size
 
 from conftest import REPO, SCRIPTS, equivalence
 
-# tests/compat's partial-batch suite, importable when this file runs alone too (pytest puts
-# a test file's folder on sys.path only when it collects that file).
+# tests/compat's suites, importable when this file runs alone too (pytest puts a test
+# file's folder on sys.path only when it collects that file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat"))
+import test_jax_inputs as jax_inputs  # noqa: E402
 import test_partial_batches as partial  # noqa: E402
 import test_steps_per_execution as spe  # noqa: E402
+import test_user_saves as user_saves  # noqa: E402
 
 NotEquivalent = equivalence.NotEquivalent
 CALLBACKS = sorted(test_idioms.ACTED)
@@ -270,6 +277,157 @@ def test_each_fault_in_the_steps_per_execution_job_fails_that_files_check(spe_ru
     assert outside["cases"][SPE_CASE]["trained_on"] == [{"replicas": 1, "workers": 1}]
     with pytest.raises(AssertionError, match=r"'replicas': 2, .*'fixed': \[\]"):
         check(outside)  # on one: the fix never ran for it
+
+
+SAVES_ROUNDS = "1"  # that file's 20 rounds look for races; one round shows a check fail
+SAVES_FAULTS = {name: FAULT_RUNS[name][1] for name in ("clean", "nan", "outside")}
+
+
+@pytest.fixture(scope="module")
+def user_saves_runs(tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """The user-save job on 2 TensorFlow workers, one round: a clean run and a run per
+    fault it honours (2 at a time), each as ``(results, its directory)``."""
+    tmp = tmp_path_factory.mktemp("user_saves_faults")
+
+    def run(name: str, env: dict) -> tuple[dict, Path]:
+        directory = tmp / name
+        directory.mkdir()
+        proc = user_saves._run(directory, "tensorflow", SAVES_ROUNDS, **env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return user_saves._results(proc), directory
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, name, env) for name, env in SAVES_FAULTS.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_each_fault_in_the_user_save_job_fails_that_files_check(user_saves_runs):
+    def check(name: str) -> None:
+        results, directory = user_saves_runs[name]
+        user_saves.check_saves(results, directory, "tensorflow")
+
+    check("clean")  # the check passes without a fault
+    with pytest.raises(AssertionError, match="non-finite"):  # a load that read a NaN
+        check("nan")
+    # Each worker's model trained alone: caught by what it ran on, before anything else.
+    with pytest.raises(AssertionError, match=r"'trained_on', \[\{'replicas': 1, 'workers': 1"):
+        check("outside")
+
+
+JAX_INPUTS_KIND = "numpy"
+# Not one_device: the setup line it would fail is the check the idiom job's fault shows
+# failing; a model outside the scope is what only the kinds' own topology tells.
+JAX_INPUTS_RUNS = {name: FAULT_RUNS[name] for name in ("reference", "clean", "nan", "outside")}
+
+
+@pytest.fixture(scope="module")
+def jax_inputs_runs() -> dict[str, dict]:
+    """The jax-inputs job in one process, one kind: a clean reference on one device, a
+    clean run on 2 devices and a run per fault (2 at a time)."""
+
+    def run(topology: str, env: dict) -> dict:
+        devices = 2 if topology == "2 devices" else None
+        return jax_inputs._one_process(devices, JAX_INPUTS_KIND, warm=True, **env)
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, *how) for name, how in JAX_INPUTS_RUNS.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+def test_each_fault_in_the_jax_inputs_job_fails_that_files_checks(jax_inputs_runs):
+    reference = jax_inputs_runs["reference"]
+    jax_inputs._assert_topology(reference, replicas=1, processes=1, devices=1)
+    jax_inputs._assert_models_ran_on(reference, replicas=1, processes=1)
+
+    def check_topology(run: dict) -> None:
+        jax_inputs._assert_topology(run, replicas=2, processes=1, devices=2)
+        jax_inputs._assert_models_ran_on(run, replicas=2, processes=1)
+
+    def check_numbers(run: dict) -> None:
+        jax_inputs._assert_same(reference, run, {JAX_INPUTS_KIND})
+
+    clean = jax_inputs_runs["clean"]
+    check_topology(clean)  # the checks pass without a fault
+    check_numbers(clean)
+    nan = jax_inputs_runs["nan"]
+    check_topology(nan)
+    with pytest.raises(AssertionError, match="non-finite"):
+        check_numbers(nan)
+    # One device's numbers are one device's, and the process ran on 2: only what the
+    # kind's model ran on tells.
+    outside = jax_inputs_runs["outside"]
+    check_numbers(outside)
+    jax_inputs._assert_topology(outside, replicas=2, processes=1, devices=2)
+    with pytest.raises(AssertionError, match=r"\('numpy', \[\{'replicas': 1, 'workers': 1\}\]\)"):
+        check_topology(outside)
+
+
+# The custom loops' runs for the fault tests: each run trains its own one-device reference
+# first (--one-device-too), so it needs no reference run besides.
+LOOP_FAULTS = {name: FAULT_RUNS[name][1] for name in ("clean", "nan", "one_device", "outside")}
+
+
+def loop_runs(job, tmp: Path, names) -> dict[str, dict]:
+    """``job``'s single process (``run_single``, unchecked) clean and with each fault in
+    ``names``, 2 at a time."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {
+            name: pool.submit(loops.run_single, job, tmp / name, check=False, **LOOP_FAULTS[name])
+            for name in ("clean", *names)
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def tf_loop_runs(tmp_path_factory) -> dict[str, dict]:
+    """The TensorFlow loop on 2 devices (a model built outside the strategy's scope is
+    refused by TensorFlow itself: no fault to catch there)."""
+    return loop_runs(loops.TF_LOOP, tmp_path_factory.mktemp("tf_loop"), ["nan", "one_device"])
+
+
+@pytest.fixture(scope="module")
+def jax_loop_runs(tmp_path_factory) -> dict[str, dict]:
+    """The JAX loop on 4 devices."""
+    names = ["nan", "one_device", "outside"]
+    return loop_runs(loops.JAX_LOOP, tmp_path_factory.mktemp("jax_loop"), names)
+
+
+def check_loop_faults(job, runs: dict[str, dict], one_device: str) -> None:
+    """The clean run passes ``check_single``; the NaN fails its comparison, and a run on
+    one device (whose weights are the reference's) fails its topology check with
+    ``one_device``."""
+    loops.check_single(job, runs["clean"])
+    with pytest.raises(AssertionError, match="non-finite"):
+        loops.check_single(job, runs["nan"])
+    run = runs["one_device"]
+    distributed, reference = run["distributed"], run["one_device"]
+    assert loops.max_diff(distributed["weights"], reference["weights"]) <= loops.TOLERANCE
+    with pytest.raises(AssertionError, match=one_device):
+        loops.check_single(job, run)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_tensorflow_loop_fails_that_files_check(tf_loop_runs):
+    check_loop_faults(loops.TF_LOOP, tf_loop_runs, r"'distributed\.replicas', 1, 2")
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+def test_each_fault_in_the_jax_loop_fails_that_files_check(jax_loop_runs):
+    check_loop_faults(loops.JAX_LOOP, jax_loop_runs, r"'devices', 1, 4")
+    outside = jax_loop_runs["outside"]
+    distributed, reference = outside["distributed"], outside["one_device"]
+    assert distributed["devices"] == 4  # the mesh it was given; it trained on one device
+    assert loops.max_diff(distributed["weights"], reference["weights"]) <= loops.TOLERANCE
+    with pytest.raises(AssertionError, match=r"'distributed\.state_devices', 1, 4"):
+        loops.check_single(loops.JAX_LOOP, outside)
 
 
 def test_the_mnist_rule_is_only_conftests():

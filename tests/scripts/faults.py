@@ -11,8 +11,15 @@
 - ``late_resume``: a resumed run starts one optimizer step (and one batch) after the
   checkpoint it restored.
 
-tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and shows the matching
-check fails.
+The jobs that honour them: the idiom matrix (tests/scripts/idioms_job.py: all but
+``late_resume``), the world-size resume job (``late_resume``), the partial-batch and
+steps_per_execution jobs and the JAX custom loop (``nan``, ``one_device``,
+``outside_distribution``), the TensorFlow custom loop (``nan``, ``one_device``: TensorFlow
+itself refuses a model built outside the strategy's scope there), the jax-inputs job
+(``nan``, ``outside_distribution``) and the user-save job (``nan``, as a load that read one
+bad value, and ``outside_distribution``: its workers launch with one device each, so
+``one_device`` would change nothing). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and
+shows the matching check fails.
 """
 
 from __future__ import annotations

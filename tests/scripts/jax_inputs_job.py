@@ -7,12 +7,18 @@ tests/compat/test_jax_inputs.py): every kind trains a fresh model (the same seed
 predictions. Batches of 16 over 72 examples end with a partial batch of 8, which divides
 between 4 replicas; ``uneven`` (72 - 2 examples, several processes only) does not.
 ``python jax_inputs_job.py upstream`` prints what upstream says to numpy ``fit`` and to
-``predict`` on a ``tf.data.Dataset`` (run with the fixes excluded).
+``predict`` on a ``tf.data.Dataset`` (run with the fixes excluded);
+``python jax_inputs_job.py KIND...`` runs the kinds named only. Each kind's line says what
+its model ran on (``trained_on``, tests/scripts/trained_on.py). ``TFDIST_TEST_FAULT``
+(tests/scripts/faults.py: ``nan``, ``outside_distribution``) injects a fault
+tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
+import contextlib
 import json
 import random
 import sys
+from pathlib import Path
 
 import jax
 import keras
@@ -22,6 +28,10 @@ import tensorflow as tf
 import tfdist
 from tfdist import compat
 from tfdist.compat import jax_inputs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
+import trained_on  # noqa: E402
 
 BATCH = 16
 rng = np.random.RandomState(0)
@@ -33,7 +43,7 @@ x, y, w = X[:72], Y[:72], W[:72]
 
 def build():
     keras.utils.set_random_seed(0)
-    with tfdist.scope():
+    with contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope():
         model = keras.Sequential(
             [keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)]
         )
@@ -117,8 +127,21 @@ def error(call):
     return None
 
 
-def main(mode):
-    if mode == "upstream":
+def weights(model) -> list:
+    """The model's weights as lists, the first one NaN under the ``nan`` fault."""
+    values = [v.tolist() for v in model.get_weights()]
+    if faults.active("nan"):
+        values[0][0][0] = float("nan")
+    return values
+
+
+def chosen(kinds: dict, args: list[str]) -> dict:
+    """The ``kinds`` named in ``args``, or all of them when none is."""
+    return {kind: run for kind, run in kinds.items() if not args or kind in args}
+
+
+def main(args):
+    if args == ["upstream"]:
         model = build()
         emit(
             "upstream",
@@ -138,9 +161,10 @@ def main(mode):
         processes=jax.process_count(),
         devices=jax.device_count(),
     )
+    trained_on.install()
     model = build()
     initial = model.get_weights()
-    for kind, fit in FITS.items():
+    for kind, fit in chosen(FITS, args).items():
         # One model for every kind (compiled once): its first weights back, and the seed
         # every kind's shuffles start from. SGD without momentum keeps no other state.
         model.set_weights(initial)
@@ -149,17 +173,22 @@ def main(mode):
             # Each process seeds differently: its shuffles must still follow process 0's.
             np.random.seed(100 + tfdist.worker_index())
             random.seed(100 + tfdist.worker_index())
+        trained_on.NOTED.clear()
         history = fit(model)
-        emit(kind, history=history.history, weights=[v.tolist() for v in model.get_weights()])
+        emit(kind, history=history.history, weights=weights(model), trained_on=trained_on.NOTED)
     model.set_weights(initial)
-    for kind, evaluate in EVALUATES.items():
-        emit(kind, metrics=[float(v) for v in evaluate(model)])
-    for kind, predict in PREDICTS.items():
-        emit(kind, predictions=np.asarray(predict(model)).tolist())
-    if tfdist.num_workers() > 1:
+    for kind, evaluate in chosen(EVALUATES, args).items():
+        trained_on.NOTED.clear()
+        metrics = [float(v) for v in evaluate(model)]
+        emit(kind, metrics=metrics, trained_on=trained_on.NOTED)
+    for kind, predict in chosen(PREDICTS, args).items():
+        trained_on.NOTED.clear()
+        predictions = np.asarray(predict(model)).tolist()
+        emit(kind, predictions=predictions, trained_on=trained_on.NOTED)
+    if tfdist.num_workers() > 1 and not args:
         uneven = error(lambda: model.fit(x[:70], y[:70], batch_size=BATCH, verbose=0))
         emit("uneven", error=uneven)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "all")
+    main(sys.argv[1:])

@@ -10,7 +10,11 @@ one device in the same process (the reference). Checkpoints every ``--every`` st
 Dropout layer (its RNG state is part of the checkpoint); ``--sharded`` writes sharded,
 asynchronous checkpoints, ``--kill-in-write K`` SIGKILLs the first attempt right after
 step K's save call, its write under way, and ``--plant-damaged NAME`` has worker 0 first
-leave a damaged copy of the newest checkpoint under NAME. Prints one JSON line per process.
+leave a damaged copy of the newest checkpoint under NAME. Prints one JSON line per process;
+each variant's ``state_devices`` counts the devices its trained state was on.
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``one_device``,
+``outside_distribution``) injects a fault tests/e2e/test_checks_catch_faults.py must see
+caught.
 """
 
 import json
@@ -18,15 +22,19 @@ import os
 import sys
 from pathlib import Path
 
-import jax
-import keras
-import numpy as np
-
-import tfdist
-from tfdist.checkpoint.sharded import sharded_name
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
+
+if faults.active("one_device"):  # before JAX reads the devices asked for
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
 import builders  # noqa: E402
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.checkpoint.sharded import sharded_name  # noqa: E402
 
 args = builders.loop_arguments(dropout=True, sharded=True)
 
@@ -81,14 +89,16 @@ def train(mesh, directory):
         )
         return loss, (trainable_variables, non_trainable_variables, optimizer_variables)
 
+    # The fault: state and batches on one device, not on the mesh the loop was given.
+    on = one_device_mesh() if faults.active("outside_distribution") else mesh
     # Replicated train state on the global mesh (every device of every process).
     state = tfdist.loops.replicate(
-        (model.trainable_variables, model.non_trainable_variables, optimizer.variables), on=mesh
+        (model.trainable_variables, model.non_trainable_variables, optimizer.variables), on=on
     )
     losses = []
     for _epoch in range(step // ckpt.steps_per_epoch, args.epochs):
         for batch in train_data.as_numpy_iterator():
-            loss, state = train_step(state, tfdist.loops.shard_batch(batch, on=mesh))
+            loss, state = train_step(state, tfdist.loops.shard_batch(batch, on=on))
             losses.append(float(tfdist.loops.to_host(loss)))
             step += 1
             builders.inject_fault(args, step)
@@ -102,14 +112,21 @@ def train(mesh, directory):
         "step": step,
         "losses": losses,
         "devices": int(mesh.devices.size),
+        "state_devices": len(jax.tree_util.tree_leaves(state)[0].sharding.device_set),
         "restored_from": where,
         "checkpoints": sorted(n for n in os.listdir(directory) if n.startswith("ckpt")),
     }
 
 
+def one_device_mesh():
+    """A mesh of this process's first device."""
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
+
+
 result = {"processes": jax.process_count(), "devices": jax.device_count()}
 if args.one_device_too:
-    one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("batch",))
-    result["one_device"] = train(one, os.path.join(args.dir, "one"))
+    result["one_device"] = train(one_device_mesh(), os.path.join(args.dir, "one"))
 result["distributed"] = train(tfdist.loops.mesh(), os.path.join(args.dir, "dist"))
+if faults.active("nan"):  # in the run compared with the reference
+    result["distributed"]["weights"][0][0][0] = float("nan")
 print(json.dumps(result), flush=True)

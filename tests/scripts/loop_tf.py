@@ -6,7 +6,9 @@ devices, or N workers under ``tfdist launch``); ``--one-device-too`` first train
 same loop on ``OneDeviceStrategy`` in the same process (the reference). Checkpoints every
 ``--every`` steps; ``--kill-at-step K`` SIGKILLs the first attempt after step K;
 ``--sigterm-at-step S`` sends SIGTERM to worker 1 of the second attempt after step S.
-Prints one JSON line per process.
+Prints one JSON line per process. ``TFDIST_TEST_FAULT`` (tests/scripts/faults.py:
+``nan``, ``one_device``) injects a fault tests/e2e/test_checks_catch_faults.py must see
+caught.
 """
 
 import json
@@ -14,14 +16,18 @@ import os
 import sys
 from pathlib import Path
 
-import keras
-import numpy as np
-import tensorflow as tf
-
-import tfdist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
+
+if faults.active("one_device"):  # before TensorFlow reads the devices asked for
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
 import builders  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
 
 args = builders.loop_arguments(dropout=False)
 
@@ -95,4 +101,6 @@ if args.one_device_too:
     one = tf.distribute.OneDeviceStrategy("/cpu:0")
     result["one_device"] = train(one, os.path.join(args.dir, "one"))
 result["distributed"] = train(tfdist.strategy(), os.path.join(args.dir, "dist"))
+if faults.active("nan"):  # in the run compared with the reference
+    result["distributed"]["weights"][0][0][0] = float("nan")
 print(json.dumps(result), flush=True)

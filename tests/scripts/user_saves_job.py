@@ -15,19 +15,25 @@ and (TensorFlow) ``model.export`` by every worker, and the TensorFlow tutorial's
 per-worker pattern (each non-chief saves to a path of its own and removes it). With
 ``kill`` as third argument every worker saves once, then the chief alone saves again and
 kills itself -9 inside that save. Each worker prints
-``SAVES {"worker": i, "failures": [...], "worst": d}``.
+``SAVES {"worker": i, "workers": n, "failures": [...], "worst": d, "trained_on": [...]}``,
+``trained_on`` what the model's ``fit`` ran on (tests/scripts/trained_on.py).
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``outside_distribution``) injects
+a fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 
 import equivalence
+import faults
 import keras
 import numpy as np
+import trained_on
 
 import tfdist
 
@@ -58,7 +64,8 @@ class ChiefSavesEveryOtherEpoch(keras.callbacks.Callback):
             self.saved = self.model.get_weights()
 
 
-with tfdist.scope():
+trained_on.install()
+with contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope():
     model, other = build(), build()
 rng = np.random.default_rng(0)
 x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 1)).astype("float32")
@@ -101,6 +108,9 @@ def compare(what, loaded):
     global worst
     if isinstance(loaded, keras.Model):
         loaded = loaded.get_weights()
+    if faults.active("nan"):  # as a load that read one bad value
+        loaded = [np.array(w, copy=True) for w in loaded]
+        loaded[0].flat[0] = np.nan
     try:
         difference = equivalence.assert_close(model.get_weights(), loaded, 0.0, what)
         worst = difference if difference > worst else worst
@@ -202,7 +212,13 @@ except Exception as error:
 print(
     "SAVES "
     + json.dumps(
-        {"worker": worker, "workers": tfdist.num_workers(), "failures": failures, "worst": worst}
+        {
+            "worker": worker,
+            "workers": tfdist.num_workers(),
+            "failures": failures,
+            "worst": worst,
+            "trained_on": trained_on.NOTED,
+        }
     ),
     flush=True,
 )
