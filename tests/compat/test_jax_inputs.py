@@ -43,12 +43,9 @@ def _by_kind(lines) -> dict[str, dict]:
     return results
 
 
-def _one_process(
-    devices: int | None = None, *kinds: str, warm: bool = False, **env
-) -> dict[str, dict]:
+def _one_process(devices: int | None = None, *kinds: str, **env) -> dict[str, dict]:
     """``jax_inputs_job.py`` in one process on ``devices`` (``kinds`` only, if named;
-    ``env`` adds to its environment; ``warm``: forked from a warm process, see
-    ``run_python``)."""
+    ``env`` adds to its environment)."""
     env["KERAS_BACKEND"] = "jax"
     if devices:
         env["TFDIST_CPU_DEVICES"] = str(devices)
@@ -56,7 +53,6 @@ def _one_process(
         f"import runpy, sys; sys.argv = {['jax_inputs_job.py', *kinds]!r}; "
         f"runpy.run_path({str(JOB)!r}, run_name='__main__')",
         timeout=300,
-        warm=warm,
         **env,
     )
     return _by_kind(line for line in proc.stdout.splitlines() if '"kind"' in line)

@@ -329,7 +329,7 @@ def jax_inputs_runs() -> dict[str, dict]:
 
     def run(topology: str, env: dict) -> dict:
         devices = 2 if topology == "2 devices" else None
-        return jax_inputs._one_process(devices, JAX_INPUTS_KIND, warm=True, **env)
+        return jax_inputs._one_process(devices, JAX_INPUTS_KIND, **env)
 
     with ThreadPoolExecutor(2) as pool:
         futures = {name: pool.submit(run, *how) for name, how in JAX_INPUTS_RUNS.items()}
