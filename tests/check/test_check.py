@@ -19,17 +19,28 @@ import pytest
 from tfdist import cli
 from tfdist.check import causes, compare, hook, report, runner, topology, verdict
 
-from conftest import REPO, child_env
+from conftest import child_env, warm_start
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
-def check_cli(*argv: str, cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess:
-    """``python -m tfdist check *argv`` (run in ``cwd``), output captured."""
+def check_cli(
+    *argv: str, cwd: Path, timeout: float = 400, warm: bool = True
+) -> subprocess.CompletedProcess:
+    """``python -m tfdist check *argv`` (run in ``cwd``), output captured; its runs fork
+    from the warm processes (``TFDIST_LAUNCH_PYTHON``: tests/warm_python.py), or with
+    ``warm=False`` start fresh interpreters, as a user's do."""
+    env = child_env()  # tfdist from the repository: installed editable (the README's setup)
+    if not warm:
+        env["TFDIST_TEST_WARM"] = "0"
+    backend = argv[argv.index("--backend") + 1] if "--backend" in argv else "tensorflow"
+    # The check runs its jobs on this machine's CPU: jax's JAX_PLATFORMS=cpu, the key of
+    # their warm process.
+    warm_start.prepare({**env, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}, child_env())
     return subprocess.run(
         [sys.executable, "-m", "tfdist", "check", *argv],
         cwd=cwd,
-        env=child_env(PYTHONPATH=str(REPO)),
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -69,6 +80,24 @@ def test_a_non_number_for_steps_is_refused_by_argparse(capsys):
 def test_topologies_are_read_in_several_spellings_and_one_device_comes_first():
     got = topology.parse_topologies("2-workers, 2 devices,1device", "jax")
     assert [str(t) for t in got] == ["1 device", "2 processes", "2 devices"]
+
+
+def test_every_topology_runs_under_the_launchers_python(monkeypatch, tmp_path):
+    wrapper = tmp_path / "python-wrapper"
+    wrapper.write_text('#!/bin/sh\nexec python3 "$@"\n')
+    wrapper.chmod(0o755)
+    one, two, workers = topology.parse_topologies("1 device,2 devices,2 workers", "tensorflow")
+    monkeypatch.delenv("TFDIST_LAUNCH_PYTHON", raising=False)
+    assert topology.command(one, "s.py", ("a",)) == (
+        [sys.executable, "-m", "tfdist.bootstrap", "s.py", "a"],
+        {},
+    )
+    monkeypatch.setenv("TFDIST_LAUNCH_PYTHON", str(wrapper))
+    argv, env = topology.command(two, "s.py", ())
+    assert argv[0] == str(wrapper) and env == {"TFDIST_CPU_DEVICES": "2"}
+    # The workers: tfdist launch, which starts each with TFDIST_LAUNCH_PYTHON itself.
+    argv, _ = topology.command(workers, "s.py", ())
+    assert argv[:4] == [sys.executable, "-m", "tfdist", "launch"]
 
 
 def test_a_nan_is_never_equal_and_a_shape_change_is_named():
@@ -226,7 +255,9 @@ def test_random_layers_are_found_in_nested_models_and_made_inert_in_training():
 @pytest.mark.slow
 def test_a_correct_script_is_equal_on_every_topology_and_stops_after_fit(tmp_path):
     keep = tmp_path / "runs"
-    proc = check_cli("--steps", "8", "--keep", str(keep), str(SCRIPTS / "correct.py"), cwd=tmp_path)
+    script = str(SCRIPTS / "correct.py")
+    # Fresh interpreters, as a user's runs (the other tests' runs fork from warm ones).
+    proc = check_cli("--steps", "8", "--keep", str(keep), script, cwd=tmp_path, warm=False)
     assert proc.returncode == 0, _fail(proc)
     lines = proc.stdout.splitlines()
     assert any(line.split()[:3] == ["2", "devices", "equal"] for line in lines), proc.stdout

@@ -17,7 +17,7 @@ import re
 import sys
 from dataclasses import dataclass
 
-from tfdist.core.config import ConfigError
+from tfdist.core.config import ConfigError, launch_python
 
 __all__ = ["DEFAULTS", "Topology", "parse_topologies", "command"]
 
@@ -75,9 +75,14 @@ def parse_topologies(text: str, backend: str) -> tuple[Topology, ...]:
 
 
 def command(topology: Topology, script: str, args: tuple[str, ...]) -> tuple[list[str], dict]:
-    """``(argv, environment additions)`` that run ``script`` on ``topology``."""
+    """``(argv, environment additions)`` that run ``script`` on ``topology``.
+
+    One process runs under the interpreter ``tfdist launch`` gives its workers
+    (``TFDIST_LAUNCH_PYTHON``, else this one), so that every topology's script runs
+    under the same Python.
+    """
     if topology.kind == "worker":
         argv = [sys.executable, "-m", "tfdist", "launch", "-n", str(topology.count)]
         return [*argv, script, *args], {}
     env = {"TFDIST_CPU_DEVICES": str(topology.count)} if topology.count > 1 else {}
-    return [sys.executable, "-m", "tfdist.bootstrap", script, *args], env
+    return [launch_python(), "-m", "tfdist.bootstrap", script, *args], env
