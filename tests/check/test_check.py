@@ -25,12 +25,12 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def check_cli(
-    *argv: str, cwd: Path, timeout: float = 400, warm: bool = True
+    *argv: str, cwd: Path, timeout: float = 400, warm: bool = True, **extra: str
 ) -> subprocess.CompletedProcess:
     """``python -m tfdist check *argv`` (run in ``cwd``), output captured; its runs fork
     from the warm processes (``TFDIST_LAUNCH_PYTHON``: tests/warm_python.py), or with
     ``warm=False`` start fresh interpreters, as a user's do."""
-    env = child_env()  # tfdist from the repository: installed editable (the README's setup)
+    env = child_env(**extra)  # tfdist from the repository: installed editable (the README's)
     if not warm:
         env["TFDIST_TEST_WARM"] = "0"
     backend = argv[argv.index("--backend") + 1] if "--backend" in argv else "tensorflow"
@@ -191,12 +191,22 @@ def test_a_difference_from_an_epochs_partial_last_batch_is_named_only_there():
     _, found = _causes(differs_at_end, reference=reference(21))
     (cause,) = found
     assert cause.cause == "partial_batch"
-    assert "first differ at step 2, the last of epoch 1" in cause.evidence
+    assert "step 2 is the last of epoch 1" in cause.evidence
+    assert "the logged values first differ at step 2" in cause.evidence
     assert "whose batch holds 21 of 32 examples" in cause.evidence
     assert "the weights after the steps are equal" in cause.evidence
     assert "drop_remainder=True" in cause.fix
     _, found = _causes(differs_at_end, reference=reference(32))  # every batch full
     assert found == []
+    # Its update differs: the weights, and the values logged from the next step on.
+    update = _run("2 devices", 0.0, 0.7, steps_per_epoch=2)
+    update.ranks[0].facts["history"]["loss"] = [1.0, 0.5, 0.7]
+    (cause,) = _causes(
+        update, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=2, batch=32, last=21)
+    )[1]
+    assert "step 2 is the last of epoch 1" in cause.evidence
+    assert "its update first differs (the values logged from step 3 on differ" in cause.evidence
+    assert "the weights differ from there" in cause.evidence
     mid_epoch = _run("2 devices", 0.0, 0.5, steps_per_epoch=3, loss=0.6)
     _, found = _causes(
         mid_epoch, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
@@ -352,21 +362,24 @@ def test_dropout_differs_on_two_devices_and_making_it_inert_removes_the_differen
 
 
 @pytest.mark.slow
-def test_an_unevenly_shared_partial_last_batch_is_named_and_an_even_one_is_equal(tmp_path):
+def test_a_partial_last_batch_is_equal_with_the_fixes_and_named_without_them(tmp_path):
+    """501 examples at 32: step 16 is epoch 1's last, a batch of 21 shared 11 + 10."""
     argv = ("--steps", "16", "--topologies", "2 devices", "--json", str(SCRIPTS / "correct.py"))
-    # 501 examples at 32: step 16 is epoch 1's last batch, 21 examples (11 + 10).
     proc = check_cli(*argv, "--examples", "501", cwd=tmp_path)
-    assert proc.returncode == 1, _fail(proc)
-    report = json.loads(proc.stdout)
-    assert report["topologies"][1]["first_differing_step"] == 16
-    (cause,) = report["causes"]
-    assert cause["cause"] == "partial_batch"
-    assert "whose batch holds 21 of 32 examples; they differ at steps [16]" in cause["evidence"]
-    assert "drop_remainder=True" in cause["fix"]
-    # 500: a last batch of 20, 10 + 10: equal through the partial batch.
-    proc = check_cli(*argv, "--examples", "500", cwd=tmp_path)
-    assert proc.returncode == 0, _fail(proc)
+    assert proc.returncode == 0, _fail(proc)  # each example weighs what it does on one device
     assert json.loads(proc.stdout)["topologies"][1]["steps"] == 16
+    # Without the fix that weighs each replica's loss by its share, the update differs.
+    fix = "keras_partial_batch_loss_weights"
+    proc = check_cli(*argv, "--examples", "501", cwd=tmp_path, TFDIST_COMPAT_EXCLUDE=fix)
+    assert proc.returncode == 1, _fail(proc)
+    (cause,) = json.loads(proc.stdout)["causes"]
+    assert cause["cause"] == "partial_batch"
+    assert (
+        "step 16 is the last of epoch 1 (16 steps per epoch), whose batch holds 21 of 32"
+        in (cause["evidence"])
+    )
+    assert "the weights differ from there" in cause["evidence"]
+    assert "drop_remainder=True" in cause["fix"]
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@
 - ``random_layers``: random layers (``Dropout``, ``GaussianNoise``, ``RandomFlip``...)
   draw on every replica apart, and a re-run of a differing topology with them inert
   (``TFDIST_CHECK_INERT_RANDOM=1``): equal again, or not.
-- ``partial_batch``: the logged values first differ at an epoch's last step, whose batch
+- ``partial_batch``: the difference starts at an epoch's last step, whose batch
   is partial (or of a size ``fit``'s input did not tell).
 - ``global_batch``: another number of steps per epoch than ``1 device`` (the global batch
   grows with the replicas), or ``unseeded``: ``N devices`` starts from other initial
@@ -244,17 +244,17 @@ def _differing_steps(verdict: Verdict, reference: Run, tolerance: float) -> list
 
 
 def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[Cause]:
-    """A difference that first shows at an epoch's last step, whose batch is partial."""
+    """A difference that starts at an epoch's last step, whose batch is partial: in the
+    values logged for that step, or in its update (then the weights differ, and so do
+    the values logged from the next step on)."""
     facts = reference.ranks[0].facts
     per_epoch, batch, last = facts.get("steps_per_epoch"), facts.get("batch"), facts.get("last")
     if not per_epoch or (batch and last == batch):
         return []  # unknown epochs, or every batch full: not this cause
-    at_end = [
-        v
-        for v in verdicts
-        if v.status == "differs" and v.first_step and v.first_step % per_epoch == 0
-    ]
-    if not at_end:
+    # Where the last batch's size is unknown, only a difference in that step's own values.
+    found = [(v, _partial_step(v, per_epoch, tolerance, bool(batch))) for v in verdicts]
+    found = [(v, step) for v, step in found if step]
+    if not found:
         return []
     size = (
         f"whose batch holds {last} of {batch} examples"
@@ -262,7 +262,16 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
         else "whose size fit's input did not tell"
     )
     shown = []
-    for verdict in at_end:
+    for verdict, step in found:
+        if verdict.first_step == step:
+            where = f"the logged values first differ at step {step}"
+        else:
+            later = (
+                f"the values logged from step {verdict.first_step} on differ"
+                if (verdict.first_step)
+                else "the logged values are equal"
+            )
+            where = f"its update first differs ({later}, the weights too)"
         weights = (
             "the weights after the steps are equal (worst "
             f"{verdict.weights.key} {verdict.weights.value:.1e}): only the values logged "
@@ -272,9 +281,9 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
         )
         steps = _differing_steps(verdict, reference, tolerance)
         shown.append(
-            f"{verdict.name}: the logged values first differ at step {verdict.first_step}, "
-            f"the last of epoch {verdict.first_step // per_epoch} ({per_epoch} steps per "
-            f"epoch), {size}; they differ at steps {steps}; {weights}"
+            f"{verdict.name}: step {step} is the last of epoch {step // per_epoch} "
+            f"({per_epoch} steps per epoch), {size}; {where}; logged values differ at "
+            f"steps {steps}; {weights}"
         )
     return [
         Cause(
@@ -282,11 +291,31 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
             "a partial last batch split between the replicas: " + "; ".join(shown),
             "make every batch full: drop the remainder (tf.data's batch(..., "
             "drop_remainder=True); tfdist.data.pipeline drops it when shuffling), or a "
-            "dataset size divisible by the global batch; on TensorFlow a last batch that "
-            "the replicas share evenly (a multiple of their number) is also equal. With "
-            "equal weights the training is one device's and the difference can be accepted",
+            "dataset size divisible by the global batch; with tfdist's fixes on (none "
+            "excluded by TFDIST_COMPAT_EXCLUDE) a partial batch of a Keras loss trains "
+            "as on one device on TensorFlow",
         )
     ]
+
+
+def _partial_step(verdict: Verdict, per_epoch: int, tolerance: float, known: bool) -> int | None:
+    """The epoch's last step where ``verdict``'s difference starts, or None: the values
+    logged for it differ, or (``known``: that batch is known to be partial) its update
+    does (a step logs its loss before updating, so that shows in the next step's values,
+    or only in the weights when the run ended there)."""
+    if verdict.status != "differs":
+        return None
+    first = verdict.first_step
+    if first and first % per_epoch == 0:
+        return first
+    if not known:
+        return None
+    if first and first > 1 and (first - 1) % per_epoch == 0:
+        return first - 1
+    weights_differ = verdict.weights is not None and not verdict.weights.equal(tolerance)
+    if not first and weights_differ and verdict.steps and verdict.steps % per_epoch == 0:
+        return verdict.steps
+    return None
 
 
 def _unsharded(verdicts: list[Verdict]) -> list[Cause]:

@@ -5,7 +5,8 @@ launch``, whose workers run the same) with ``TFDIST_CHECK_DIR`` set. ``tfdist.st
 then calls ``start()`` at once and ``on_keras_import()`` when Keras is imported; the
 hook wraps ``keras.Model.fit`` so that the script's first ``fit``:
 
-1. gets one more callback that records each step's logs (loss and metrics) and sets
+1. gets one more callback that records each step's logs (loss and metrics; for an
+   epoch's last step the epoch's, see ``on_epoch_end`` below) and sets
    ``model.stop_training`` after ``TFDIST_CHECK_STEPS`` steps (Keras reads it after every
    batch: ``keras/src/backend/*/trainer.py``), and the initial weights at its first step;
 2. when it returns, writes this process's result (``rank-R.npz``: weights after the
@@ -323,6 +324,17 @@ def _recorder_class():
             _progress("fit", step=self.done)
             if self.done >= self.steps:
                 self.model.stop_training = True
+
+        def on_epoch_end(self, epoch, logs=None):
+            # The values of an epoch's last step are the epoch's, read from the metrics
+            # across the replicas. What Keras logs for a step is the mean of the replicas'
+            # own running means (reduce_per_replica "mean"): after a batch the replicas
+            # shared unevenly (11 + 10) that mean differs from one device's by ~1e-5,
+            # though every example weighed what it does on one device. On one device both
+            # are the same number.
+            for key, value in (logs or {}).items():
+                if self.history.get(key):
+                    self.history[key][-1] = float(np.asarray(value))
 
     return Recorder
 
