@@ -16,12 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import tfdist.check as check_module
 from tfdist import cli
 from tfdist.check import causes, compare, hook, report, runner, topology, verdict
 
 from conftest import child_env, warm_start
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+# The README's Usage block (tests/project/test_readme.py), importable when this file runs
+# alone too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "project"))
+import test_readme as readme  # noqa: E402
 
 
 def check_cli(
@@ -249,6 +254,51 @@ def test_the_hook_reads_the_batches_and_sharding_from_fits_input_without_reading
     assert hook._input_facts((dataset.with_options(options),), {})["shard_policy"] == "OFF"
 
 
+def test_a_rerun_at_another_global_batch_rebatches_fits_input_in_order():
+    import tensorflow as tf
+
+    x, y = np.arange(10.0).reshape(10, 1), np.zeros((10, 1))
+    args, kwargs, fact = hook._at_global_batch((x, y), {"batch_size": 2}, 4)
+    assert (args[0] is x, kwargs["batch_size"], fact) == (True, 4, {"rebatched": 4})
+    args, kwargs, _ = hook._at_global_batch((x, y, 2, 3), {}, 4)  # fit(x, y, batch_size, epochs)
+    assert (args[2], args[3], kwargs) == (4, 3, {})
+    dataset = tf.data.Dataset.from_tensor_slices(x).batch(3, drop_remainder=True).prefetch(1)
+    assert hook._input_facts((dataset,), {})["batch"] == 3  # a static batch dimension
+    args, _, fact = hook._at_global_batch((dataset,), {}, 6)
+    assert [b.numpy().ravel().tolist() for b in args[0]] == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    _, kwargs, fact = hook._at_global_batch((), {"x": iter([x])}, 6)  # a generator: not
+    assert "x" in kwargs
+    assert fact == {"rebatch_failed": "fit's input is a list_iterator: not rebatched"}
+
+
+def test_a_batch_that_grows_with_the_replicas_is_judged_at_that_batch():
+    reference = _run("1 device", 0.0, 0.5, steps_per_epoch=10, batch=32)
+    grown = _run("2 devices", 0.0, 0.9, steps_per_epoch=5, batch=64)
+    judged = [verdict.judge(reference, r, 1e-5) for r in (reference, grown)]
+    reruns = []
+
+    def rerun(which, variant):
+        reruns.append((str(which), variant))
+        return _run("1 device", 0.0, 0.9, steps_per_epoch=5, rebatched=64)
+
+    check_module._judge_at_their_global_batch(judged, reference, rerun, 1e-5)
+    assert reruns == [("1 device", "global_batch:64")]
+    assert judged[1].status == "equal" and judged[1].at_global_batch[0] == 64
+    assert "equal at its global batch of 64" in report._line(judged[1])
+    (cause,) = causes.find(judged, reference, rerun, 1e-5)
+    assert cause.cause == "global_batch" and "nothing to fix" in cause.fix
+    assert "1 device re-run at its global batch of 64: equal" in cause.evidence
+    # Other weights at that batch too (say, a learning rate scaled with the replicas).
+    judged = [verdict.judge(reference, r, 1e-5) for r in (reference, grown)]
+    check_module._judge_at_their_global_batch(
+        judged, reference, lambda w, v: _run("1 device", 0.0, 0.7, rebatched=64), 1e-5
+    )
+    assert judged[1].status == "differs"
+    assert judged[1].at_global_batch == (64, "differs (worst w 2.0e-01)")
+    (cause,) = causes.find(judged, reference, rerun, 1e-5)
+    assert "keep the global batch fixed" in cause.fix
+
+
 def test_random_layers_are_found_in_nested_models_and_made_inert_in_training():
     import keras
 
@@ -394,3 +444,17 @@ def test_a_dataset_with_sharding_off_is_named_on_workers_and_its_twin_is_equal(t
     assert "worker_data" not in proc.stdout
     proc = check_cli(*argv, "--policy", "auto", cwd=tmp_path)
     assert proc.returncode == 0, _fail(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_the_readme_usage_script_is_equal_at_its_global_batch(tmp_path):
+    """README's Usage block, unchanged: its global batch is 64 per replica, so 2 devices and
+    2 workers are judged against one device re-run at 128."""
+    (tmp_path / "usage.py").write_text(readme.usage_block())
+    proc = check_cli("--json", "usage.py", cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    report_ = json.loads(proc.stdout)
+    assert [t["status"] for t in report_["topologies"]] == ["reference", "equal", "equal"]
+    assert [t["at_global_batch"][0] for t in report_["topologies"][1:]] == [128, 128]
+    assert [c["cause"] for c in report_["causes"]] == ["global_batch"]

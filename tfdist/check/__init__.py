@@ -54,8 +54,9 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
     result = report.Report(options.script, options.backend, options.steps, options.tolerance)
 
     def run(which, variant: str = ""):
-        name = str(which).replace(" ", "-") + (f"-{variant}" if variant else "")
-        progress(f"tfdist check: running {which}{_VARIANT_NAMES.get(variant, '')}")
+        name = str(which).replace(" ", "-") + (f"-{variant.replace(':', '-')}" if variant else "")
+        how = _VARIANT_NAMES.get(variant, f" (at a global batch of {variant.split(':')[-1]})")
+        progress(f"tfdist check: running {which}{how if variant else ''}")
         done = runner.run_topology(
             which,
             options.script,
@@ -78,12 +79,45 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
         else:
             runs = [reference, *(run(t) for t in topologies[1:])]
             result.verdicts = [verdict.judge(reference, r, options.tolerance) for r in runs]
+            _judge_at_their_global_batch(result.verdicts, reference, run, options.tolerance)
             result.causes = causes.find(result.verdicts, reference, run, options.tolerance)
     finally:
         if not options.keep:
             shutil.rmtree(folder, ignore_errors=True)
     result.seconds = time.monotonic() - started
     return result
+
+
+def _judge_at_their_global_batch(verdicts, reference, run, tolerance: float) -> None:
+    """A topology whose global batch grew with its replicas (other steps per epoch than
+    ``1 device``, a larger batch) is judged again against ``1 device`` re-run at that
+    global batch (the hook rebatches fit's input): equal there, it trains what one device
+    trains at that batch, which is what a script that scales its batch with the replicas
+    means (``per_replica * num_replicas``, the guides' idiom); that verdict is then
+    ``equal`` and the ``global_batch`` cause says so."""
+    from tfdist.check import runner, verdict
+
+    facts = reference.ranks[0].facts
+    again_at: dict = {}
+    for judged in verdicts[1:]:
+        mine = judged.run.ranks[0].facts if judged.run.ranks else {}
+        batch = mine.get("batch")
+        grew = mine.get("steps_per_epoch") != facts.get("steps_per_epoch")
+        if judged.status != "differs" or not batch or not grew or batch == facts.get("batch"):
+            continue
+        if batch not in again_at:
+            again_at[batch] = run(reference.topology, f"{runner.GLOBAL_BATCH}{batch}")
+        scaled = again_at[batch]
+        if scaled.status != "done" or "rebatched" not in scaled.ranks[0].facts:
+            why = scaled.ranks[0].facts.get("rebatch_failed") if scaled.ranks else None
+            judged.at_global_batch = (batch, f"not compared ({why or scaled.status})")
+            continue
+        again = verdict.judge(scaled, judged.run, tolerance)
+        worst = max((d for d in (again.weights, again.history) if d), key=lambda d: d.value)
+        judged.at_global_batch = (batch, f"{again.status} (worst {worst.key} {worst.value:.1e})")
+        if again.status == "equal":
+            judged.status, judged.weights, judged.history = "equal", again.weights, again.history
+            judged.first_step = None
 
 
 # How the progress line names a re-run (runner.VARIANTS).

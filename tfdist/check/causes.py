@@ -106,24 +106,40 @@ def _unseeded(verdicts: list[Verdict], reference: Run, tolerance: float) -> Caus
 
 
 def _global_batch(verdicts: list[Verdict], reference: Run) -> Cause | None:
-    """Another number of steps per epoch than ``1 device``: another global batch."""
+    """Another number of steps per epoch than ``1 device``: another global batch; with
+    how each such topology compares with ``1 device`` re-run at its global batch."""
     ref = reference.ranks[0].facts.get("steps_per_epoch")
-    other = {
-        v.name: v.run.ranks[0].facts.get("steps_per_epoch")
+    grown = [
+        v
         for v in verdicts
-        if v.status == "differs" and v.run.ranks[0].facts.get("steps_per_epoch") != ref
-    }
-    if not ref or not other:
+        if v.at_global_batch
+        or (v.status == "differs" and v.run.ranks[0].facts.get("steps_per_epoch") != ref)
+    ]
+    if not ref or not grown:
         return None
-    seen = ", ".join(f"{name} {steps}" for name, steps in other.items())
+    seen = ", ".join(f"{v.name} {v.run.ranks[0].facts.get('steps_per_epoch')}" for v in grown)
+    again = "".join(
+        f"; {v.name} against 1 device re-run at its global batch of {v.at_global_batch[0]}: "
+        f"{v.at_global_batch[1]}"
+        for v in grown
+        if v.at_global_batch
+    )
+    same = all(v.status == "equal" for v in grown)
     return Cause(
         "global_batch",
-        f"1 device runs {ref} steps per epoch, {seen}: the global batch changes with the "
-        "replicas (a per-replica batch, or tfdist.global_batch_size), so each step averages "
-        "the gradient over other samples",
-        "to compare, keep the global batch fixed (e.g. per_replica_batch=GLOBAL // "
-        "tfdist.num_replicas()); a global batch that grows with the replicas is a choice, "
-        "but it trains another model (scale the learning rate with it)",
+        f"1 device runs {ref} steps per epoch, {seen}: the global batch grows with the "
+        "replicas (a per-replica batch, or tfdist.global_batch_size)" + again,
+        (
+            "nothing to fix if a global batch that grows with the replicas is meant (the "
+            "guides' per_replica * num_replicas): the script trains one device's model at "
+            "that batch; scale the learning rate with it if needed"
+        )
+        if same
+        else (
+            "to compare, keep the global batch fixed (e.g. per_replica_batch=GLOBAL // "
+            "tfdist.num_replicas()); a global batch that grows with the replicas is a "
+            "choice, but it trains another model (scale the learning rate with it)"
+        ),
     )
 
 

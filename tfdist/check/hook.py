@@ -22,7 +22,9 @@ the check's timeout, so that a hang names the line it waits on.
 the model before ``fit`` traces its step (a re-run that shows whether they are the cause);
 ``TFDIST_CHECK_INERT_RANDOM=1`` calls every random layer of the model (one that draws from
 a ``keras.random.SeedGenerator``: ``Dropout``, ``GaussianNoise``, ``RandomFlip``...) in
-inference mode, where it draws nothing, for the same purpose.
+inference mode, where it draws nothing, for the same purpose;
+``TFDIST_CHECK_GLOBAL_BATCH=B`` batches ``fit``'s input at ``B`` (one device re-run at the
+global batch of a topology whose global batch grew with its replicas).
 
 Besides the history, each process's facts say what the causes need: the model's
 ``BatchNormalization`` and random layers, the global batch and the size of each epoch's
@@ -47,6 +49,7 @@ __all__ = [
     "STEPS_ENV",
     "SYNC_BN_ENV",
     "INERT_RANDOM_ENV",
+    "GLOBAL_BATCH_ENV",
     "STACK_AFTER_ENV",
     "active",
     "start",
@@ -57,6 +60,7 @@ DIR_ENV = "TFDIST_CHECK_DIR"
 STEPS_ENV = "TFDIST_CHECK_STEPS"
 SYNC_BN_ENV = "TFDIST_CHECK_SYNC_BN"
 INERT_RANDOM_ENV = "TFDIST_CHECK_INERT_RANDOM"
+GLOBAL_BATCH_ENV = "TFDIST_CHECK_GLOBAL_BATCH"  # a global batch for fit's input
 STACK_AFTER_ENV = "TFDIST_CHECK_STACK_AFTER"  # seconds: when to write the stacks
 _FIX_NAME = "tfdist_check_fit"
 _PEERS_WAIT_S = 60.0
@@ -139,7 +143,13 @@ def _wrap_fit(original):
             if os.environ.get(INERT_RANDOM_ENV) == "1"
             else []
         )
+        rebatched = {}
+        if os.environ.get(GLOBAL_BATCH_ENV):
+            args, kwargs, rebatched = _at_global_batch(
+                args, kwargs, int(os.environ[GLOBAL_BATCH_ENV])
+            )
         facts = {
+            **rebatched,
             "batchnorm": [layer.name for layer in batchnorm],
             "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
             "random": [layer.name for layer in drawing],
@@ -207,6 +217,33 @@ def _make_inert(layer) -> bool:
     return True
 
 
+def _at_global_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict, dict]:
+    """fit's input batched at ``batch`` (a re-run of one device at another topology's
+    global batch): arrays through ``batch_size``, a ``tf.data`` input through
+    ``Dataset.rebatch`` (the same examples in the same order); the fact says which, or
+    why not (a generator, a ``PyDataset``: their batches are the script's own).
+
+    Example: ``fit(x, y, batch_size=64)`` at 128 -> ``fit(x, y, batch_size=128)``.
+    """
+    given, kwargs = list(args), dict(kwargs)
+    x = given[0] if given else kwargs.get("x")
+    if x is not None and _is_dataset(x):
+        rebatched = x.rebatch(batch)
+        if given:
+            given[0] = rebatched
+        else:
+            kwargs["x"] = rebatched
+        return tuple(given), kwargs, {"rebatched": batch}
+    if _array_leaves((x,)):
+        if len(given) > 2:  # fit(x, y, batch_size, ...): Keras's order
+            given[2] = batch
+        else:
+            kwargs["batch_size"] = batch
+        return tuple(given), kwargs, {"rebatched": batch}
+    kind = type(x).__name__
+    return args, kwargs, {"rebatch_failed": f"fit's input is a {kind}: not rebatched"}
+
+
 def _input_facts(args: tuple, kwargs: dict) -> dict:
     """What fit's input tells without reading data: ``batch`` (the global batch) and
     ``last`` (each epoch's last batch) when known, the arrays' ``fingerprint``, and a
@@ -259,8 +296,18 @@ def _dataset_batches(dataset, given: dict) -> dict:
 
     sizes = None if given.get("steps_per_epoch") else partial_batches.batch_sizes(dataset)
     if not sizes:
-        return {}
+        # A static batch dimension: every batch holds it (batch(..., drop_remainder=True)).
+        first = next(iter(_flat_specs(dataset.element_spec)), None)
+        shape = getattr(first, "shape", None)
+        dim = shape[0] if shape is not None and shape.rank else None
+        return {"batch": int(dim), "last": int(dim)} if dim else {}
     return {"batch": max(sizes), "last": min(sizes)}
+
+
+def _flat_specs(spec) -> list:
+    import tensorflow as tf
+
+    return tf.nest.flatten(spec)
 
 
 def _array_leaves(data) -> list:

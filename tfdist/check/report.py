@@ -49,6 +49,9 @@ def _line(verdict: Verdict) -> str:
         loss = facts["history"].get("loss") or []
         trend = f", loss {loss[0]:.4g} -> {loss[-1]:.4g}" if loss else ""
         return f"reference: {facts['steps']} steps{trend}"
+    if verdict.status == "equal" and verdict.at_global_batch:
+        batch = verdict.at_global_batch[0]
+        return f"equal at its global batch of {batch} (worst {_worst(verdict)}; see notes)"
     if verdict.status == "equal":
         return f"equal (worst {_worst(verdict)})"
     if verdict.status == "differs":
@@ -85,7 +88,7 @@ def render(report: Report) -> str:
         lines.append(f"could not stop this script: {report.error}")
     lines.append(f"total {report.seconds:.1f} s")
     if report.causes:
-        lines.append("likely causes:")
+        lines.append("likely causes:" if report.exit_code else "notes:")
         for cause in report.causes:
             lines += [f"  - {cause.cause}: {cause.evidence}", f"    fix: {cause.fix}"]
     elif report.exit_code == 1:
@@ -111,6 +114,7 @@ def _verdict_json(verdict: Verdict) -> dict:
         "history_difference": _number(history.value) if history else None,
         "not_comparable": (weights and weights.reason) or (history and history.reason) or None,
         "first_differing_step": verdict.first_step,
+        "at_global_batch": list(verdict.at_global_batch) if verdict.at_global_batch else None,
         "waiting_at": {str(k): v for k, v in verdict.run.waiting_at.items()},
     }
 

@@ -33,7 +33,7 @@ import numpy as np
 from tfdist.check import hook
 from tfdist.check.topology import Topology, command
 
-__all__ = ["Rank", "Run", "VARIANTS", "run_topology"]
+__all__ = ["GLOBAL_BATCH", "Rank", "Run", "VARIANTS", "run_topology"]
 
 _STOP_GRACE_S = 5.0
 # Variables of the caller's shell that would change what a run is (its cluster, its devices).
@@ -43,6 +43,7 @@ VARIANTS = {
     "sync_batchnorm": hook.SYNC_BN_ENV,  # every BatchNormalization synchronized
     "inert_random": hook.INERT_RANDOM_ENV,  # every random layer drawing nothing
 }
+GLOBAL_BATCH = "global_batch:"  # + N: fit's input batched at a global batch of N
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Run:
     progress: dict[int, dict] = field(default_factory=dict)
     waiting_at: dict[int, str] = field(default_factory=dict)  # rank -> "file:line: code"
     output: str = ""
-    variant: str = ""  # "" or a key of VARIANTS
+    variant: str = ""  # "", a key of VARIANTS, or GLOBAL_BATCH + N
 
 
 def _environment(topology: Topology, folder: Path, steps: int, timeout: float, variant: str):
@@ -85,9 +86,11 @@ def _environment(topology: Topology, folder: Path, steps: int, timeout: float, v
             hook.STACK_AFTER_ENV: str(max(timeout - 3.0, 1.0)),
         }
     )
-    for name in VARIANTS.values():
+    for name in (*VARIANTS.values(), hook.GLOBAL_BATCH_ENV):
         env.pop(name, None)  # the caller's shell asks for no variant
-    if variant:
+    if variant.startswith(GLOBAL_BATCH):
+        env[hook.GLOBAL_BATCH_ENV] = variant[len(GLOBAL_BATCH) :]
+    elif variant:
         env[VARIANTS[variant]] = "1"
     return env
 
@@ -106,10 +109,11 @@ def run_topology(
 
     ``variant``: "" (the script as it is) or a key of ``VARIANTS`` (a re-run for a cause).
     """
-    if variant and variant not in VARIANTS:
+    batch = variant[len(GLOBAL_BATCH) :] if variant.startswith(GLOBAL_BATCH) else None
+    if variant and variant not in VARIANTS and not (batch and batch.isdigit() and int(batch)):
         raise ValueError(
-            f"run_topology: variant must be '' or one of {sorted(VARIANTS)}. "
-            f"Received: variant={variant!r}."
+            f"run_topology: variant must be '', one of {sorted(VARIANTS)} or "
+            f"'{GLOBAL_BATCH}N' (N > 0). Received: variant={variant!r}."
         )
     folder.mkdir(parents=True, exist_ok=True)
     argv, extra = command(topology, os.path.abspath(script), args)

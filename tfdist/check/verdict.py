@@ -31,6 +31,9 @@ class Verdict:
     rank: int = 0  # the process the worst weight difference is on
     first_step: int | None = None  # first step whose loss differs
     steps: int = 0
+    # A global batch that grew with the replicas: (that batch, how this run compares with
+    # 1 device re-run at it), e.g. (128, "equal (worst dense/kernel 2.4e-07)").
+    at_global_batch: tuple[int, str] | None = None
 
     @property
     def name(self) -> str:
