@@ -20,7 +20,12 @@ each caught by that file's own checks; so does the JAX custom loop
 (tests/test_custom_loops.py). The TensorFlow custom loop takes ``nan`` and ``one_device``;
 the jax-inputs job (tests/compat/test_jax_inputs.py) and the user-save job
 (tests/compat/test_user_saves.py) ``nan`` and ``outside_distribution``: each job runs once
-per fault on one case, and its file's own checks catch each fault.
+per fault on one case, and its file's own checks catch each fault. The SLURM and
+Kubernetes job (tests/scripts/slurm_train.py) takes ``nan`` and ``outside_distribution``;
+its fault tests live beside the clusters they need, in tests/e2e/test_slurm.py (an
+``srun -n 2`` step per fault) and test_kubernetes.py (a TFJob per fault), each caught on
+every worker by that file's ``check_result``. The Ray job (the docs' Ray Train code
+blocks) takes none.
 """
 
 from __future__ import annotations

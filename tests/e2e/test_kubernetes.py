@@ -153,16 +153,28 @@ def run_job(pods, tmp_path, backoff_limit, *args: str, before=None, timeout: flo
     return cluster, last_results(tmp_path / "results")
 
 
+TWO_WORKERS = [{"replicas": 2, "workers": 2}]  # what the model of a 2-pod job trains on
+
+
+def check_result(result: dict, alone: dict) -> None:
+    """One pod's result of a job that trained to its end: the process was one of 2
+    workers, its model's own ``fit`` ran on both (``trained_on``), every step, to the
+    weights of one process (``alone``)."""
+    assert (result["backend"], result["workers"], result["replicas"]) == (
+        alone["backend"], 2, 2,
+    )  # fmt: skip
+    trained = result["trained_on"]
+    assert trained == TWO_WORKERS, f"worker {result['rank']}: its model trained on {trained}"
+    assert result["iterations"] == 64
+    equivalence.assert_close(alone["weights"], result["weights"], TOLERANCE)
+
+
 def assert_like_one_process(cluster: k8s_pods.Cluster, found: dict, alone: dict) -> None:
     """Both pods trained every step as 2 workers (processes), to ``alone``'s weights,
     and none was restarted."""
     assert sorted(found) == [0, 1], cluster.log_tails()
     for result in found.values():
-        assert (result["backend"], result["workers"], result["replicas"]) == (
-            alone["backend"], 2, 2,
-        )  # fmt: skip
-        assert result["iterations"] == 64
-        equivalence.assert_close(alone["weights"], result["weights"], TOLERANCE)
+        check_result(result, alone)
     assert [p.restarts for p in cluster.pods] == [0, 0], cluster.log_tails()
 
 
@@ -204,6 +216,33 @@ def test_trainjob_pods_on_jax_train_like_one_process(root_and_ip, reference, tmp
     assert [p.labels[k8s_pods.RESTART_ATTEMPT] for p in pods] == ["0", "0"]  # no JobSet restart
     # tfdist gave jax every parameter: jax's own Kubernetes detection never ran
     assert "Kubernetes environment detected" not in cluster.log_tails(100_000)
+
+
+# Each fault slurm_train.py honours (tests/scripts/faults.py), and what check_result says.
+FAULTS = {
+    "nan": "non-finite",
+    "outside_distribution": r"worker \d: its model trained on \[\{'replicas': 1, 'workers': 1\}\]",
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_in_the_tfjob_fails_that_tests_check_in_every_pod(
+    root_and_ip, reference, fault, tmp_path
+):
+    """The tests of the tests (tests/e2e/test_checks_catch_faults.py) for Kubernetes: the
+    TFJob test_tfjob_pods_train_like_one_process runs, with a fault in both pods'
+    environment, fails its ``check_result`` in each pod. The checks run in order, so a
+    NaN's failure shows the topology passed; a model outside the scope trains on each
+    worker alone, which the process's own report (2 workers, 2 replicas) does not show."""
+    tfjob = manifest("tfjob.yaml", "TFJob")
+    pods = k8s_pods.tfjob_pods(tfjob)
+    for pod in pods:
+        pod.env["TFDIST_TEST_FAULT"] = fault
+    cluster, found = run_job(pods, tmp_path, tfjob["spec"]["runPolicy"]["backoffLimit"])
+    assert sorted(found) == [0, 1] and [p.restarts for p in pods] == [0, 0], cluster.log_tails()
+    for result in found.values():
+        with pytest.raises(AssertionError, match=FAULTS[fault]):
+            check_result(result, reference("tensorflow"))
 
 
 def first_steps(text: str) -> list[dict]:
@@ -270,8 +309,8 @@ def test_tfjob_preempted_then_killed_9_restarts_onfailure_and_resumes_exactly(
     restored = {r["restored_step"] for r in final.values()}
     assert len(restored) == 1 and step < min(restored) < 64, (step, restored)  # an epoch's
     for result in final.values():
-        assert (result["workers"], result["iterations"], result["exit_code"]) == (2, 64, 0)
-        equivalence.assert_close(reference("tensorflow")["weights"], result["weights"], TOLERANCE)
+        assert result["exit_code"] == 0
+        check_result(result, reference("tensorflow"))  # 2 workers, 64 steps, its weights
     print(
         f"\nkubernetes: preempted after step {step}, killed after the checkpoint of step "
         f"{min(restored)}; exits {exits}; the job took {took:.1f} s"
@@ -319,9 +358,8 @@ def test_trainjob_pod_killed_9_jobset_restarts_all_pods_and_resumes_exactly(
     restored = {r["restored_step"] for r in final.values()}
     assert len(restored) == 1 and 0 < min(restored) < 64, restored  # an epoch's
     for result in final.values():
-        assert (result["backend"], result["workers"], result["replicas"]) == ("jax", 2, 2)
-        assert (result["iterations"], result["exit_code"]) == (64, 0)
-        equivalence.assert_close(reference("jax")["weights"], result["weights"], TOLERANCE)
+        assert result["exit_code"] == 0
+        check_result(result, reference("jax"))  # jax, 2 workers, 64 steps, its weights
     print(
         f"\nkubernetes: pod 1 killed after the checkpoint of step {min(restored)}; pod 0 "
         f"ended {survivor_s:.1f} s later; exits {exits}; the job took {took:.1f} s"

@@ -219,19 +219,62 @@ def srun(slurm, *argv: str, timeout: float = 240, **env) -> subprocess.Completed
     return proc
 
 
+def srun_2_tasks(slurm, directory: Path, backend: str, **env) -> dict[int, dict]:
+    """slurm_train.py as ``srun -n 2`` (checkpoints and results in ``directory``), to its
+    end: each task's result by rank."""
+    argv = [sys.executable, str(TRAIN), "--dir", str(directory), "--results", str(directory)]
+    proc = srun(slurm, "-n", "2", *argv, KERAS_BACKEND=backend, **env)
+    found = result_files(directory)
+    assert sorted(found) == [(0, 0), (0, 1)], proc.stdout[-3000:]
+    return {rank: result for (_, rank), result in found.items()}
+
+
+TWO_WORKERS = [{"replicas": 2, "workers": 2}]  # what the model of a 2-task step trains on
+
+
+def check_result(result: dict, reference: dict, backend: str) -> None:
+    """One task's result of a 2-task step that trained to its end: the process was one of
+    2 workers, its model's own ``fit`` ran on both (``trained_on``), every step, to the
+    weights of one process (``reference``)."""
+    assert (result["backend"], result["workers"], result["replicas"]) == (backend, 2, 2)
+    trained = result["trained_on"]
+    assert trained == TWO_WORKERS, f"task {result['rank']}: its model trained on {trained}"
+    assert result["iterations"] == 64
+    assert max_diff(result["weights"], reference["weights"]) <= TOLERANCE
+
+
 @pytest.mark.slurm
 @pytest.mark.multiworker
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=pytest.mark.jax)])
 def test_srun_2_tasks_end_with_the_weights_of_one_process(slurm, reference, backend, tmp_path):
-    argv = [sys.executable, str(TRAIN), "--dir", str(tmp_path), "--results", str(tmp_path)]
-    proc = srun(slurm, "-n", "2", *argv, KERAS_BACKEND=backend)
-    found = result_files(tmp_path)
-    assert sorted(found) == [(0, 0), (0, 1)], proc.stdout[-3000:]
+    for result in srun_2_tasks(slurm, tmp_path, backend).values():
+        check_result(result, reference(backend), backend)
+
+
+# Each fault slurm_train.py honours (tests/scripts/faults.py), and what check_result says.
+SRUN_FAULTS = {
+    "nan": "non-finite",
+    "outside_distribution": r"task \d: its model trained on \[\{'replicas': 1, 'workers': 1\}\]",
+}
+
+
+@pytest.mark.slurm
+@pytest.mark.multiworker
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(SRUN_FAULTS))
+def test_a_fault_in_the_srun_job_fails_that_tests_check_on_every_task(
+    slurm, reference, fault, tmp_path
+):
+    """The tests of the tests (tests/e2e/test_checks_catch_faults.py) for SLURM: the step
+    test_srun_2_tasks_end_with_the_weights_of_one_process runs, with a fault injected,
+    fails its ``check_result`` on each task. The checks run in order, so a NaN's failure
+    shows the topology passed; a model outside the scope trains on each worker alone,
+    which the process's own report (2 workers, 2 replicas) does not show."""
+    found = srun_2_tasks(slurm, tmp_path, "tensorflow", TFDIST_TEST_FAULT=fault)
     for result in found.values():
-        assert (result["backend"], result["workers"], result["replicas"]) == (backend, 2, 2)
-        assert result["iterations"] == 64
-        assert max_diff(result["weights"], reference(backend)["weights"]) <= TOLERANCE
+        with pytest.raises(AssertionError, match=SRUN_FAULTS[fault]):
+            check_result(result, reference("tensorflow"), "tensorflow")
 
 
 def _submit_docs_batch_script(slurm, workdir: Path) -> tuple[str, float]:
@@ -245,6 +288,8 @@ def _submit_docs_batch_script(slurm, workdir: Path) -> tuple[str, float]:
     )
     (workdir / "job.sh").write_text(script + "\n")
     shutil.copy(TRAIN, workdir / "train.py")
+    for helper in ("faults.py", "trained_on.py"):  # what train.py imports besides tfdist
+        shutil.copy(SCRIPTS / helper, workdir / helper)
     env = job_env(slurm, KERAS_BACKEND="tensorflow")
     submitted = time.time()
     proc = slurm.run(
@@ -302,8 +347,7 @@ def test_sbatch_job_preempted_saves_exits_75_requeues_and_resumes(slurm, referen
     # The requeued run resumed there and ended as the uninterrupted one.
     for result in resumed:
         assert (result["exit_code"], result["restored_step"]) == (0, step), text[-4000:]
-        assert result["iterations"] == 64
-        assert max_diff(result["weights"], reference("tensorflow")["weights"]) <= TOLERANCE
+        check_result(result, reference("tensorflow"), "tensorflow")
     again = first_steps(text)[2:]  # the requeued run's
     print(
         f"\nslurm: sbatch to the first training step "

@@ -18,8 +18,11 @@ steps_per_execution jobs and the JAX custom loop (``nan``, ``one_device``,
 itself refuses a model built outside the strategy's scope there), the jax-inputs job
 (``nan``, ``outside_distribution``) and the user-save job (``nan``, as a load that read one
 bad value, and ``outside_distribution``: its workers launch with one device each, so
-``one_device`` would change nothing). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and
-shows the matching check fails.
+``one_device`` would change nothing), and the SLURM and Kubernetes job
+(tests/scripts/slurm_train.py: ``nan`` and ``outside_distribution``; its tasks run on one
+device each too). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and
+shows the matching check fails; tests/e2e/test_slurm.py and test_kubernetes.py do so for
+slurm_train.py, on their own clusters.
 """
 
 from __future__ import annotations

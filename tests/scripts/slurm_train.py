@@ -15,7 +15,15 @@ the wall-clock times at which Python started the script and trained its first st
 replicas, weights, iterations, where it resumed from, and the exit code (75 after a
 SIGTERM: saved, restart me); ``--results DIR`` also writes it to
 ``DIR/ATTEMPT-RANK.json`` (ATTEMPT: ``SLURM_RESTART_COUNT``, 0 at first; without it, the
-number of results this rank wrote before).
+number of results this rank wrote before). ``trained_on`` in the result is what the
+model's own ``fit`` ran on (tests/scripts/trained_on.py), so a test sees every worker's
+topology, not only the process's.
+
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py) injects a fault the tests must see caught:
+``nan`` (a NaN in the reported weights) or ``outside_distribution`` (the model built
+outside ``make_or_restore``'s scope: each worker trains its own model on its own shard).
+Not ``one_device``: every task runs on one device already. Next to a copy of this file
+(the docs' batch script runs ``train.py``), copy faults.py and trained_on.py too.
 """
 
 import argparse
@@ -40,8 +48,10 @@ parser.add_argument(
 )
 args = parser.parse_args()
 
+import faults  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import trained_on  # noqa: E402
 
 ON_TF = tfdist.backends.name() == "tensorflow"
 if ON_TF:
@@ -88,12 +98,16 @@ rank = tfdist.cluster_from_env().rank
 # Only the first attempt needs slow steps (for a preemption to land mid-training); a
 # requeued job (SLURM_RESTART_COUNT > 0) runs at full speed.
 step_sleep = args.step_sleep if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" else 0.0
-model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
+if faults.active("outside_distribution"):  # as a script that built its model first
+    model, initial_epoch = build_and_compile(), 0
+else:
+    model, initial_epoch = tfdist.make_or_restore(build_and_compile, args.dir)
 restored = tfdist.resume_state(model)
 callbacks = [
     *tfdist.callbacks.standard(args.dir, decay={0: 0.01, 2: 0.005}, print_lr=False),
     Report(),
 ]
+trained_on.install()
 exit_code = 0
 try:
     model.fit(
@@ -109,8 +123,11 @@ result = {
     "restored_step": None if restored is None else restored.step,
     "iterations": int(model.optimizer.iterations.numpy()),
     "weights": [w.tolist() for w in model.get_weights()],
+    "trained_on": list(trained_on.NOTED),  # empty when fit ended early (SIGTERM)
     "exit_code": exit_code,
 }
+if faults.active("nan"):
+    result["weights"][0][0][0] = float("nan")
 print(json.dumps(result), flush=True)
 if args.results:
     # srun forwards a task's output in chunks of a few KiB, so two tasks' long result
