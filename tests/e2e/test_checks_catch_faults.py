@@ -24,8 +24,9 @@ per fault on one case, and its file's own checks catch each fault. The SLURM and
 Kubernetes job (tests/scripts/slurm_train.py) takes ``nan`` and ``outside_distribution``;
 its fault tests live beside the clusters they need, in tests/e2e/test_slurm.py (an
 ``srun -n 2`` step per fault) and test_kubernetes.py (a TFJob per fault), each caught on
-every worker by that file's ``check_result``. The Ray job (the docs' Ray Train code
-blocks) takes none.
+every worker by that file's ``check_result``. The Ray job (the docs' ``TensorflowTrainer``
+code block, run by tests/scripts/ray_faults.py) takes ``nan``: tests/e2e/test_ray.py,
+which runs only in CI's Ray stage, shows its equivalence check fail on it.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ running the same loop without Ray (tests/scripts/ray_reference.py):
 * a worker killed with ``kill -9`` mid-training: Ray restarts the workers
   (``FailureConfig(max_failures=1)``), ``make_or_restore`` resumes from the last step
   saved, and the run ends with the uninterrupted run's weights;
+* a NaN injected into the trainer's last checkpoint (tests/scripts/ray_faults.py) fails
+  the first test's check;
 * JAX: ``JaxTrainer`` with 2 CPU workers, tfdist's coordinator read from the
   ``KERAS_DISTRIBUTION_*`` variables the loop sets, equals one process.
 """
@@ -314,6 +316,20 @@ def test_tensorflow_trainer_equals_one_device(ray_cluster, ray_train, one_device
     proc = ray_cluster.driver(ray_train, str(tmp_path))
     lines = collect(proc)
     assert_two_workers_equal(one_device, finish(proc, lines), lines)
+
+
+def test_a_nan_in_the_last_checkpoint_fails_that_tests_check(
+    ray_cluster, ray_train, one_device, tmp_path
+):
+    """The tests of the tests (tests/e2e/test_checks_catch_faults.py) for Ray: the
+    documented trainer with a NaN put in each worker's model before its last checkpoint
+    (tests/scripts/ray_faults.py) fails test_tensorflow_trainer_equals_one_device's check;
+    the workers' lines pass first (the check compares the weights after them)."""
+    driver = ray_cluster.driver(SCRIPTS / "ray_faults.py", str(ray_train), "nan", str(tmp_path))
+    lines = collect(driver)
+    result = finish(driver, lines)
+    with pytest.raises(equivalence.NotEquivalent, match=r"1 non-finite value\(s\) in the result"):
+        assert_two_workers_equal(one_device, result, lines)
 
 
 def wait_for_file(

@@ -20,9 +20,10 @@ itself refuses a model built outside the strategy's scope there), the jax-inputs
 bad value, and ``outside_distribution``: its workers launch with one device each, so
 ``one_device`` would change nothing), and the SLURM and Kubernetes job
 (tests/scripts/slurm_train.py: ``nan`` and ``outside_distribution``; its tasks run on one
-device each too). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault and
-shows the matching check fails; tests/e2e/test_slurm.py and test_kubernetes.py do so for
-slurm_train.py, on their own clusters.
+device each too), and the Ray Train job (``nan``, injected by tests/scripts/ray_faults.py
+into the docs' script). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault
+and shows the matching check fails; tests/e2e/test_slurm.py, test_kubernetes.py and
+test_ray.py do so for their engines' jobs, on their own clusters.
 """
 
 from __future__ import annotations
