@@ -88,10 +88,13 @@ def main():
         signal.signal(sig, forward)
     namespaces = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in ("user", "net")]
     request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, *namespaces])
+    try:
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2, *namespaces])
+        reply = json.loads(conn.recv(1 << 16) or b"{}")
+    except (OSError, ValueError):  # the warm process ended before forking: the job starts cold
+        reply = {}
     for fd in namespaces:
         os.close(fd)
-    reply = json.loads(conn.recv(1 << 16) or b"{}")
     if "cold" in reply or "pid" not in reply:
         conn.close()
         for sig in _FORWARDED:
@@ -100,7 +103,10 @@ def main():
     job["pid"] = reply["pid"]
     for sig in pending:
         forward(sig, None)
-    data = conn.recv(1 << 16)
+    try:
+        data = conn.recv(1 << 16)
+    except OSError:
+        data = b""
     if not data:
         print("warm_python: the warm process ended before the job", file=sys.stderr)
         os._exit(1)

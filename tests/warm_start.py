@@ -37,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from warm_python import warm_key  # the socket each warm process listens on
@@ -270,11 +271,7 @@ class _Warm:
         except OSError:
             msg, fds = b"", []
         if not msg:
-            if self.shims[conn]:
-                _kill_group(self.shims[conn])
-            self.selector.unregister(conn)
-            del self.shims[conn]
-            conn.close()
+            self.drop(conn)
             return
         request = json.loads(msg)
         differs = import_time_difference(request["env"], dict(os.environ))
@@ -287,6 +284,17 @@ class _Warm:
         self.children[pid] = conn
         self.shims[conn] = pid
         conn.sendall(json.dumps({"pid": pid}).encode())
+
+    def drop(self, conn: socket.socket) -> None:
+        """A ``warm_python`` connection that ended (or failed): its job, if any, is killed."""
+        job = self.shims.pop(conn, 0)  # 0 once its job ended
+        if job:
+            _kill_group(job)
+        try:
+            self.selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def reap(self) -> None:
         """Reports each ended job's exit code to whoever asked for it."""
@@ -335,12 +343,18 @@ def serve(fd: int, listen_path: str | None = None) -> None:
                 if not warm.from_pytest():
                     warm.kill_all()
                     return
-            elif key.fileobj is warm.listener:
-                warm.accept()
-            elif isinstance(key.fileobj, socket.socket):
-                warm.from_shim(key.fileobj)
-            else:
-                os.read(warm.wake_r, 4096)
+                continue
+            try:
+                if key.fileobj is warm.listener:
+                    warm.accept()
+                elif isinstance(key.fileobj, socket.socket):
+                    warm.from_shim(key.fileobj)
+                else:
+                    os.read(warm.wake_r, 4096)
+            except Exception:  # one stand-in's failure must not end every later job's parent
+                traceback.print_exc()  # into the warm process's log
+                if isinstance(key.fileobj, socket.socket) and key.fileobj in warm.shims:
+                    warm.drop(key.fileobj)
         warm.reap()
     warm.kill_all()
 

@@ -211,3 +211,40 @@ def test_the_launch_workers_python_forks_the_job_and_stands_in_for_it():
     # An import-time variable the warm process did not start with: a cold start.
     cold, _ = _shim("-c", SHIM_PROBE, TF_ENABLE_ONEDNN_OPTS="0").communicate(timeout=120)
     assert not last_json_line(cold)["tensorflow"]
+
+
+def test_a_stand_in_whose_warm_process_ends_before_forking_starts_the_job_cold(tmp_path):
+    """The launcher's worker still runs (cold) when the warm process closes the connection
+    instead of forking: no traceback, no lost worker."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(tmp_path / "tensorflow.sock"))  # warm_python.warm_key: the backend
+    listener.listen(1)
+
+    def accept_and_close():
+        conn, _ = listener.accept()
+        time.sleep(1)  # its request arrives, unread: the stand-in's read is reset
+        conn.close()  # as by a warm process that ended
+
+    thread = threading.Thread(target=accept_and_close)
+    thread.start()
+    try:
+        python = warm_start.LAUNCH_ENV["TFDIST_LAUNCH_PYTHON"]
+        proc = subprocess.run(
+            [python, "-c", SHIM_PROBE],
+            env=child_env(TFDIST_TEST_WARM_DIR=str(tmp_path)),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        thread.join(timeout=60)
+        listener.close()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = last_json_line(proc.stdout)
+    assert not job["tensorflow"]  # a fresh interpreter ran it, not a warm fork
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
