@@ -64,13 +64,6 @@ def test_private_instance_attributes_exist():
     assert not missing
 
 
-def test_model_checkpoint_hooks_exist():
-    import keras
-
-    for hook in upstream.MODEL_CHECKPOINT_HOOKS:
-        assert callable(getattr(keras.callbacks.ModelCheckpoint, hook, None)), hook
-
-
 def test_every_helper_is_exported_and_documented():
     helpers = [
         name

@@ -81,7 +81,7 @@ def test_checkpoint_listing_staging_clean_up_and_checks_on_a_url(memory):
         names.check_dir("memory://t/file", "f", writable=True)
 
 
-def test_custom_loop_restores_refuse_a_url_instead_of_quarantining_good_files(memory):
+def test_a_reader_of_local_files_refuses_a_url_instead_of_quarantining_good_files(memory):
     from tfdist.checkpoint.restore import newest_readable
 
     memory.pipe("/t/ckpt/ckpt-1.keras", b"a good checkpoint, unread")

@@ -33,6 +33,8 @@ The modules, each one idea; imports flow down this list only:
 - ``agreement``: workers agree on the checkpoint before restoring it.
 - ``restore``: ``make_or_restore`` and what a model was restored from.
 - ``preemption``: the SIGTERM protocol (save at an agreed step, exit 75).
+- ``writer``: ``ArchiveWriter``, the one archive write (``fit``'s callback and the
+  custom-loop ``Checkpointer``): stage, save, metadata, sync, prune; the exit for restart.
 - ``callback``: ``ResumableCheckpoint``, the callback that writes checkpoints.
 
 Example:

@@ -1,4 +1,4 @@
-"""``ResumableCheckpoint``: Keras's ``ModelCheckpoint`` made safe for restartable jobs.
+"""``ResumableCheckpoint``: the checkpoint callback of restartable ``fit`` jobs.
 
 Each save is atomic (staging file in the same directory, fsync, rename; for a URL
 directory see ``tfdist.core.storage``) and only the chief's file lands, on TensorFlow and on
@@ -6,7 +6,8 @@ JAX (every process runs the save, the others wait for the chief's file); ``save_
 counts global steps (aligned across restarts); each archive carries the resume metadata;
 old files are pruned to ``max_to_keep``; at each epoch begin the data pipeline is told
 where the epoch starts; on SIGTERM the callback saves at an agreed step and exits with
-``RESTART_EXIT_CODE``.
+``RESTART_EXIT_CODE``. The write itself is ``tfdist.checkpoint.writer``'s, shared with
+the custom-loop ``Checkpointer``.
 
 Example:
     >>> callback = ResumableCheckpoint("ckpt/", save_freq=100)  # doctest: +SKIP
@@ -17,21 +18,15 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 import warnings
 
 import keras
 import tensorflow as tf
 
-from tfdist import distribute, saving
-from tfdist.checkpoint.archive import resume_metadata, write_resume_metadata
-from tfdist.checkpoint.names import (
-    check_dir,
-    check_save_target,
-    checkpoint_name,
-    list_checkpoints,
-)
+from tfdist import distribute
+from tfdist.checkpoint.archive import resume_metadata
+from tfdist.checkpoint.names import check_dir, check_save_target
 from tfdist.checkpoint.preemption import PreemptionWatch
 from tfdist.checkpoint.restore import (
     ResumeState,
@@ -49,6 +44,7 @@ from tfdist.checkpoint.sharded import (
     saved_variables,
     sharded_name,
 )
+from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
 from tfdist.core import atomic, cluster, config, storage, validate
 from tfdist.core.position import Position
 
@@ -76,21 +72,22 @@ def _save_freq(value) -> str | int:
     return validate.integer(value, "save_freq", _WHERE, low=1, what=what)
 
 
-class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
-    """``ModelCheckpoint`` for restartable jobs: atomic, chief-only, exact resume, SIGTERM.
+class ResumableCheckpoint(keras.callbacks.Callback):
+    """The checkpoint callback for restartable jobs: atomic, chief-only, exact resume, SIGTERM.
 
     Use ``tfdist.callbacks.checkpoint(...)`` to create one. Compared with Keras's
     ``ModelCheckpoint`` it writes each file atomically, lets only the chief's file land
     (other workers still run the save, for its collectives, into a temporary directory
-    they remove, then wait for the chief's file), works on both Keras backends, counts ``save_freq`` in global steps (aligned across restarts), stores
-    the resume position and RNG state in each archive, prunes to ``max_to_keep``, drives
+    they remove, then wait for the chief's file), works on both Keras backends, counts
+    ``save_freq`` in global steps (aligned across restarts), stores the resume position
+    and RNG state in each archive, prunes to ``max_to_keep``, drives
     ``tfdist.data.set_position`` for exact resume, and on SIGTERM saves and exits with
     ``RESTART_EXIT_CODE``. Every epoch end is saved; an int ``save_freq`` adds saves
     every that many steps.
 
-    It overrides ModelCheckpoint's private hooks listed in
-    ``tfdist.core.upstream.MODEL_CHECKPOINT_HOOKS`` (no public hook says "save to this exact
-    file at this exact step"); ``tests/core/test_private.py`` checks they still exist.
+    A ``keras.callbacks.Callback`` (like Keras's ``BackupAndRestore``), not a
+    ``ModelCheckpoint``: none of that class's decisions (file pattern, ``save_best_only``,
+    its batch counting) applies, and the write is ``tfdist.checkpoint.writer``'s.
     """
 
     def __init__(
@@ -112,21 +109,20 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         timeout = validate.number(
             preemption_timeout, "preemption_timeout", _WHERE, low=0.0, low_ok=False, what=what
         )
+        super().__init__()
         self.role = atomic.write_role()
         self.checkpoint_dir = check_dir(checkpoint_dir, _WHERE, writable=self.role.is_chief)
-        super().__init__(
-            filepath=storage.join(self.checkpoint_dir, "ckpt-{epoch}.keras"),
-            save_freq=save_freq,
-            verbose=verbose,
-        )
+        self.save_freq = save_freq
+        self.verbose = verbose
         self.max_to_keep = max_to_keep
+        self._archives = ArchiveWriter(self.checkpoint_dir, max_to_keep=max_to_keep)
         self.preemption = preemption
         self.preemption_timeout = timeout
         self._fits = 0
         self._watch: PreemptionWatch | None = None
         self._resume: ResumeState | None = None
         self._first_epoch = True
-        self._fit_epoch = 0  # the epoch running now (ours: ModelCheckpoint's is private)
+        self._fit_epoch = 0  # the epoch running now
         self._skip = 0  # batches of this epoch trained before the restart
         self._step = 0  # the global step: optimizer steps since the job began
         self._step_at_epoch_begin = 0
@@ -145,9 +141,8 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         # checkpoint's name, an unwritable directory) fails now, on every worker, naming it.
         check_save_target(self.checkpoint_dir, _WHERE, writable=self.role.is_chief)
         self._check_savable()
-        if self.role.is_chief:
-            storage.makedirs(self.checkpoint_dir)
-            atomic.remove_stale_staging(self.checkpoint_dir)
+        self._archives.role = self.role
+        self._archives.prepare()
         self._resume = resume_state(self.model)
         if self._resume is not None and self._resume.step is not None:
             self._step = self._resume.step
@@ -162,7 +157,6 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             self._watch.start()
 
     def on_epoch_begin(self, epoch, logs=None):
-        super().on_epoch_begin(epoch, logs)
         self._fit_epoch = epoch
         skip = self._batches_to_skip(epoch)
         self._first_epoch = False
@@ -178,10 +172,10 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         self._step = self._step_at_epoch_begin + self._done(batch) - self._skip
         if self._watch is not None and self._watch.should_save(self._step):
             self._preempting = True
-            self._save_model(epoch=self._fit_epoch, batch=batch, logs=logs)
+            self._save(self._fit_epoch, batch)
             self._exit_for_restart()
         if self._due(previous, batch):
-            self._save_model(epoch=self._fit_epoch, batch=batch, logs=logs)
+            self._save(self._fit_epoch, batch)
 
     def on_epoch_end(self, epoch, logs=None):
         self._end_quiet()
@@ -189,7 +183,7 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         trained = self._step - self._step_at_epoch_begin
         if self._skip == 0 and trained > 0:
             self._epoch_length = trained
-        self._save_model(epoch=epoch, batch=None, logs=logs)
+        self._save(epoch, None)
         finish_resumed_epoch(self.model, epoch)
         self._resume = None
         if self._watch is not None and self._watch.should_save(self._step):
@@ -278,9 +272,10 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def _due(self, previous_step: int, batch: int) -> bool:
         """Whether a step save is due: ``save_freq`` divides a step since ``previous_step``."""
-        if self.save_freq == "epoch":
+        every = self.save_freq
+        if isinstance(every, str):  # "epoch"
             return False
-        if self._step // self.save_freq <= previous_step // self.save_freq:
+        if self._step // every <= previous_step // every:
             return False
         steps = (self.params.get("steps") if self.params else None) or self._epoch_length
         # The epoch-end save follows right away: do not write the same state twice.
@@ -304,20 +299,11 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
         steps = self.params.get("steps") if self.params else None
         return min(done, steps) if steps else done
 
-    # -- ModelCheckpoint's hooks (upstream.MODEL_CHECKPOINT_HOOKS)
+    # -- the save
 
-    def _should_save_on_batch(self, batch):  # ours is _due
-        return False
-
-    def _get_file_path(self, epoch, batch, logs):
-        return self._path(self._position(epoch, batch))
-
-    def _path(self, position: Position) -> str:
-        return storage.join(self.checkpoint_dir, checkpoint_name(position.epoch, position.batch))
-
-    def _save_model(self, epoch, batch, logs):
+    def _save(self, epoch: int, batch: int | None) -> None:
+        """Saves the state after ``batch`` of ``epoch`` (None: the epoch's end)."""
         position = self._position(epoch, batch)
-        path = self._path(position)
         meta = resume_metadata(
             position,
             step=self._step,
@@ -325,60 +311,21 @@ class ResumableCheckpoint(keras.callbacks.ModelCheckpoint):
             replicas=_replicas(self.model),
         )
         started = time.perf_counter()
-        done = self._write(path, meta)
+        path, done = self._write(position, meta)
         if not self.role.is_chief:
             return
         logger.info("tfdist: %s %s in %.2f s", done, path, time.perf_counter() - started)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: {done} checkpoint {path}", flush=True)
 
-    def _write(self, path: str, meta: dict) -> str:
-        """Writes the checkpoint; returns what was done ("saved")."""
-        # Every worker runs model.save (it may gather sharded variables across processes);
-        # only the chief's file lands, and the others wait for it before going on.
-        with atomic.atomic_output(path, role=self.role) as staging:
-            self.model.save(staging)
-            write_resume_metadata(staging, meta)
-        self._wait_for_chief(path)
-        if self.role.is_chief:
-            self._prune(keep=path)
-        return "saved"
-
-    # -- after a save
-
-    def _wait_for_chief(self, path: str) -> None:
-        """Every worker waits until the chief's file is in place (a no-op on one worker)."""
+    def _write(self, position: Position, meta: dict) -> tuple[str, str]:
+        """Writes the checkpoint; returns its path and what was done ("saved")."""
         timeout = self.preemption_timeout if self._preempting else None
-        try:
-            name = f"checkpoint {storage.basename(path)}"
-            saving.sync_workers(name, timeout=timeout, model=self.model)
-        except RuntimeError as err:
-            if not self._preempting:
-                raise
-            # The preemption save is written (on the chief); exiting for the restart
-            # matters more than waiting for a worker that saved at another step.
-            logger.error("tfdist: after the preemption save: %s", err)
-
-    def _prune(self, keep: str) -> None:
-        """Removes the oldest checkpoints beyond ``max_to_keep`` (never ``keep``)."""
-        if self.max_to_keep is None:
-            return
-        found = list_checkpoints(self.checkpoint_dir)
-        for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
-            if path != keep:  # both joined from self.checkpoint_dir: the same spelling
-                storage.remove(path)
+        path = self._archives.write(self.model, position, meta, preemption_timeout=timeout)
+        return path, "saved"
 
     def _exit_for_restart(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-        logger.warning(
-            "tfdist: preemption checkpoint saved at step %d; exiting with code %d (restart me)",
-            self._step,
-            config.RESTART_EXIT_CODE,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        raise SystemExit(config.RESTART_EXIT_CODE)
+        exit_for_restart(self._step, self._watch)
 
 
 class ShardedCheckpoint(ResumableCheckpoint):
@@ -418,25 +365,20 @@ class ShardedCheckpoint(ResumableCheckpoint):
         """
         self._finish_writing()
 
-    def _path(self, position: Position) -> str:
-        return os.path.join(self.checkpoint_dir, sharded_name(position.epoch, position.batch))
-
-    def _write(self, path: str, meta: dict) -> str:
+    def _write(self, position: Position, meta: dict) -> tuple[str, str]:
+        path = storage.join(self.checkpoint_dir, sharded_name(position.epoch, position.batch))
         # The previous write is finished first, so that pruning counts it as a checkpoint.
         self._finish_writing()
         assert self._writer is not None  # on_train_begin made it; fit saves after that
         self._writer.save(saved_variables(self.model), path, meta)
-        return "writing in the background"
+        return path, "writing in the background"
 
     def _finish_writing(self) -> None:
         if self._writer is None:
             return
         self._writer.wait()
         if self.role.is_chief:
-            self._prune(keep=None)
-
-    def _prune(self, keep) -> None:
-        prune_sharded(self.checkpoint_dir, self.max_to_keep)
+            prune_sharded(self.checkpoint_dir, self.max_to_keep)
 
     def _exit_for_restart(self) -> None:
         self._finish_writing()  # the preemption checkpoint must be whole before exiting

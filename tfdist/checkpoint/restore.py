@@ -268,7 +268,7 @@ def _newest_readable(
     return _newest(
         directory,
         role,
-        lambda path: _inspect_copy(path, downloads),
+        lambda path: inspect_copy(path, downloads),
         lambda path: _read_sharded(path, model),
     )
 
@@ -324,7 +324,7 @@ def _read_sharded(path: str, model) -> dict:
     return read_sharded(path, saved_variables(model))
 
 
-def _inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
+def inspect_copy(path: str, downloads: contextlib.ExitStack) -> dict:
     """``inspect_archive(path)``; a URL is downloaded once, checked, and its local copy
     kept (``info["local"]``, until ``downloads`` closes) so the restore loads those bytes.
 
@@ -473,23 +473,23 @@ def newest_readable(
     a file ``inspect`` rejects (``CorruptCheckpoint``) is skipped with a warning and, on the
     chief, renamed ``*.corrupt``. With ``inspect_sharded`` (JAX), ``.orbax`` directories
     are candidates too, read by it (``read_sharded``). ``where`` names the caller in the
-    warning. Local directories only: ``inspect`` reads paths.
+    warning. For a URL ``directory``, ``inspect`` must read URLs (``inspect_copy`` does).
 
     Raises:
-        ValueError: ``directory`` is a URL (every good checkpoint would fail ``inspect``
-            and be moved aside).
+        ValueError: ``directory`` is a URL and ``inspect`` is ``inspect_archive``, which
+            reads local files only (every good checkpoint would fail it and be moved aside).
 
     Example:
         >>> newest_readable("ckpt/", atomic.write_role())  # doctest: +SKIP
         ('/abs/ckpt/ckpt-1-4.keras', {'config': {...}, 'resume': {...}})
     """
-    if storage.is_url(directory):
+    if storage.is_url(directory) and inspect is inspect_archive:
         raise ValueError(
-            "newest_readable: directory must be a local path (URLs work with "
-            f"make_or_restore and tfdist.callbacks.checkpoint). Received: directory="
-            f"{directory!r}. Mount the bucket (gcsfuse, s3fs-fuse) and pass its local path."
+            "newest_readable: inspect_archive reads a local path only, and directory is a "
+            f"URL. Received: directory={directory!r}. Pass inspect=lambda path: "
+            "inspect_copy(path, downloads), which downloads each candidate once."
         )
     return _newest(directory, role, inspect, inspect_sharded, where)
 
 
-__all__ += ["newest_readable"]
+__all__ += ["inspect_copy", "newest_readable"]

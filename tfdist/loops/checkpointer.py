@@ -20,25 +20,18 @@ import atexit
 import contextlib
 import io
 import logging
-import os
-import sys
 from typing import Any
 
 import keras
 import numpy as np
 
-from tfdist import backends, compat, saving
+from tfdist import backends, compat
 from tfdist import distribute as _distribute
 from tfdist.checkpoint.agreement import check_workers_agree
-from tfdist.checkpoint.archive import (
-    CorruptCheckpoint,
-    inspect_archive,
-    resume_metadata,
-    write_resume_metadata,
-)
-from tfdist.checkpoint.names import check_save_target, checkpoint_name, list_checkpoints
+from tfdist.checkpoint.archive import CorruptCheckpoint, resume_metadata, weights_file
+from tfdist.checkpoint.names import check_save_target
 from tfdist.checkpoint.preemption import PreemptionWatch
-from tfdist.checkpoint.restore import newest_readable, set_data_position
+from tfdist.checkpoint.restore import inspect_copy, newest_readable, set_data_position
 from tfdist.checkpoint.rng import numpy_value, rng_state, set_rng_state
 from tfdist.checkpoint.sharded import (
     ShardedWriter,
@@ -50,7 +43,8 @@ from tfdist.checkpoint.sharded import (
     saved_variables,
     sharded_name,
 )
-from tfdist.core import atomic, cluster, config, cross_replica, validate
+from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
+from tfdist.core import atomic, cluster, config, cross_replica, storage, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
 
@@ -104,11 +98,12 @@ def _read_optimizer(path: str) -> list[np.ndarray]:
         return [arrays[name] for name in sorted(arrays.files)]
 
 
-def _inspect(path: str) -> dict:
-    """``inspect_archive`` plus the optimizer member and the loop's resume metadata."""
-    info = inspect_archive(path)
+def _inspect(path: str, downloads: contextlib.ExitStack) -> dict:
+    """``inspect_archive`` plus the optimizer member and the loop's resume metadata; a URL
+    is downloaded once (``info["local"]``, kept until ``downloads`` closes)."""
+    info = inspect_copy(path, downloads)
     try:
-        info["optimizer"] = _read_optimizer(path)
+        info["optimizer"] = _read_optimizer(info.get("local", path))
     except CorruptCheckpoint:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to read is the file's
@@ -192,6 +187,7 @@ class Checkpointer:
         self.restored_from: str | None = None
         self.strategy = strategy
         self._watch: PreemptionWatch | None = None
+        self._archives = ArchiveWriter(self.directory, max_to_keep=max_to_keep, role=self.role)
         self._writer: ShardedWriter | None = None
         self._closing_at_exit = False
 
@@ -206,15 +202,18 @@ class Checkpointer:
         ``make_or_restore``.
         """
         reads_sharded = backends.get().saves_sharded()
-        if self.role.is_chief:
-            atomic.remove_stale_staging(self.directory)
-            if reads_sharded:
-                remove_stale_writes(self.directory)  # a killed job's unfinished writes
-        with self._scope():
+        self._archives.prepare()
+        if self.role.is_chief and reads_sharded:
+            remove_stale_writes(self.directory)  # a killed job's unfinished writes
+        with self._scope(), contextlib.ExitStack() as downloads:
             self._build_optimizer()
             inspect_sharded = self._read_sharded if reads_sharded else None
             chosen = newest_readable(
-                self.directory, self.role, _inspect, inspect_sharded, where=_WHERE
+                self.directory,
+                self.role,
+                lambda path: _inspect(path, downloads),
+                inspect_sharded,
+                where=_WHERE,
             )
             check_workers_agree(self._strategy(), chosen, self.directory)
             step = 0 if chosen is None else self._load(*chosen)
@@ -255,7 +254,8 @@ class Checkpointer:
         return int(meta["step"])
 
     def _load_archive(self, path: str, info: dict) -> None:
-        self.model.load_weights(path)
+        with weights_file(info.get("local", path), info) as weights:  # the checked bytes
+            self.model.load_weights(weights)
         variables, values = self.optimizer.variables, info["optimizer"]
         if len(variables) != len(values) or any(
             tuple(v.shape) != a.shape for v, a in zip(variables, values, strict=False)
@@ -297,16 +297,9 @@ class Checkpointer:
             return self._save_sharded(step, position, state)
         if state is not None:
             self.write_state(state)
-        path = os.path.join(self.directory, checkpoint_name(position.epoch, position.batch))
         meta = self._metadata(position, step, rng_state(self.model))
-        with atomic.atomic_output(path, role=self.role) as staging:
-            self.model.save(staging)
-            atomic.add_archive_member(staging, OPTIMIZER_MEMBER, _optimizer_bytes(self.optimizer))
-            write_resume_metadata(staging, meta)
-        saving.sync_workers(f"checkpoint {os.path.basename(path)}", model=self.model)
-        if self.role.is_chief:
-            self._prune(keep=path)
-        return path
+        optimizer = {OPTIMIZER_MEMBER: lambda: _optimizer_bytes(self.optimizer)}
+        return self._archives.write(self.model, position, meta, members=optimizer)
 
     def _metadata(self, position: Position, step: int, rng: list) -> dict:
         replicas = _distribute.num_replicas(strategy=self._strategy())
@@ -314,7 +307,7 @@ class Checkpointer:
 
     def _save_sharded(self, step: int, position: Position, state) -> str:
         """Starts the write of ``step``'s sharded checkpoint, the previous one finished."""
-        path = os.path.join(self.directory, sharded_name(position.epoch, position.batch))
+        path = storage.join(self.directory, sharded_name(position.epoch, position.batch))
         self.wait()  # one write at a time; the finished one counts when pruning
         # The train state as it is on the devices: nothing is written into the model.
         current = {id(variable): value for variable, value in self._state_pairs(state)}
@@ -362,15 +355,6 @@ class Checkpointer:
         ]
         return [pair for variables, values in pairs for pair in zip(variables, values, strict=True)]
 
-    def _prune(self, keep: str) -> None:
-        if self.max_to_keep is None:
-            return
-        found = list_checkpoints(self.directory)
-        for _position, path in found[: max(len(found) - self.max_to_keep, 0)]:
-            if os.path.abspath(path) != os.path.abspath(keep):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-
     # -- preemption
 
     def _start_watch(self) -> None:
@@ -408,14 +392,5 @@ class Checkpointer:
             self._watch = None
 
     def _exit_for_restart(self, step: int) -> None:
-        assert self._watch is not None  # maybe_save calls this when the watch asked to save
         self.wait()  # the preemption checkpoint must be whole before exiting
-        self._watch.cancel()
-        logger.warning(
-            "tfdist: preemption checkpoint saved at step %d; exiting with code %d (restart me)",
-            step,
-            config.RESTART_EXIT_CODE,
-        )
-        sys.stdout.flush()
-        sys.stderr.flush()
-        raise SystemExit(config.RESTART_EXIT_CODE)
+        exit_for_restart(step, self._watch)

@@ -181,7 +181,6 @@ __all__ = [
     "keras_trainer_class",
     "keras_jax_trainer_class",
     "keras_distribution_class",
-    "MODEL_CHECKPOINT_HOOKS",
 ]
 
 
@@ -260,7 +259,6 @@ REQUIRED = {
         "keras.src.optimizers.base_optimizer:BaseOptimizer._update_model_variables_moving_average",
         "keras.src.optimizers.base_optimizer:"
         "BaseOptimizer._overwrite_model_variables_with_average_value",
-        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._should_save_on_batch",
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._get_file_path",
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model",
     ],
@@ -299,11 +297,6 @@ SOURCE_ATTRIBUTES = [
     "tensorflow.python.eager.context:Context._collective_ops_server_def",
     "tensorflow.python.eager.context:Context._context_handle",
 ]
-
-
-# ModelCheckpoint's hooks that tfdist's checkpoint callback overrides (no public hook
-# exists for "save to this exact file at this exact step").
-MODEL_CHECKPOINT_HOOKS = ("_should_save_on_batch", "_get_file_path", "_save_model")
 
 
 def resolve(entry: str):
