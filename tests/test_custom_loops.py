@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -269,6 +270,29 @@ def test_jax_loop_matches_one_device_on_four_devices_two_processes_and_after_kil
     -9 with a write under way, which never becomes a checkpoint."""
     single = run_single(JAX_LOOP, tmp_path / "single")
     check_loop(JAX_LOOP, tmp_path, single, tmp_path / "single")
+
+
+def test_tensorflow_loop_in_a_bucket_resumes_after_kill_9_like_one_device(s3_bucket):
+    """The Checkpointer on ``s3://`` (moto's S3 server, tests/object_store.py): the loop
+    killed -9 after step 13 (the last save after step 12) and started again restores
+    ``ckpt-2-2.keras`` from the bucket and ends within 1e-5 of the same loop run
+    uninterrupted on one device (in the same process, into another prefix)."""
+    run = s3_bucket.url("run")
+    env = child_env(**s3_bucket.env)
+    argv = [str(SCRIPTS / "loop_tf.py"), "--dir", run, "--kill-at-step", str(KILL_AT)]
+    proc = warm_start.run(argv, cwd=REPO, env=env, base_env=child_env(), timeout=240)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert s3_bucket.names("run/dist") == ["ckpt-1-4.keras", "ckpt-1-8.keras", "ckpt-2-2.keras"]
+
+    result = run_script("loop_tf.py", run, "--one-device-too", **s3_bucket.env)
+    reference, resumed = result["one_device"], result["distributed"]
+    assert reference["restored_from"] is None and reference["step"] == STEPS
+    assert resumed["restored_from"] == "ckpt-2-2.keras" and resumed["step"] == STEPS
+    equivalence.assert_close(reference["losses"][12:], resumed["losses"], 1e-5, "losses")
+    assert max_diff(resumed["weights"], reference["weights"]) <= TOLERANCE
+    kept = ["ckpt-2-2.keras", "ckpt-2-6.keras", "ckpt-2.keras", "ckpt-3-4.keras", "ckpt-3-8.keras"]
+    assert resumed["checkpoints"] == reference["checkpoints"] == kept  # pruned in the bucket
+    assert s3_bucket.names("run/dist") == kept  # no staging object left
 
 
 def test_checkpointer_and_helpers_name_what_is_wrong(tmp_path):

@@ -384,13 +384,14 @@ def standard(
     max_to_keep: int | None = 5,
     print_lr: bool = True,
     tensorboard: bool = True,
+    log_dir: str | os.PathLike | None = None,
     sharded: bool = False,
 ) -> list[keras.callbacks.Callback]:
     """The callbacks the walkthroughs use: checkpoint, LR decay, warm-up, PrintLR, TensorBoard.
 
     Order: ``checkpoint(checkpoint_dir, save_freq=..., max_to_keep=...)``, then
     ``decay(decay)`` if given, then ``warmup`` if given, then ``PrintLR()``, then
-    ``keras.callbacks.TensorBoard(log_dir=checkpoint_dir/logs)`` on the chief only
+    ``keras.callbacks.TensorBoard(log_dir=checkpoint_dir/logs)`` (or ``log_dir``) on the chief only
     (workers writing the same event files would clobber each other; TensorBoard takes
     part in no collective, so leaving it out elsewhere is safe).
 
@@ -401,6 +402,8 @@ def standard(
         save_freq, max_to_keep, sharded: passed to ``checkpoint``.
         print_lr: include ``PrintLR``.
         tensorboard: include TensorBoard logging.
+        log_dir: TensorBoard's directory (default ``checkpoint_dir/logs``), e.g. a local
+            one beside an ``s3://`` checkpoint directory (TensorFlow writes no ``s3://``).
 
     Example:
         >>> def decay_fn(epoch):
@@ -415,6 +418,8 @@ def standard(
         validate.instance(warmup, Warmup, "warmup", where, what)
     validate.instance(print_lr, bool, "print_lr", where, "a bool")
     validate.instance(tensorboard, bool, "tensorboard", where, "a bool")
+    if log_dir is not None:
+        validate.path_text(log_dir, "log_dir", where)
     callbacks: list[keras.callbacks.Callback] = [
         checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep, sharded=sharded)
     ]
@@ -429,7 +434,7 @@ def standard(
             # Keras's TensorBoard callback would only fail at the first epoch end.
             logger.warning("tfdist: the tensorboard package is missing; no TensorBoard logs")
             return callbacks
-        callbacks.append(
-            keras.callbacks.TensorBoard(log_dir=os.path.join(os.fspath(checkpoint_dir), "logs"))
-        )
+        if log_dir is None:
+            log_dir = os.path.join(os.fspath(checkpoint_dir), "logs")
+        callbacks.append(keras.callbacks.TensorBoard(log_dir=os.fspath(log_dir)))
     return callbacks

@@ -69,8 +69,9 @@ def test_output_that_is_a_file_is_refused_at_once(tmp_path):
         mnist.config_from_args(parse("--output", str(afile)))
     with pytest.raises(ConfigError, match="--checkpoint-dir must be a folder"):
         mnist.config_from_args(parse("--checkpoint-dir", str(afile)))
-    with pytest.raises(ConfigError, match="--checkpoint-dir must be a local folder.*gs://b/run"):
-        mnist.config_from_args(parse("--checkpoint-dir", "gs://b/run"))
+    with pytest.raises(ConfigError, match="--output must be a local folder.*gs://b/out"):
+        mnist.config_from_args(parse("--output", "gs://b/out"))
+    assert mnist.config_from_args(parse("--checkpoint-dir", "gs://b/run")).ckpt_dir == "gs://b/run"
 
 
 def test_help_explains_recipe_verbose_and_backend_with_defaults():

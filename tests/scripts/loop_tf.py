@@ -1,7 +1,7 @@
 """A custom training loop in the style of TensorFlow's "Custom training with
 tf.distribute.Strategy" guide, with tfdist's helpers (docs/custom_loops.md shows it).
 
-``python loop_tf.py --dir D``: trains with ``tfdist.strategy()`` (1 device, N logical
+``python loop_tf.py --dir D``: (D a folder or a URL, e.g. ``s3://bucket/run``) trains with ``tfdist.strategy()`` (1 device, N logical
 devices, or N workers under ``tfdist launch``); ``--one-device-too`` first trains the
 same loop on ``OneDeviceStrategy`` in the same process (the reference). Checkpoints every
 ``--every`` steps; ``--kill-at-step K`` SIGKILLs the first attempt after step K;
@@ -28,6 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
+from tfdist.core import storage  # noqa: E402
 
 args = builders.loop_arguments(dropout=False)
 
@@ -92,15 +93,15 @@ def train(strategy, directory):
         "losses": losses,
         "replicas": strategy.num_replicas_in_sync,
         "restored_from": where,
-        "checkpoints": sorted(n for n in os.listdir(directory) if n.startswith("ckpt")),
+        "checkpoints": sorted(n for n in storage.listdir(directory) if n.startswith("ckpt")),
     }
 
 
 result = {"workers": tfdist.num_workers()}
 if args.one_device_too:
     one = tf.distribute.OneDeviceStrategy("/cpu:0")
-    result["one_device"] = train(one, os.path.join(args.dir, "one"))
-result["distributed"] = train(tfdist.strategy(), os.path.join(args.dir, "dist"))
+    result["one_device"] = train(one, storage.join(args.dir, "one"))
+result["distributed"] = train(tfdist.strategy(), storage.join(args.dir, "dist"))
 if faults.active("nan"):  # in the run compared with the reference
     result["distributed"]["weights"][0][0][0] = float("nan")
 print(json.dumps(result), flush=True)

@@ -1,6 +1,8 @@
 """The record of a restartable ``tfdist train mnist`` job: ``CKPT_DIR/job.json``.
 
-It holds what the checkpoints were made with (recipe, replicas, batch, split, backend),
+It lives with the checkpoints it describes, also when ``CKPT_DIR`` is a URL (written
+through ``tfdist.core.storage``, atomically): a VM that replaces a preempted one finds
+both in the bucket. It holds what the checkpoints were made with (recipe, replicas, batch, split, backend),
 so that a folder made by another job is refused instead of silently resumed with a
 different batch, the total training time over every run (a rerun adds to it), and the
 epochs whose training was split across runs (``partial_epochs``: Keras's history row of
@@ -14,11 +16,11 @@ Example:
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import time
 
+from tfdist.checkpoint.names import list_checkpoints
+from tfdist.core import atomic, storage
 from tfdist.core.config import ConfigError
 
 __all__ = ["JobRecord", "open_record"]
@@ -35,7 +37,13 @@ _WRITE_EVERY_S = 5.0
 
 
 def _has_checkpoints(ckpt_dir: str) -> bool:
-    return bool(glob.glob(os.path.join(glob.escape(ckpt_dir), "ckpt-*.keras")))
+    return bool(list_checkpoints(ckpt_dir))
+
+
+def _read(path: str) -> dict:
+    """The record at ``path`` (a local path or URL); FileNotFoundError without one."""
+    with storage.local_copy(path) as local, open(local) as f:
+        return json.load(f)
 
 
 def _refusal(ckpt_dir: str, old: dict, new: dict) -> str:
@@ -69,13 +77,12 @@ def open_record(ckpt_dir: str, identity: dict) -> JobRecord:
         >>> open_record("/tmp/none", {"recipe": "fast"}).data["runs"]  # doctest: +SKIP
         []
     """
-    path = os.path.join(ckpt_dir, RECORD)
+    path = storage.join(ckpt_dir, RECORD)
     fresh = {"identity": identity, "wall_time_s": 0.0, "runs": [], "partial_epochs": []}
     if not _has_checkpoints(ckpt_dir):
         return JobRecord(path, fresh)
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = _read(path)
     except FileNotFoundError:
         # Checkpoints from before job records (or another program): nothing to check.
         return JobRecord(path, fresh)
@@ -119,11 +126,11 @@ class JobRecord:
         self.data["wall_time_s"] = self._before + elapsed
         if not tfdist.distribute.is_chief():
             return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.data, f, indent=2)
-        os.replace(tmp, self.path)  # a kill never leaves half a record
+        storage.makedirs(storage.dirname(self.path))
+        # A kill never leaves half a record: renamed (local) or moved (URL) into place.
+        with atomic.atomic_output(self.path, role=atomic.WriteRole(is_chief=True)) as staging:
+            with open(staging, "w") as f:
+                json.dump(self.data, f, indent=2)
 
     def callback(self):
         """A Keras callback that saves the record every few seconds and at epoch ends."""

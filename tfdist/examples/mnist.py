@@ -51,8 +51,9 @@ class TrainConfig:
         epochs: total epochs of the job (a resumed job trains only the missing ones).
         per_replica_batch: examples per replica per step.
         output: directory for the model, metrics, history and plot.
-        checkpoint_dir: checkpoints (default ``OUTPUT/ckpt``); TensorBoard logs go to
-            its ``logs/``.
+        checkpoint_dir: checkpoints and ``job.json`` (default ``OUTPUT/ckpt``): a folder
+            or a URL (``s3://``, ``gs://``, any fsspec filesystem). TensorBoard logs go to
+            its ``logs/`` (``OUTPUT/logs`` for a URL: TensorFlow writes no ``s3://``).
         devices: devices in this process: that many GPUs when there are GPUs, else that
             many logical CPU devices; None lets ``tfdist.strategy()`` decide.
         seed: seeds the data order (and the model's initial weights), for exact resume.
@@ -78,6 +79,13 @@ class TrainConfig:
     @property
     def ckpt_dir(self) -> str:
         return self.checkpoint_dir or os.path.join(self.output, "ckpt")
+
+    @property
+    def log_dir(self) -> str:
+        """TensorBoard's folder: beside the checkpoints, local when they are in a bucket."""
+        if storage.is_url(self.ckpt_dir):
+            return os.path.join(self.output, "logs")
+        return os.path.join(self.ckpt_dir, "logs")
 
 
 class MnistMissing(ConfigError, FileNotFoundError):
@@ -356,7 +364,10 @@ def _fit(model, config: TrainConfig, recipe, data, initial_epoch: int, history_c
     train, test = data
     chief = tfdist.distribute.is_chief()
     callbacks = tfdist.callbacks.standard(
-        config.ckpt_dir, decay=recipe.epoch_decay, save_freq=config.save_freq
+        config.ckpt_dir,
+        decay=recipe.epoch_decay,
+        save_freq=config.save_freq,
+        log_dir=config.log_dir,
     )
     callbacks.append(record.callback())
     if chief:
@@ -462,10 +473,12 @@ def config_from_args(args) -> TrainConfig:
 
 
 def _check_folder(path: str, flag: str) -> None:
-    """A folder flag naming an existing file (or a URL) fails at once, before TensorFlow
-    starts."""
+    """A folder flag naming an existing file (or, for ``--output``, a URL) fails at once,
+    before TensorFlow starts."""
     if storage.is_url(path):
-        # The job's own outputs (history, pipeline position) are local files; a URL
+        if flag == "--checkpoint-dir":
+            return  # checkpoints and job.json go through fsspec (tfdist.core.storage)
+        # The job's own outputs (model, metrics, history, plot) are local files; a URL
         # would become a local folder named after its scheme.
         raise ConfigError(
             validate.message(
@@ -473,8 +486,8 @@ def _check_folder(path: str, flag: str) -> None:
                 flag,
                 "a local folder",
                 path,
-                "Pass a local folder (a mounted bucket works); URLs work with "
-                "tfdist.callbacks.checkpoint and tfdist.make_or_restore in your own script.",
+                "Pass a local folder (a mounted bucket works); --checkpoint-dir takes a "
+                "URL (s3://, gs://, any fsspec filesystem).",
             )
         )
     if os.path.exists(path) and not os.path.isdir(path):
