@@ -15,7 +15,7 @@ from tfdist.cli import build_parser
 from tfdist.core.config import ConfigError
 from tfdist.examples import job, mnist
 
-from conftest import child_env
+from conftest import child_env, run_python
 
 
 def parse(*argv):
@@ -214,6 +214,60 @@ def test_job_killed_with_sigkill_resumes_and_writes_its_outputs(tmp_path):
     )  # fmt: skip
     assert other.returncode == 2, other.stderr[-3000:]
     assert "global_batch=128 there, 64 now" in other.stderr
+
+
+# `tfdist train mnist` in this process (forked warm), killed -9 after step KILL_AFTER
+# when asked (a callback added to the standard set).
+_IN_PROCESS = """
+import os, signal, sys
+import keras, tfdist
+from tfdist.cli import main
+
+if {kill_after}:
+    standard = tfdist.callbacks.standard
+
+    class Kill(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch + 1 == {kill_after}:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    tfdist.callbacks.standard = lambda *a, **k: standard(*a, **k) + [Kill()]
+sys.exit(main({argv!r}))
+"""
+
+
+@pytest.mark.mnist
+def test_checkpoint_dir_in_a_bucket_resumes_a_killed_job(tmp_path, s3_bucket):
+    """``--checkpoint-dir s3://...`` (moto's S3 server): the job killed -9 after step 8
+    (saves every 3 steps) resumes from ``ckpt-1-6.keras`` in the bucket, where job.json
+    (read back: 2 runs, the partial epoch) lies beside the checkpoints; TensorBoard logs
+    and the outputs stay local."""
+    out, ckpt = tmp_path / "run", s3_bucket.url("run")
+    argv = [
+        "train", "mnist", "--output", str(out), "--checkpoint-dir", ckpt, "--epochs", "1",
+        "--train-split", "train[:1%]", "--per-replica-batch", "32", "--save-freq", "3",
+        "--verbose", "0",
+    ]  # fmt: skip
+    killed = run_python(
+        _IN_PROCESS.format(kill_after=8, argv=argv), check=False, timeout=300, **s3_bucket.env
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-2000:] + killed.stderr[-3000:]
+    assert s3_bucket.names("run") == ["ckpt-1-3.keras", "ckpt-1-6.keras", "job.json"]
+
+    done = run_python(_IN_PROCESS.format(kill_after=0, argv=argv), timeout=300, **s3_bucket.env)
+    assert f"resuming from {ckpt}/ckpt-1-6.keras at epoch 1 of 1, batch 6 of 18" in done.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_from"] == {
+        "checkpoint": f"{ckpt}/ckpt-1-6.keras",
+        "epoch": 0,
+        "batch": 6,
+    }
+    assert metrics["runs"] == 2 and metrics["partial_epochs"][0]["resumed_at_batch"] == 6
+    saved = json.loads(s3_bucket.fs.cat(f"{s3_bucket.name}/run/job.json"))
+    assert saved["runs"][-1]["resumed_from"] == metrics["resumed_from"]
+    assert "ckpt-1.keras" in s3_bucket.names("run")
+    assert not [n for n in s3_bucket.names("run") if n.startswith(".tmp-")]
+    assert list((out / "logs").rglob("events.out.tfevents.*")) and not (out / "ckpt").exists()
 
 
 @pytest.mark.jax
