@@ -480,7 +480,9 @@ def _add_train_mnist_options(mnist) -> None:
     mnist.add_argument("--epochs", type=int, help="total epochs (default: the recipe's)")
     mnist.add_argument("--per-replica-batch", type=int, help="default: the recipe's")
     mnist.add_argument("--output", default=None, help="default: runs/mnist-RECIPE")
-    mnist.add_argument("--checkpoint-dir", help="default: OUTPUT/ckpt")
+    mnist.add_argument(
+        "--checkpoint-dir", help="a folder or a URL (s3://, gs://...); default: OUTPUT/ckpt"
+    )
     mnist.add_argument(
         "--devices", type=int, help="devices per process: GPUs if any, else logical CPUs"
     )
