@@ -189,14 +189,14 @@ def _fit_once(model, train, kind: str, directory: str, every: int) -> tuple[floa
         saver = tfdist.callbacks.checkpoint(
             directory, save_freq=every, max_to_keep=2, sharded=kind == "sharded"
         )
-        save = saver._save_model  # timed: how long training waits in each save call
+        save = saver._save  # timed: how long training waits in each save call
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             save(*args, **kwargs)
             blocked.append(time.perf_counter() - started)
 
-        saver._save_model = timed
+        saver._save = timed
         callbacks.append(saver)
     baseline = _rss_mb()
     with PeakRSS() as rss:
