@@ -37,11 +37,13 @@ from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_
 JOB = ("--save-freq", "5", "--epochs", "3")
 
 
-def run_job(bucket, directory, *extra, backend="tensorflow", timeout=300):
+def run_job(bucket, directory, *extra, backend="tensorflow", timeout=300, **env):
     """tests/scripts/ckpt_job.py on ``s3://bucket/directory``, forked warm."""
     argv = [str(SCRIPTS / "ckpt_job.py"), "--dir", bucket.url(directory), *JOB, *extra]
-    env, base = child_env(KERAS_BACKEND=backend, **bucket.env), child_env(KERAS_BACKEND=backend)
-    return warm_start.run(argv, env=env, base_env=base, cwd=REPO, timeout=timeout)
+    base = child_env(KERAS_BACKEND=backend, **env)
+    return warm_start.run(
+        argv, env={**base, **bucket.env}, base_env=base, cwd=REPO, timeout=timeout
+    )
 
 
 def finished(proc) -> dict:
@@ -200,6 +202,73 @@ def test_a_damaged_newest_object_falls_back_to_the_previous_one(s3_bucket, refer
     assert "skipping checkpoint" in proc.stderr and "ckpt-1-10.keras" in proc.stderr
     equivalence.assert_close(reference["weights"], result["weights"], 1e-5, "after damage")
     assert "ckpt-1-10.keras.corrupt" in s3_bucket.names("run")
+
+
+# ------------------------------------------------------------------ sharded (Orbax, JAX)
+
+
+def sharded_names(bucket, directory: str) -> dict[str, bool]:
+    """The ``.orbax`` directories under ``directory``: committed (``commit_success.txt``
+    inside, Orbax's marker written last) or not."""
+    return {
+        name: "commit_success.txt" in bucket.names(f"{directory}/{name}")
+        for name in bucket.names(directory)
+        if ".orbax" in name
+    }
+
+
+def _copy_tree(bucket, source: str, target: str, skip=()) -> None:
+    """Copies the objects under ``source`` to ``target`` (both under the bucket), but
+    those named in ``skip``, and garbles the array data files when ``skip`` says "data"."""
+    fs = bucket.fs
+    for path in fs.find(f"{bucket.name}/{source}"):
+        inner = path[len(f"{bucket.name}/{source}/") :]
+        if inner.rsplit("/", 1)[-1] in skip:
+            continue
+        data = fs.cat(path)
+        if "data" in skip and "/d/" in f"/{inner}":
+            data = os.urandom(len(data))
+        fs.pipe(f"{bucket.name}/{target}/{inner}", data)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(s3_bucket):
+    """``checkpoint("s3://...", sharded=True)``: Orbax writes each checkpoint in place and
+    commits it with ``commit_success.txt``, written last. A job on 2 devices (global batch
+    4) is killed by SIGKILL after step 13. Beside what it left, a write that never
+    committed (every object of a checkpoint but the marker, under a newer name) and a
+    committed newer checkpoint whose array data is garbage. The restart on 1 device
+    (same global batch: Orbax reshards the 2-device arrays onto it) skips the first and
+    removes it, sets the second aside as ``*.corrupt``, resumes from the newest good
+    checkpoint and ends within 1e-5 of a run on 1 device never interrupted."""
+    sharded = ("--sharded", "--epochs", "2")
+    expected = finished(run_job(s3_bucket, "reference", *sharded, backend="jax"))
+    assert sharded_names(s3_bucket, "reference") == dict.fromkeys(
+        ["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True
+    )
+    two = ("--per-replica-batch", "2")
+    killed(
+        run_job(s3_bucket, "run", *sharded, *two, "--sigkill-at-step", "13", backend="jax",
+                TFDIST_CPU_DEVICES="2")
+    )  # fmt: skip
+    left = sharded_names(s3_bucket, "run")
+    # Step 10's checkpoint if its background write ended before the kill, else step 5's.
+    newest = "ckpt-1-10.orbax" if left.get("ckpt-1-10.orbax") else "ckpt-1-5.orbax"
+    assert left.get(newest), left
+    _copy_tree(s3_bucket, f"run/{newest}", "run/ckpt-1-14.orbax", skip=("commit_success.txt",))
+    _copy_tree(s3_bucket, f"run/{newest}", "run/ckpt-1-12.orbax", skip=("data",))
+
+    proc = run_job(s3_bucket, "run", *sharded, backend="jax")
+    result = finished(proc)
+    assert result["restored"]["path"] == newest, result["restored"]
+    assert "ckpt-1-12.orbax" in proc.stderr and "ckpt-1-14.orbax" in proc.stderr
+    assert result["iterations"] == 32 and result["replicas"] == 1
+    equivalence.assert_close(expected["weights"], result["weights"], 1e-5, "resharded")
+    left = sharded_names(s3_bucket, "run")
+    assert left == {"ckpt-1-12.orbax.corrupt": True, **dict.fromkeys(
+        ["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True)}, left  # fmt: skip
 
 
 PAGE = REPO / "docs" / "checkpoints.md"
