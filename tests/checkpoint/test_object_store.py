@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import urllib.parse
@@ -30,7 +32,16 @@ import pytest
 from tfdist.checkpoint import names
 from tfdist.core import atomic, storage
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python, warm_start
+from conftest import (
+    REPO,
+    SCRIPTS,
+    child_env,
+    equivalence,
+    last_json_line,
+    launch_cli,
+    run_python,
+    warm_start,
+)
 
 # 64 examples, 4 per batch: 16 steps an epoch, 3 epochs; a checkpoint every 5 steps and at
 # each epoch end, the newest 3 kept.
@@ -202,6 +213,72 @@ def test_a_damaged_newest_object_falls_back_to_the_previous_one(s3_bucket, refer
     assert "skipping checkpoint" in proc.stderr and "ckpt-1-10.keras" in proc.stderr
     equivalence.assert_close(reference["weights"], result["weights"], 1e-5, "after damage")
     assert "ckpt-1-10.keras.corrupt" in s3_bucket.names("run")
+
+
+# ------------------------------------------------------------------ under tfdist launch
+
+
+def namespace_endpoint(endpoint: str) -> str:
+    """``endpoint`` (on this host's 127.0.0.1) as workers in ``tfdist launch``'s private
+    network reach it: at the namespace's default gateway, which the user-mode stack maps
+    to this host's loopback. pasta (preferred) copies this host's default gateway into
+    the namespace (``--config-net``); slirp4netns's gateway is 10.0.2.2."""
+    if shutil.which("pasta"):
+        with open("/proc/net/route") as routes:
+            rows = [line.split() for line in routes.readlines()[1:]]
+        gateway = next(socket.inet_ntoa(struct.pack("<L", int(r[2], 16))) for r in rows
+                       if r[1] == "00000000")  # fmt: skip
+    else:
+        gateway = "10.0.2.2"
+    return endpoint.replace("127.0.0.1", gateway)
+
+
+def worker_results(proc, worker: str) -> list[dict]:
+    """The JSON results ``worker`` printed under tfdist launch, one per attempt."""
+    prefix = f"[{worker}] {{"
+    return [json.loads(line[len(prefix) - 1 :]) for line in proc.stdout.splitlines()
+            if line.startswith(prefix) and '"weights"' in line]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_private_workers_checkpoint_to_s3_through_the_stack_and_resume_after_kill_9(
+    s3_bucket, tmp_path
+):
+    """The default ``tfdist launch -n 2`` (a private network namespace, egress through
+    pasta or slirp4netns), 2 TensorFlow workers (global batch 4, as the reference's)
+    checkpointing archives to the bucket at the endpoint rewritten to the namespace's
+    gateway. Both are killed by SIGKILL after step 13; the launcher's restart resumes
+    from step 10 in the bucket and ends within 1e-5 of an uninterrupted run on 2 logical
+    devices in one process."""
+    two = ("--per-replica-batch", "2")
+    expected = finished(run_job(s3_bucket, "reference", *two, TFDIST_CPU_DEVICES="2"))
+    assert expected["replicas"] == 2
+    env = {
+        **s3_bucket.env,
+        "AWS_ENDPOINT_URL": namespace_endpoint(s3_bucket.env["AWS_ENDPOINT_URL"]),
+    }
+    proc = launch_cli(
+        "-n", "2", "--max-restarts", "1", str(SCRIPTS / "ckpt_job.py"), "--dir",
+        s3_bucket.url("run"), *JOB, *two, "--sigkill-at-step", "13",
+        timeout=420, TMPDIR=str(tmp_path), **env,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(r"outbound connections go out through (pasta|slirp4netns)", output), output[
+        -3000:
+    ]
+    for worker in ("w0", "w1"):
+        (resumed,) = worker_results(proc, worker)  # the killed attempt printed none
+        assert resumed["restored"] == {
+            "path": "ckpt-1-10.keras",
+            "epoch": 0,
+            "batch": 10,
+            "step": 10,
+        }
+        assert resumed["iterations"] == 48 and resumed["replicas"] == 2
+        equivalence.assert_close(expected["weights"], resumed["weights"], 1e-5, worker)
+    assert s3_bucket.names("run") == ["ckpt-3-13.keras", "ckpt-3-8.keras", "ckpt-3.keras"]
 
 
 # ------------------------------------------------------------------ sharded (Orbax, JAX)
