@@ -4,6 +4,9 @@ The preemptible-VM job: ``s3://`` checkpoint directories and save paths, the end
 credentials given to the job in its environment (``AWS_ENDPOINT_URL``, read by botocore
 whenever s3fs makes a client, so a user's script needs no change), jobs killed with
 SIGKILL and started again (tests/scripts/ckpt_job.py, forked warm: tests/warm_start.py).
+Also: sharded Orbax checkpoints (JAX) in the bucket, committed by Orbax's
+``commit_success.txt``, and both backends' jobs as 2 workers under the default
+``tfdist launch`` (a private network namespace reaching the server at its gateway).
 
 What makes an upload that was cut invisible, on S3: tfdist never writes a checkpoint's
 final name but by a server-side copy from a staging object that was uploaded whole, and
@@ -308,10 +311,26 @@ def _copy_tree(bucket, source: str, target: str, skip=()) -> None:
         fs.pipe(f"{bucket.name}/{target}/{inner}", data)
 
 
+SHARDED = ("--sharded", "--epochs", "2")
+SHARDED_KEPT = dict.fromkeys(["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True)
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(s3_server):
+    """The job on JAX on 1 device with sharded checkpoints, never interrupted, in a
+    bucket of its own: 2 epochs of 16 steps, 3 committed checkpoints kept."""
+    bucket = s3_server.create_bucket("sharded-reference")
+    result = finished(run_job(bucket, "run", *SHARDED, backend="jax"))
+    assert result["iterations"] == 32 and sharded_names(bucket, "run") == SHARDED_KEPT
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.devices
-def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(s3_bucket):
+def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(
+    s3_bucket, sharded_reference
+):
     """``checkpoint("s3://...", sharded=True)``: Orbax writes each checkpoint in place and
     commits it with ``commit_success.txt``, written last. A job on 2 devices (global batch
     4) is killed by SIGKILL after step 13. Beside what it left, a write that never
@@ -320,11 +339,7 @@ def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(s3_bucket
     (same global batch: Orbax reshards the 2-device arrays onto it) skips the first and
     removes it, sets the second aside as ``*.corrupt``, resumes from the newest good
     checkpoint and ends within 1e-5 of a run on 1 device never interrupted."""
-    sharded = ("--sharded", "--epochs", "2")
-    expected = finished(run_job(s3_bucket, "reference", *sharded, backend="jax"))
-    assert sharded_names(s3_bucket, "reference") == dict.fromkeys(
-        ["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True
-    )
+    sharded, expected = SHARDED, sharded_reference
     two = ("--per-replica-batch", "2")
     killed(
         run_job(s3_bucket, "run", *sharded, *two, "--sigkill-at-step", "13", backend="jax",
@@ -344,8 +359,7 @@ def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(s3_bucket
     assert result["iterations"] == 32 and result["replicas"] == 1
     equivalence.assert_close(expected["weights"], result["weights"], 1e-5, "resharded")
     left = sharded_names(s3_bucket, "run")
-    assert left == {"ckpt-1-12.orbax.corrupt": True, **dict.fromkeys(
-        ["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True)}, left  # fmt: skip
+    assert left == {"ckpt-1-12.orbax.corrupt": True, **SHARDED_KEPT}, left
 
 
 PAGE = REPO / "docs" / "checkpoints.md"
@@ -402,3 +416,33 @@ def test_the_bucket_recipe_on_this_page_trains_saves_and_resumes(s3_bucket, tmp_
     assert results == [{"initial_epoch": 0, "steps": 24}, {"initial_epoch": 3, "steps": 24}]
     left = s3_bucket.names("")
     assert "model.keras" in left and "ckpt-3.keras" in s3_bucket.names("run"), left
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.multiworker
+def test_two_jax_processes_write_sharded_checkpoints_to_s3_and_resume_after_kill_9(
+    s3_bucket, sharded_reference, tmp_path
+):
+    """The default ``tfdist launch -n 2`` with KERAS_BACKEND=jax (2 processes x 1 device,
+    global batch 4), sharded checkpoints in the bucket at the namespace's gateway: each
+    process writes its shards, the chief commits. Both are killed by SIGKILL after step
+    13; the restart resumes from the newest committed checkpoint and ends within 1e-5 of
+    the uninterrupted 1-device run."""
+    env = {
+        **s3_bucket.env,
+        "AWS_ENDPOINT_URL": namespace_endpoint(s3_bucket.env["AWS_ENDPOINT_URL"]),
+    }
+    proc = launch_cli(
+        "-n", "2", "--max-restarts", "1", str(SCRIPTS / "ckpt_job.py"), "--dir",
+        s3_bucket.url("run"), *JOB, *SHARDED, "--per-replica-batch", "2",
+        "--sigkill-at-step", "13", timeout=420, TMPDIR=str(tmp_path), KERAS_BACKEND="jax", **env,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    for worker in ("w0", "w1"):
+        (resumed,) = worker_results(proc, worker)
+        assert resumed["restored"]["path"] in ("ckpt-1-10.orbax", "ckpt-1-5.orbax"), resumed
+        assert resumed["iterations"] == 32 and resumed["replicas"] == 2
+        equivalence.assert_close(sharded_reference["weights"], resumed["weights"], 1e-5, worker)
+    assert sharded_names(s3_bucket, "run") == SHARDED_KEPT
