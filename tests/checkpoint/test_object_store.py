@@ -4,6 +4,9 @@ The preemptible-VM job: ``s3://`` checkpoint directories and save paths, the end
 credentials given to the job in its environment (``AWS_ENDPOINT_URL``, read by botocore
 whenever s3fs makes a client, so a user's script needs no change), jobs killed with
 SIGKILL and started again (tests/scripts/ckpt_job.py, forked warm: tests/warm_start.py).
+Also: sharded Orbax checkpoints (JAX) in the bucket, committed by Orbax's
+``commit_success.txt``, and both backends' jobs as 2 workers under the default
+``tfdist launch`` (a private network namespace reaching the server at its gateway).
 
 What makes an upload that was cut invisible, on S3: tfdist never writes a checkpoint's
 final name but by a server-side copy from a staging object that was uploaded whole, and
@@ -19,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import urllib.parse
@@ -30,18 +35,29 @@ import pytest
 from tfdist.checkpoint import names
 from tfdist.core import atomic, storage
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python, warm_start
+from conftest import (
+    REPO,
+    SCRIPTS,
+    child_env,
+    equivalence,
+    last_json_line,
+    launch_cli,
+    run_python,
+    warm_start,
+)
 
 # 64 examples, 4 per batch: 16 steps an epoch, 3 epochs; a checkpoint every 5 steps and at
 # each epoch end, the newest 3 kept.
 JOB = ("--save-freq", "5", "--epochs", "3")
 
 
-def run_job(bucket, directory, *extra, backend="tensorflow", timeout=300):
+def run_job(bucket, directory, *extra, backend="tensorflow", timeout=300, **env):
     """tests/scripts/ckpt_job.py on ``s3://bucket/directory``, forked warm."""
     argv = [str(SCRIPTS / "ckpt_job.py"), "--dir", bucket.url(directory), *JOB, *extra]
-    env, base = child_env(KERAS_BACKEND=backend, **bucket.env), child_env(KERAS_BACKEND=backend)
-    return warm_start.run(argv, env=env, base_env=base, cwd=REPO, timeout=timeout)
+    base = child_env(KERAS_BACKEND=backend, **env)
+    return warm_start.run(
+        argv, env={**base, **bucket.env}, base_env=base, cwd=REPO, timeout=timeout
+    )
 
 
 def finished(proc) -> dict:
@@ -202,6 +218,150 @@ def test_a_damaged_newest_object_falls_back_to_the_previous_one(s3_bucket, refer
     assert "ckpt-1-10.keras.corrupt" in s3_bucket.names("run")
 
 
+# ------------------------------------------------------------------ under tfdist launch
+
+
+def namespace_endpoint(endpoint: str) -> str:
+    """``endpoint`` (on this host's 127.0.0.1) as workers in ``tfdist launch``'s private
+    network reach it: at the namespace's default gateway, which the user-mode stack maps
+    to this host's loopback. pasta (preferred) copies this host's default gateway into
+    the namespace (``--config-net``); slirp4netns's gateway is 10.0.2.2."""
+    if shutil.which("pasta"):
+        with open("/proc/net/route") as routes:
+            rows = [line.split() for line in routes.readlines()[1:]]
+        gateway = next(socket.inet_ntoa(struct.pack("<L", int(r[2], 16))) for r in rows
+                       if r[1] == "00000000")  # fmt: skip
+    else:
+        gateway = "10.0.2.2"
+    return endpoint.replace("127.0.0.1", gateway)
+
+
+def worker_results(proc, worker: str) -> list[dict]:
+    """The JSON results ``worker`` printed under tfdist launch, one per attempt."""
+    prefix = f"[{worker}] {{"
+    return [json.loads(line[len(prefix) - 1 :]) for line in proc.stdout.splitlines()
+            if line.startswith(prefix) and '"weights"' in line]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_two_private_workers_checkpoint_to_s3_through_the_stack_and_resume_after_kill_9(
+    s3_bucket, tmp_path
+):
+    """The default ``tfdist launch -n 2`` (a private network namespace, egress through
+    pasta or slirp4netns), 2 TensorFlow workers (global batch 4, as the reference's)
+    checkpointing archives to the bucket at the endpoint rewritten to the namespace's
+    gateway. Both are killed by SIGKILL after step 13; the launcher's restart resumes
+    from step 10 in the bucket and ends within 1e-5 of an uninterrupted run on 2 logical
+    devices in one process."""
+    two = ("--per-replica-batch", "2")
+    expected = finished(run_job(s3_bucket, "reference", *two, TFDIST_CPU_DEVICES="2"))
+    assert expected["replicas"] == 2
+    env = {
+        **s3_bucket.env,
+        "AWS_ENDPOINT_URL": namespace_endpoint(s3_bucket.env["AWS_ENDPOINT_URL"]),
+    }
+    proc = launch_cli(
+        "-n", "2", "--max-restarts", "1", str(SCRIPTS / "ckpt_job.py"), "--dir",
+        s3_bucket.url("run"), *JOB, *two, "--sigkill-at-step", "13",
+        timeout=420, TMPDIR=str(tmp_path), **env,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    assert re.search(r"outbound connections go out through (pasta|slirp4netns)", output), output[
+        -3000:
+    ]
+    for worker in ("w0", "w1"):
+        (resumed,) = worker_results(proc, worker)  # the killed attempt printed none
+        assert resumed["restored"] == {
+            "path": "ckpt-1-10.keras",
+            "epoch": 0,
+            "batch": 10,
+            "step": 10,
+        }
+        assert resumed["iterations"] == 48 and resumed["replicas"] == 2
+        equivalence.assert_close(expected["weights"], resumed["weights"], 1e-5, worker)
+    assert s3_bucket.names("run") == ["ckpt-3-13.keras", "ckpt-3-8.keras", "ckpt-3.keras"]
+
+
+# ------------------------------------------------------------------ sharded (Orbax, JAX)
+
+
+def sharded_names(bucket, directory: str) -> dict[str, bool]:
+    """The ``.orbax`` directories under ``directory``: committed (``commit_success.txt``
+    inside, Orbax's marker written last) or not."""
+    return {
+        name: "commit_success.txt" in bucket.names(f"{directory}/{name}")
+        for name in bucket.names(directory)
+        if ".orbax" in name
+    }
+
+
+def _copy_tree(bucket, source: str, target: str, skip=()) -> None:
+    """Copies the objects under ``source`` to ``target`` (both under the bucket), but
+    those named in ``skip``, and garbles the array data files when ``skip`` says "data"."""
+    fs = bucket.fs
+    for path in fs.find(f"{bucket.name}/{source}"):
+        inner = path[len(f"{bucket.name}/{source}/") :]
+        if inner.rsplit("/", 1)[-1] in skip:
+            continue
+        data = fs.cat(path)
+        if "data" in skip and "/d/" in f"/{inner}":
+            data = os.urandom(len(data))
+        fs.pipe(f"{bucket.name}/{target}/{inner}", data)
+
+
+SHARDED = ("--sharded", "--epochs", "2")
+SHARDED_KEPT = dict.fromkeys(["ckpt-2-14.orbax", "ckpt-2-9.orbax", "ckpt-2.orbax"], True)
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(s3_server):
+    """The job on JAX on 1 device with sharded checkpoints, never interrupted, in a
+    bucket of its own: 2 epochs of 16 steps, 3 committed checkpoints kept."""
+    bucket = s3_server.create_bucket("sharded-reference")
+    result = finished(run_job(bucket, "run", *SHARDED, backend="jax"))
+    assert result["iterations"] == 32 and sharded_names(bucket, "run") == SHARDED_KEPT
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(
+    s3_bucket, sharded_reference
+):
+    """``checkpoint("s3://...", sharded=True)``: Orbax writes each checkpoint in place and
+    commits it with ``commit_success.txt``, written last. A job on 2 devices (global batch
+    4) is killed by SIGKILL after step 13. Beside what it left, a write that never
+    committed (every object of a checkpoint but the marker, under a newer name) and a
+    committed newer checkpoint whose array data is garbage. The restart on 1 device
+    (same global batch: Orbax reshards the 2-device arrays onto it) skips the first and
+    removes it, sets the second aside as ``*.corrupt``, resumes from the newest good
+    checkpoint and ends within 1e-5 of a run on 1 device never interrupted."""
+    sharded, expected = SHARDED, sharded_reference
+    two = ("--per-replica-batch", "2")
+    killed(
+        run_job(s3_bucket, "run", *sharded, *two, "--sigkill-at-step", "13", backend="jax",
+                TFDIST_CPU_DEVICES="2")
+    )  # fmt: skip
+    left = sharded_names(s3_bucket, "run")
+    # Step 10's checkpoint if its background write ended before the kill, else step 5's.
+    newest = "ckpt-1-10.orbax" if left.get("ckpt-1-10.orbax") else "ckpt-1-5.orbax"
+    assert left.get(newest), left
+    _copy_tree(s3_bucket, f"run/{newest}", "run/ckpt-1-14.orbax", skip=("commit_success.txt",))
+    _copy_tree(s3_bucket, f"run/{newest}", "run/ckpt-1-12.orbax", skip=("data",))
+
+    proc = run_job(s3_bucket, "run", *sharded, backend="jax")
+    result = finished(proc)
+    assert result["restored"]["path"] == newest, result["restored"]
+    assert "ckpt-1-12.orbax" in proc.stderr and "ckpt-1-14.orbax" in proc.stderr
+    assert result["iterations"] == 32 and result["replicas"] == 1
+    equivalence.assert_close(expected["weights"], result["weights"], 1e-5, "resharded")
+    left = sharded_names(s3_bucket, "run")
+    assert left == {"ckpt-1-12.orbax.corrupt": True, **SHARDED_KEPT}, left
+
+
 PAGE = REPO / "docs" / "checkpoints.md"
 RECIPE = "test_the_bucket_recipe_on_this_page_trains_saves_and_resumes"
 # What the page's script needs that its prose defines, and what it reports at the end.
@@ -256,3 +416,33 @@ def test_the_bucket_recipe_on_this_page_trains_saves_and_resumes(s3_bucket, tmp_
     assert results == [{"initial_epoch": 0, "steps": 24}, {"initial_epoch": 3, "steps": 24}]
     left = s3_bucket.names("")
     assert "model.keras" in left and "ckpt-3.keras" in s3_bucket.names("run"), left
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.multiworker
+def test_two_jax_processes_write_sharded_checkpoints_to_s3_and_resume_after_kill_9(
+    s3_bucket, sharded_reference, tmp_path
+):
+    """The default ``tfdist launch -n 2`` with KERAS_BACKEND=jax (2 processes x 1 device,
+    global batch 4), sharded checkpoints in the bucket at the namespace's gateway: each
+    process writes its shards, the chief commits. Both are killed by SIGKILL after step
+    13; the restart resumes from the newest committed checkpoint and ends within 1e-5 of
+    the uninterrupted 1-device run."""
+    env = {
+        **s3_bucket.env,
+        "AWS_ENDPOINT_URL": namespace_endpoint(s3_bucket.env["AWS_ENDPOINT_URL"]),
+    }
+    proc = launch_cli(
+        "-n", "2", "--max-restarts", "1", str(SCRIPTS / "ckpt_job.py"), "--dir",
+        s3_bucket.url("run"), *JOB, *SHARDED, "--per-replica-batch", "2",
+        "--sigkill-at-step", "13", timeout=420, TMPDIR=str(tmp_path), KERAS_BACKEND="jax", **env,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-5000:]
+    for worker in ("w0", "w1"):
+        (resumed,) = worker_results(proc, worker)
+        assert resumed["restored"]["path"] in ("ckpt-1-10.orbax", "ckpt-1-5.orbax"), resumed
+        assert resumed["iterations"] == 32 and resumed["replicas"] == 2
+        equivalence.assert_close(sharded_reference["weights"], resumed["weights"], 1e-5, worker)
+    assert sharded_names(s3_bucket, "run") == SHARDED_KEPT

@@ -162,8 +162,8 @@ def test_sharded_is_refused_on_tensorflow_with_urls_and_without_orbax(monkeypatc
         tfdist.callbacks.standard(tmp_path, sharded=True)  # passed on to checkpoint
     with pytest.raises(TypeError, match="sharded"):
         tfdist.callbacks.checkpoint(tmp_path, sharded="yes")
-    with pytest.raises(ValueError, match=r"local \(or mounted\).*gs://b/run"):
-        sharded.check_sharded_target("gs://b/run", "here")
+    with pytest.raises(ValueError, match=r"local \(or mounted\).*s3:// or gs://.*hdfs://b/run"):
+        sharded.check_sharded_target("hdfs://b/run", "here")
     monkeypatch.setattr(tensorflow, "saves_sharded", lambda: True)  # past the backend check
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
     with pytest.raises(ImportError, match=r"pip install 'tfdist\[jax\]'"):

@@ -297,7 +297,7 @@ def _newest(
 def _candidates(directory: str, with_sharded: bool = True) -> list[tuple]:
     """``(position, path, sharded)`` of every restore candidate, oldest first."""
     found = [(position, path, False) for position, path in checkpoint_entries(directory)]
-    if storage.is_url(directory) or not with_sharded:
+    if not with_sharded:
         return found
     sharded = sharded_entries(directory)
     if sharded and not backends.get().saves_sharded():

@@ -6,10 +6,14 @@
 weights and the optimizer's variables are saved as they lie on the devices (an
 ``orbax.checkpoint`` PyTree: every process writes the shards it holds, nothing is
 gathered to one process), and the write runs in a background thread after the arrays
-are copied to host memory, so training goes on while the files are written. Orbax writes
-into ``<name>.orbax-checkpoint-tmp`` and renames it when every process has finished, so a
-directory with a checkpoint's name is a complete checkpoint; a killed job leaves only a
-temporary directory, removed by the chief at the next start.
+are copied to host memory, so training goes on while the files are written. On disk,
+Orbax writes into ``<name>.orbax-checkpoint-tmp`` and renames it when every process has
+finished, so a directory with a checkpoint's name is a complete checkpoint; a killed job
+leaves only a temporary directory, removed by the chief at the next start. In a bucket
+(``s3://``, ``gs://``: ``tfdist.checkpoint.remote_orbax``), where a rename copies every
+object, Orbax writes under the final name and writes ``commit_success.txt`` last: only a
+directory holding it is a checkpoint; one without it is a killed job's write, removed by
+the chief at the next start.
 
 ``make_or_restore`` (and ``Checkpointer.restore``) reads these directories as it reads
 archives (newest first, a damaged one skipped and renamed ``*.corrupt``, every worker
@@ -34,10 +38,13 @@ import logging
 import os
 import shutil
 import sys
+from typing import Any
 
 from tfdist import backends
+from tfdist.checkpoint import remote_orbax
 from tfdist.checkpoint.archive import CorruptCheckpoint
 from tfdist.checkpoint.names import checkpoint_name, parse_checkpoint_name
+from tfdist.core import storage
 from tfdist.core.position import Position
 
 __all__ = [
@@ -58,6 +65,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".orbax"
+_BUCKETS = ("s3://", "gs://")  # the URLs Orbax (tensorstore) writes to
 FORMAT_VERSION = "tfdist-sharded/1"
 # Orbax's name for a checkpoint being written (renamed to the final name once finished).
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
@@ -88,38 +96,48 @@ def parse_sharded_name(name: str) -> Position | None:
     return parse_checkpoint_name(name.removesuffix(SUFFIX) + ".keras")
 
 
-def _names(checkpoint_dir: str) -> list[str]:
-    try:
-        return os.listdir(checkpoint_dir)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+def _named(checkpoint_dir: str) -> list[tuple[Position, str, bool]]:
+    """``(position, path, committed)`` of every entry with a sharded checkpoint's name.
+
+    On disk the name is the commit (Orbax renames a finished write onto it); in a bucket
+    it is Orbax's ``commit_success.txt`` inside, written last.
+    """
+    found = []
+    for name in storage.listdir(checkpoint_dir):
+        position = parse_sharded_name(name)
+        if position is not None:
+            path = storage.join(checkpoint_dir, name)
+            committed = not storage.is_url(path) or storage.exists(
+                storage.join(path, remote_orbax.COMMIT_MARKER)
+            )
+            found.append((position, path, committed))
+    return found
 
 
 def sharded_entries(checkpoint_dir: str) -> list[tuple[Position, str]]:
-    """Finished sharded checkpoints (and anything else with their name), oldest first.
+    """Finished sharded checkpoints (and anything else with their name on disk), oldest
+    first. In a bucket only committed ones (``commit_success.txt`` inside).
 
     Example:
         >>> sharded_entries("/no/such/dir")
         []
     """
-    found = []
-    for name in _names(checkpoint_dir):
-        position = parse_sharded_name(name)
-        if position is not None:
-            found.append((position, os.path.join(checkpoint_dir, name)))
-    return sorted(found)
+    return sorted((position, path) for position, path, done in _named(checkpoint_dir) if done)
 
 
 def stale_writes(checkpoint_dir: str) -> list[str]:
-    """Orbax's temporary directories: writes that never finished (a killed job's).
+    """Writes that never finished (a killed job's): Orbax's temporary directories on
+    disk, checkpoint directories without ``commit_success.txt`` in a bucket.
 
     Example:
         >>> stale_writes("/no/such/dir")
         []
     """
+    if storage.is_url(checkpoint_dir):
+        return sorted(path for _, path, done in _named(checkpoint_dir) if not done)
     return sorted(
         os.path.join(checkpoint_dir, name)
-        for name in _names(checkpoint_dir)
+        for name in storage.listdir(checkpoint_dir)
         if _ORBAX_TMP in name and name.startswith("ckpt-")
     )
 
@@ -152,20 +170,22 @@ def prune_sharded(checkpoint_dir: str, max_to_keep: int | None) -> None:
 
 
 def check_sharded_target(checkpoint_dir: str, where: str) -> None:
-    """Sharded checkpoints need the JAX backend, ``orbax-checkpoint`` and a local path.
+    """Sharded checkpoints need the JAX backend and ``orbax-checkpoint``; a directory
+    may be local or an ``s3://`` / ``gs://`` URL.
 
     Raises:
-        ValueError: another Keras backend, or ``checkpoint_dir`` is a URL.
+        ValueError: another Keras backend, or a URL of another scheme.
         ImportError: ``orbax-checkpoint`` is not installed.
 
     Example:
         >>> check_sharded_target("ckpt/", "tfdist.callbacks.checkpoint")  # doctest: +SKIP
     """
-    if "://" in checkpoint_dir:
+    if storage.is_url(checkpoint_dir) and not checkpoint_dir.lower().startswith(_BUCKETS):
         raise ValueError(
-            f"{where}: sharded checkpoints need a local (or mounted) directory. Received: "
-            f"checkpoint_dir={checkpoint_dir!r}. Mount the bucket (gcsfuse, s3fs-fuse) and "
-            "pass its path, or use sharded=False (archives go through fsspec URLs)."
+            f"{where}: sharded checkpoints go to a local (or mounted) directory or an "
+            f"s3:// or gs:// URL (Orbax writes there through tensorstore). Received: "
+            f"checkpoint_dir={checkpoint_dir!r}. Use one of those, or sharded=False "
+            "(archives go through any fsspec URL)."
         )
     if not backends.get().saves_sharded():
         raise ValueError(
@@ -229,13 +249,26 @@ class ShardedWriter:
     """
 
     def __init__(self):
-        ocp = _orbax()
-        self._ocp = ocp
-        self._checkpointer = ocp.AsyncCheckpointer(
-            ocp.CompositeCheckpointHandler(
-                state=_state_handler(ocp), meta=ocp.JsonCheckpointHandler()
+        self._ocp = _orbax()
+        # One Orbax checkpointer per kind of target: renamed on disk, committed by a
+        # marker in a bucket (made at the first save there).
+        self._checkpointers: dict[bool, Any] = {}
+        self._checkpointer = self._for(False)
+
+    def _for(self, in_bucket: bool):
+        if in_bucket not in self._checkpointers:
+            ocp = self._ocp
+            atomicity = remote_orbax.atomicity_options() if in_bucket else None
+            options = ocp.CompositeOptions(atomicity_options=atomicity)
+            handler = ocp.CompositeCheckpointHandler(
+                state=_state_handler(ocp),
+                meta=ocp.JsonCheckpointHandler(),
+                composite_options=options,
             )
-        )
+            self._checkpointers[in_bucket] = ocp.AsyncCheckpointer(
+                handler, atomicity_options=atomicity
+            )
+        return self._checkpointers[in_bucket]
 
     def save(self, variables: list, path: str, meta: dict, values: list | None = None) -> None:
         """Starts writing ``variables`` (``saved_variables``) to ``path``; ``values``: the
@@ -245,7 +278,7 @@ class ShardedWriter:
         over the processes' devices (Orbax refuses a process-local one).
         """
         ocp = self._ocp
-        self._checkpointer.wait_until_finished()
+        self.wait()
         values = [v.value for v in variables] if values is None else list(values)
         if len(values) != len(variables):
             raise ValueError(
@@ -254,6 +287,7 @@ class ShardedWriter:
             )
         state = {"variables": values}
         meta = dict(meta, format=FORMAT_VERSION, variables=variable_table(variables))
+        self._checkpointer = self._for(remote_orbax.prepare(path))
         self._checkpointer.save(
             path,
             args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
@@ -262,7 +296,8 @@ class ShardedWriter:
         lower_writer_priority()  # the pool's threads exist now (started by the first save)
 
     def wait(self) -> None:
-        self._checkpointer.wait_until_finished()
+        for checkpointer in self._checkpointers.values():
+            checkpointer.wait_until_finished()
         # The pool may have grown during the write: its new threads are lowered too.
         lower_writer_priority()
 
@@ -335,7 +370,10 @@ def read_sharded(path: str, variables: list, where: str = "make_or_restore") -> 
     ocp = _orbax()
     import jax
 
-    if os.path.islink(path) or not os.path.isdir(path):
+    if remote_orbax.prepare(path):
+        if not storage.isdir(path):
+            raise CorruptCheckpoint("not a directory")
+    elif os.path.islink(path) or not os.path.isdir(path):
         raise CorruptCheckpoint("not a directory")
     checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
     try:
@@ -451,7 +489,10 @@ def _does_not_fit(path: str, saved: list, expected: list, where: str) -> str:
 
 def remove_tree(path: str) -> None:
     """Removes a sharded checkpoint (or a stale write); gone already is fine."""
-    shutil.rmtree(path, ignore_errors=True)
+    if storage.is_url(path):
+        storage.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ += ["assign_sharded", "remove_tree", "reads_finish_before_their_loop_closes"]

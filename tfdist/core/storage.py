@@ -119,7 +119,11 @@ def dirname(path: str) -> str:
 
 
 def _fs(url: str):
-    """fsspec's filesystem for ``url`` and the path inside it; a clear error when missing."""
+    """fsspec's filesystem for ``url`` and the path inside it; a clear error when missing.
+
+    Its cached listings of ``url`` and the folders above are dropped: other processes
+    (other workers, tensorstore's writers) change the store behind the cache's back.
+    """
     try:
         import fsspec
     except ImportError:
@@ -128,7 +132,7 @@ def _fs(url: str):
             "`pip install fsspec` (plus gcsfs for gs://, s3fs for s3://)."
         ) from None
     try:
-        return fsspec.core.url_to_fs(url)
+        fs, inner = fsspec.core.url_to_fs(url)
     except (ImportError, ValueError) as err:
         scheme = url.split("://", 1)[0]
         raise ImportError(
@@ -136,6 +140,8 @@ def _fs(url: str):
             f"path={url!r}. Install the filesystem package for it (gcsfs for gs://, s3fs "
             "for s3://), or use a local path."
         ) from None
+    fs.invalidate_cache(inner)
+    return fs, inner
 
 
 def listdir(directory: str) -> list[str]:
