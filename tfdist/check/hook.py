@@ -54,6 +54,12 @@ __all__ = [
     "active",
     "start",
     "on_keras_import",
+    "all_layers",
+    "model_facts",
+    "progress",
+    "values",
+    "wait_for_peers",
+    "write_result",
 ]
 
 DIR_ENV = "TFDIST_CHECK_DIR"
@@ -90,7 +96,7 @@ def _path(suffix: str) -> Path:
     return Path(os.environ[DIR_ENV]) / f"rank-{_rank()}.{suffix}"
 
 
-def _progress(state: str, **facts) -> None:
+def progress(state: str, **facts) -> None:
     """Overwrites this process's progress file (read by the check when it times out)."""
     _path("progress").write_text(json.dumps({"state": state, "pid": os.getpid(), **facts}))
 
@@ -99,7 +105,7 @@ def start() -> None:
     """Called by ``tfdist.startup.install``: progress, and the stack dump before the timeout."""
     if not active():
         return
-    _progress("started")
+    progress("started")
     after = float(os.environ.get(STACK_AFTER_ENV, "0") or 0)
     if after > 0:
         # A bare descriptor, open for the life of the process: faulthandler writes to it
@@ -125,6 +131,10 @@ def on_keras_import(keras) -> None:
     reason = fix_registry.apply_fix(record)
     if reason is not None:
         raise RuntimeError(f"tfdist check cannot hook keras.Model.fit: {reason}")
+    if keras.backend.backend() == "tensorflow":
+        from tfdist.check import loop
+
+        loop.install()
 
 
 def _wrap_fit(original):
@@ -133,43 +143,48 @@ def _wrap_fit(original):
         steps = int(os.environ.get(STEPS_ENV, "20"))
         recorder = _recorder_class()(steps)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), recorder]
-        batchnorm = _batchnorm_layers(self)
-        if os.environ.get(SYNC_BN_ENV) == "1":
-            for layer in batchnorm:
-                layer.synchronized = True  # read when fit traces its step, just below
-        drawing = _random_layers(self)
-        inert = (
-            [_make_inert(layer) for layer in drawing]
-            if os.environ.get(INERT_RANDOM_ENV) == "1"
-            else []
-        )
+        facts = model_facts([self])  # read when fit traces its step, just below
         rebatched = {}
         if os.environ.get(GLOBAL_BATCH_ENV):
             args, kwargs, rebatched = _at_global_batch(
                 args, kwargs, int(os.environ[GLOBAL_BATCH_ENV])
             )
-        facts = {
-            **rebatched,
-            "batchnorm": [layer.name for layer in batchnorm],
-            "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
-            "random": [layer.name for layer in drawing],
-            "inert": [layer.name for layer, made in zip(drawing, inert, strict=False) if made],
-            **_input_facts(args, kwargs),
-        }
-        _progress("fit", step=0)
+        facts = {**rebatched, **facts, **_input_facts(args, kwargs)}
+        progress("fit", step=0)
         try:
             original(self, *args, **kwargs)
         except BaseException as err:
             _write_failure(err)
             raise
-        _write_result(self, recorder, facts)
-        _wait_for_peers()
+        facts.update(steps_per_epoch=recorder.steps_per_epoch, history=recorder.history)
+        final = _weights(self)
+        write_result(final, recorder.initial, recorder.first or final, facts, recorder.done)
+        wait_for_peers()
         os._exit(0)
 
     return fit
 
 
-def _all_layers(model) -> list:
+def model_facts(models: list) -> dict:
+    """The models' BatchNormalization and random layers, after the re-run's switches
+    (``TFDIST_CHECK_SYNC_BN``, ``TFDIST_CHECK_INERT_RANDOM``) are applied to them: they
+    take effect when the training step is traced, after this call."""
+    batchnorm = [layer for model in models for layer in _batchnorm_layers(model)]
+    if os.environ.get(SYNC_BN_ENV) == "1":
+        for layer in batchnorm:
+            layer.synchronized = True
+    drawing = [layer for model in models for layer in _random_layers(model)]
+    inert = os.environ.get(INERT_RANDOM_ENV) == "1"
+    made = [_make_inert(layer) for layer in drawing] if inert else []
+    return {
+        "batchnorm": [layer.name for layer in batchnorm],
+        "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
+        "random": [layer.name for layer in drawing],
+        "inert": [layer.name for layer, done in zip(drawing, made, strict=False) if done],
+    }
+
+
+def all_layers(model) -> list:
     """The model's layers, through the public ``layers`` of nested models."""
     found, todo = [], list(getattr(model, "layers", ()))
     while todo:
@@ -183,7 +198,7 @@ def _batchnorm_layers(model) -> list:
     """The model's BatchNormalization layers."""
     import keras
 
-    return [x for x in _all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
+    return [x for x in all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
 
 
 def _random_layers(model) -> list:
@@ -195,7 +210,7 @@ def _random_layers(model) -> list:
     def draws(layer) -> bool:
         return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
 
-    return [layer for layer in _all_layers(model) if draws(layer)]
+    return [layer for layer in all_layers(model) if draws(layer)]
 
 
 def _make_inert(layer) -> bool:
@@ -356,6 +371,7 @@ def _recorder_class():
             self.steps, self.done = steps, 0
             self.history: dict[str, list[float]] = {}
             self.initial: dict[str, np.ndarray] | None = None
+            self.first: dict[str, np.ndarray] | None = None  # after the first step
             self.steps_per_epoch: int | None = None
 
         def on_train_batch_begin(self, batch, logs=None):
@@ -363,12 +379,14 @@ def _recorder_class():
                 self.initial = _weights(self.model)
                 # Steps per epoch: a global batch that grows with the replicas shows here.
                 self.steps_per_epoch = self.params.get("steps")
+            elif self.first is None:
+                self.first = _weights(self.model)
 
         def on_train_batch_end(self, batch, logs=None):
             self.done += 1
             for key, value in (logs or {}).items():
                 self.history.setdefault(key, []).append(float(np.asarray(value)))
-            _progress("fit", step=self.done)
+            progress("fit", step=self.done)
             if self.done >= self.steps:
                 self.model.stop_training = True
 
@@ -387,11 +405,16 @@ def _recorder_class():
 
 
 def _weights(model) -> dict:
+    """``{variable path: numpy array}`` of the model's weights."""
+    return values(model.weights)
+
+
+def values(variables) -> dict:
     """``{variable path: numpy array}``; a repeated path gets ``#2``, ``#3``..."""
     import keras
 
     out: dict = {}
-    for variable in model.weights:
+    for variable in variables:
         key = variable.path
         n = 1
         while key in out:
@@ -401,27 +424,23 @@ def _weights(model) -> dict:
     return out
 
 
-def _write_result(model, recorder, facts: dict) -> None:
+def write_result(final: dict, initial: dict | None, first: dict, facts: dict, steps: int) -> None:
+    """This process's result: the weights after the steps, before the first and after
+    it (``rank-R.npz``), and the facts with ``steps`` (``rank-R.json``)."""
     import numpy as np
 
-    arrays = {f"final/{k}": v for k, v in _weights(model).items()}
-    arrays.update({f"initial/{k}": v for k, v in (recorder.initial or {}).items()})
+    arrays = {f"final/{k}": v for k, v in final.items()}
+    arrays.update({f"initial/{k}": v for k, v in (initial or {}).items()})
+    arrays.update({f"first/{k}": v for k, v in first.items()})
     tmp = _path("tmp.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, _path("npz"))
-    facts = {
-        **facts,
-        "steps": recorder.done,
-        "steps_per_epoch": recorder.steps_per_epoch,
-        "history": recorder.history,
-        "world": _world(),
-    }
-    _atomic_text(_path("json"), json.dumps(facts))
-    _progress("done", step=recorder.done)
+    _atomic_text(_path("json"), json.dumps({**facts, "steps": steps, "world": _world()}))
+    progress("done", step=steps)
 
 
 def _write_failure(err: BaseException) -> None:
-    _progress("failed", error=f"{type(err).__name__}: {err}"[:500])
+    progress("failed", error=f"{type(err).__name__}: {err}"[:500])
 
 
 def _atomic_text(path: Path, text: str) -> None:
@@ -430,7 +449,7 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for_peers() -> None:
+def wait_for_peers() -> None:
     """Until every process of the job wrote its result: all left their collectives."""
     world = _world()
     folder = Path(os.environ[DIR_ENV])
