@@ -169,11 +169,12 @@ def model_facts(models: list) -> dict:
     """The models' BatchNormalization and random layers, after the re-run's switches
     (``TFDIST_CHECK_SYNC_BN``, ``TFDIST_CHECK_INERT_RANDOM``) are applied to them: they
     take effect when the training step is traced, after this call."""
-    batchnorm = [layer for model in models for layer in _batchnorm_layers(model)]
+    # Each layer once (a Sequential and the functional model it holds share theirs).
+    batchnorm = list({id(x): x for m in models for x in _batchnorm_layers(m)}.values())
     if os.environ.get(SYNC_BN_ENV) == "1":
         for layer in batchnorm:
             layer.synchronized = True
-    drawing = [layer for model in models for layer in _random_layers(model)]
+    drawing = list({id(x): x for m in models for x in _random_layers(m)}.values())
     inert = os.environ.get(INERT_RANDOM_ENV) == "1"
     made = [_make_inert(layer) for layer in drawing] if inert else []
     return {

@@ -153,7 +153,7 @@ def _drew(source: int) -> None:
     if _LOOP.drawn == 1:
         models = _models()
         _LOOP.facts = hook.model_facts([layer for m in models for layer in hook.all_layers(m)])
-        _LOOP.initial = hook.values(v for m in models for v in m.weights)
+        _LOOP.initial = hook.values(_unique(v for m in models for v in m.weights))
     elif _LOOP.drawn == 2:
         _LOOP.first = _snapshot()
     if _LOOP.drawn > steps:
@@ -186,7 +186,15 @@ def _snapshot() -> dict:
     """Every model's weights, then every optimizer's variables (their steps, slots)."""
     optimizers = sorted(_instances("Optimizer"), key=lambda o: o.name)
     variables = [v for m in _models() for v in m.weights]
-    return hook.values([*variables, *(v for o in optimizers for v in o.variables)])
+    return hook.values(_unique([*variables, *(v for o in optimizers for v in o.variables)]))
+
+
+def _unique(variables) -> list:
+    """Each variable once (a ``Sequential`` holds a functional model of the same ones)."""
+    seen: dict = {}
+    for variable in variables:
+        seen.setdefault(id(variable), variable)
+    return list(seen.values())
 
 
 def _finish(steps: int) -> None:
