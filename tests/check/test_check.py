@@ -19,6 +19,7 @@ import pytest
 import tfdist.check as check_module
 from tfdist import cli
 from tfdist.check import causes, compare, hook, report, runner, topology, verdict
+from tfdist.check import model as check_model
 
 from conftest import child_env, warm_start
 
@@ -331,11 +332,11 @@ def test_random_layers_are_found_in_nested_models_and_made_inert_in_training():
 
     inner = keras.Sequential([keras.layers.Dense(4), keras.layers.GaussianNoise(1.0)])
     model = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dropout(0.5)])
-    found = hook._random_layers(model)
+    found = check_model._random_layers(model)
     assert sorted(type(layer).__name__ for layer in found) == ["Dropout", "GaussianNoise"]
     x = np.ones((8, 4), "float32")
     assert not np.allclose(model(x, training=True), model(x, training=False))
-    assert all(hook._make_inert(layer) for layer in found)
+    assert all(check_model._make_inert(layer) for layer in found)
     np.testing.assert_array_equal(model(x, training=True), model(x, training=False))
 
 

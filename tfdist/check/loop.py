@@ -37,7 +37,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from tfdist.check import hook
+from tfdist.check import model
 
 __all__ = ["install"]
 
@@ -149,18 +149,18 @@ def _drew(source: int) -> None:
     if source != _LOOP.source:
         return  # another dataset (a test set): not a training step
     _LOOP.drawn += 1
-    steps = int(os.environ.get(hook.STEPS_ENV, "20"))
+    steps = int(os.environ.get(model.STEPS_ENV, "20"))
     if _LOOP.drawn == 1:
         models = _models()
-        _LOOP.facts = hook.model_facts([layer for m in models for layer in hook.all_layers(m)])
-        _LOOP.initial = hook.values(_unique(v for m in models for v in m.weights))
+        _LOOP.facts = model.model_facts(models)
+        _LOOP.initial = model.values(_unique(v for m in models for v in m.weights))
     elif _LOOP.drawn == 2:
         _LOOP.first = _snapshot()
     if _LOOP.drawn > steps:
         _finish(steps)
-        hook.wait_for_peers()
+        model.wait_for_peers()
         os._exit(0)
-    hook.progress("loop", step=_LOOP.drawn - 1)
+    model.progress("loop", step=_LOOP.drawn - 1)
 
 
 def _models() -> list:
@@ -178,7 +178,7 @@ def _instances(kind: str) -> list:
 
 
 def _outermost(models: list) -> list:
-    inner = {id(layer) for model in models for layer in hook.all_layers(model)}
+    inner = {id(layer) for m in models for layer in model.all_layers(m)}
     return sorted((m for m in models if id(m) not in inner), key=lambda m: m.name)
 
 
@@ -186,7 +186,7 @@ def _snapshot() -> dict:
     """Every model's weights, then every optimizer's variables (their steps, slots)."""
     optimizers = sorted(_instances("Optimizer"), key=lambda o: o.name)
     variables = [v for m in _models() for v in m.weights]
-    return hook.values(_unique([*variables, *(v for o in optimizers for v in o.variables)]))
+    return model.values(_unique([*variables, *(v for o in optimizers for v in o.variables)]))
 
 
 def _unique(variables) -> list:
@@ -208,7 +208,7 @@ def _finish(steps: int) -> None:
         "steps_per_epoch": None,
         "history": {},
     }
-    hook.write_result(final, _LOOP.initial, first, facts, steps)
+    model.write_result(final, _LOOP.initial, first, facts, steps)
 
 
 def _noting_failure(excepthook):
@@ -216,7 +216,7 @@ def _noting_failure(excepthook):
 
     def noted(kind, value, traceback):
         _LOOP.failed = True
-        hook.progress("failed", error=f"{kind.__name__}: {value}"[:500])
+        model.progress("failed", error=f"{kind.__name__}: {value}"[:500])
         excepthook(kind, value, traceback)
 
     return noted
@@ -228,9 +228,9 @@ def _at_exit() -> None:
         return
     if _LOOP.drawn:
         _finish(_LOOP.drawn)
-        hook.wait_for_peers()
+        model.wait_for_peers()
     elif _LOOP.made or _LOOP.traced:
-        hook.progress(
+        model.progress(
             "no-loop",
             reason=f"it made {_LOOP.made} distributed dataset(s) but drew no batch of them "
             "in Python: its loop draws them inside a tf.function (next(iterator) in the "
