@@ -19,6 +19,7 @@ import pytest
 import tfdist.check as check_module
 from tfdist import cli
 from tfdist.check import causes, compare, hook, report, runner, topology, verdict
+from tfdist.check import model as check_model
 
 from conftest import child_env, warm_start
 
@@ -159,6 +160,33 @@ def test_another_global_batch_or_no_seed_is_named_before_anything_else():
     assert [c.cause for c in found] == ["global_batch"]
     _, found = _causes(_run("2 devices", 0.2, 0.9))
     assert [c.cause for c in found] == ["unseeded"]
+
+
+def test_a_first_update_r_times_one_devices_is_named_as_a_loss_averaged_per_replica():
+    def run(name, first, final, **facts):
+        done = _run(name, 0.0, 0.0, **facts)
+        rank = done.ranks[0]
+        rank.initial, rank.first = {"w": np.array([1.0, 1.0])}, {"w": np.array(first)}
+        rank.final = {"w": np.array(final)}
+        return done
+
+    reference = run("1 device", [0.9, 1.2], [0.5, 1.5])
+    # Twice one device's first update, along it: named, with the factor and the fix.
+    judged, found = _causes(run("2 devices", [0.8, 1.4], [0.1, 2.0]), reference=reference)
+    assert judged[1].status == "differs"
+    (cause,) = found
+    assert cause.cause == "loss_per_replica"
+    assert "2 devices (2 replicas): its first update is 2.000 times one device's" in (
+        cause.evidence
+    )
+    assert "tfdist.loops.average_loss(per_example_loss)" in cause.fix
+    # The replica count comes from the strategy the loop distributed its data with.
+    _, found = _causes(run("2 workers", [0.7, 1.6], [0.1, 2.0], replicas=3), reference=reference)
+    assert "2 workers (3 replicas): its first update is 3.000 times" in found[0].evidence
+    # Another factor, or another direction: not this cause.
+    for first in ([0.85, 1.3], [0.8, 1.5]):
+        _, found = _causes(run("2 devices", first, [0.1, 2.0]), reference=reference)
+        assert "loss_per_replica" not in [c.cause for c in found]
 
 
 def test_random_layers_are_judged_by_a_rerun_with_them_inert_against_one_device_inert():
@@ -304,11 +332,11 @@ def test_random_layers_are_found_in_nested_models_and_made_inert_in_training():
 
     inner = keras.Sequential([keras.layers.Dense(4), keras.layers.GaussianNoise(1.0)])
     model = keras.Sequential([keras.Input((4,)), inner, keras.layers.Dropout(0.5)])
-    found = hook._random_layers(model)
+    found = check_model._random_layers(model)
     assert sorted(type(layer).__name__ for layer in found) == ["Dropout", "GaussianNoise"]
     x = np.ones((8, 4), "float32")
     assert not np.allclose(model(x, training=True), model(x, training=False))
-    assert all(hook._make_inert(layer) for layer in found)
+    assert all(check_model._make_inert(layer) for layer in found)
     np.testing.assert_array_equal(model(x, training=True), model(x, training=False))
 
 
@@ -388,6 +416,37 @@ def test_a_script_without_fit_cannot_be_stopped_and_says_so(tmp_path):
     assert proc.returncode == 2, _fail(proc)
     assert "could not stop this script: on 1 device it ended" in proc.stdout
     assert "without calling keras.Model.fit" in proc.stdout
+    # A loop whose batches are drawn inside its tf.function: its steps cannot be counted.
+    proc = check_cli(str(SCRIPTS / "custom_loop.py"), "--traced", cwd=tmp_path)
+    assert proc.returncode == 2, _fail(proc)
+    assert "it made 1 distributed dataset(s) but drew no batch of them in Python" in (proc.stdout)
+
+
+@pytest.mark.slow
+def test_a_loss_averaged_per_replica_in_a_custom_loop_is_named_and_its_twin_is_equal(tmp_path):
+    script = str(SCRIPTS / "loss_per_replica.py")
+    argv = ("--steps", "8", "--topologies", "2 devices", "--json", script)
+    proc = check_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["steps"] for t in found["topologies"]] == [8, 8]
+    assert found["topologies"][1]["weight_difference"] > 1e-2
+    (cause,) = found["causes"]
+    assert cause["cause"] == "loss_per_replica"
+    assert (
+        "2 devices (2 replicas): its first update is 2.000 times one device's"
+        in (cause["evidence"])
+    )
+    # The twin, past its loop's end (2 epochs of 16 steps; the test set's batches between
+    # them are not steps): every topology equal, measured at the script's exit.
+    proc = check_cli("--steps", "40", script, "--loss", "global", cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    assert "40 steps of its loop" in proc.stdout
+    assert "reference: 32 steps (a custom loop: weights compared" in proc.stdout
+    lines = proc.stdout.splitlines()
+    assert any(line.split()[:3] == ["2", "devices", "equal"] for line in lines), proc.stdout
+    assert any(line.split()[:3] == ["2", "workers", "equal"] for line in lines), proc.stdout
+    assert "likely causes" not in proc.stdout
 
 
 @pytest.mark.slow

@@ -130,10 +130,17 @@ _VARIANT_NAMES = {
 def _why_not(reference, options: CheckOptions) -> str:
     """Why ``1 device`` gave no result: the line a person needs, and the output's end."""
     if reference.status == "no-fit":
+        why = reference.progress.get(0, {}).get("reason")
+        loops = (
+            f"its custom loop cannot be stopped: {why}"
+            if why
+            else "tfdist check measures fit, and on TensorFlow a custom loop drawing its "
+            "batches from strategy.experimental_distribute_dataset or "
+            "tfdist.loops.distribute (custom loops on JAX are not measured yet)"
+        )
         return (
             f"on 1 device it ended (exit code {reference.returncode}) without calling "
-            "keras.Model.fit: tfdist check measures fit only (a custom training loop, "
-            "tfdist.loops included, cannot be checked yet)"
+            f"keras.Model.fit or drawing a batch of a distributed dataset: {loops}"
         )
     if reference.status == "no-steps":
         return (

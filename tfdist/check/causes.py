@@ -3,6 +3,9 @@
 - ``failed``: a run that crashed, with the last lines of its output.
 - ``hang``: a run that did not finish its steps within the timeout; where each process
   waited (its stack's innermost line of the script) or how far it got.
+- ``loss_per_replica``: a topology of R replicas whose first update is R times one
+  device's (from the same initial weights): a loss averaged over each replica's own
+  batch, whose gradients the replicas then sum.
 - ``batchnorm``: unsynchronized ``BatchNormalization`` layers on TensorFlow, and a re-run
   of a differing topology with them synchronized (``TFDIST_CHECK_SYNC_BN=1``): equal
   again, or not.
@@ -61,6 +64,7 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     first = _global_batch(verdicts, reference) or _unseeded(verdicts, reference, tolerance)
     if first:  # every step differs from the start: the causes below would be guesses
         return [*causes, first]
+    causes += _loss_per_replica(verdicts, reference, tolerance)
     causes += _batchnorm(verdicts, reference, rerun, tolerance)
     causes += _random_layers(verdicts, reference, rerun, tolerance)
     causes += _partial_batch(verdicts, reference, tolerance)
@@ -151,8 +155,8 @@ def _hang(verdict: Verdict) -> Cause:
         place = run.waiting_at.get(rank)
         if place:
             where.append(f"process {rank} waiting at {place}")
-        elif state.get("state") == "fit":
-            where.append(f"process {rank} in fit at step {state.get('step', 0)}")
+        elif state.get("state") in ("fit", "loop"):
+            where.append(f"process {rank} in {state['state']} at step {state.get('step', 0)}")
         else:
             where.append(f"process {rank} {state.get('state', 'not started')}")
     return Cause(
@@ -195,6 +199,61 @@ def _rerun_shown(
         )
         shown.append(f"{verdict.name} with them {how}: {after}")
     return "; ".join(shown)
+
+
+# A first update this close to R times one device's (relative to R), along one device's
+# (relative residual), is named: rounding gives ~1e-6; other causes change its direction.
+_SCALE_CLOSE = 1e-2
+
+
+def _loss_per_replica(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[Cause]:
+    """Differing topologies whose first update is R times one device's (R replicas)."""
+    shown = []
+    for verdict in _several_replicas_differing(verdicts):
+        rank = verdict.run.ranks[verdict.rank]
+        replicas = rank.facts.get("replicas") or verdict.run.topology.count
+        found = _update_scale(reference.ranks[0], rank, tolerance)
+        if found and abs(found[0] - replicas) <= _SCALE_CLOSE * replicas:
+            if found[1] <= _SCALE_CLOSE:
+                shown.append(
+                    f"{verdict.name} ({replicas} replicas): its first update is "
+                    f"{found[0]:.3f} times one device's, from the same initial weights "
+                    f"(all the model's variables together, residual {found[1]:.1e})"
+                )
+    if not shown:
+        return []
+    return [
+        Cause(
+            "loss_per_replica",
+            "; ".join(shown) + ": the loss is averaged over each replica's own batch "
+            "(tf.reduce_mean of the per-example loss inside strategy.run) and the replicas' "
+            "gradients are summed, so every step moves R times as far as on one device",
+            "average the loss over the GLOBAL batch: tfdist.loops.average_loss("
+            "per_example_loss), or tf.nn.compute_average_loss(per_example_loss, "
+            "global_batch_size=GLOBAL_BATCH) with a Keras loss built with reduction=None; "
+            "regularization losses through tf.nn.scale_regularization_loss",
+        )
+    ]
+
+
+def _update_scale(reference, rank, tolerance: float) -> tuple[float, float] | None:
+    """``(s, residual)``: the first update of ``rank`` is ``s`` times the reference's,
+    off that line by ``residual`` (relative); None without both first updates or when
+    the initial weights differ."""
+    import numpy as np
+
+    keys = sorted(reference.initial.keys() & reference.first.keys() & rank.first.keys())
+    if not keys or not compare(reference.initial, rank.initial).equal(tolerance):
+        return None
+    ours = np.concatenate([np.ravel(reference.first[k] - reference.initial[k]) for k in keys])
+    theirs = np.concatenate([np.ravel(rank.first[k] - rank.initial[k]) for k in keys])
+    ours, theirs = ours.astype(np.float64), theirs.astype(np.float64)
+    norm = float(ours @ ours)
+    if not norm or not np.all(np.isfinite(theirs)):
+        return None
+    scale = float(theirs @ ours) / norm
+    residual = float(np.linalg.norm(theirs - scale * ours)) / max(abs(scale), 1e-12) / norm**0.5
+    return scale, residual
 
 
 def _batchnorm(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:

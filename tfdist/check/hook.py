@@ -39,10 +39,20 @@ from __future__ import annotations
 
 import faulthandler
 import functools
-import json
 import os
-import time
-from pathlib import Path
+
+from tfdist.check.model import (
+    DIR_ENV,
+    INERT_RANDOM_ENV,
+    STEPS_ENV,
+    SYNC_BN_ENV,
+    _path,
+    model_facts,
+    progress,
+    values,
+    wait_for_peers,
+    write_result,
+)
 
 __all__ = [
     "DIR_ENV",
@@ -56,14 +66,9 @@ __all__ = [
     "on_keras_import",
 ]
 
-DIR_ENV = "TFDIST_CHECK_DIR"
-STEPS_ENV = "TFDIST_CHECK_STEPS"
-SYNC_BN_ENV = "TFDIST_CHECK_SYNC_BN"
-INERT_RANDOM_ENV = "TFDIST_CHECK_INERT_RANDOM"
 GLOBAL_BATCH_ENV = "TFDIST_CHECK_GLOBAL_BATCH"  # a global batch for fit's input
 STACK_AFTER_ENV = "TFDIST_CHECK_STACK_AFTER"  # seconds: when to write the stacks
 _FIX_NAME = "tfdist_check_fit"
-_PEERS_WAIT_S = 60.0
 
 
 def active() -> bool:
@@ -71,35 +76,11 @@ def active() -> bool:
     return bool(os.environ.get(DIR_ENV))
 
 
-def _rank() -> int:
-    from tfdist.core import cluster
-
-    info = cluster.cluster_from_env()
-    if not info.is_multi_worker:
-        return 0
-    return int(os.environ.get("RANK", info.task_index or 0))
-
-
-def _world() -> int:
-    from tfdist.core import cluster
-
-    return cluster.cluster_from_env().num_workers
-
-
-def _path(suffix: str) -> Path:
-    return Path(os.environ[DIR_ENV]) / f"rank-{_rank()}.{suffix}"
-
-
-def _progress(state: str, **facts) -> None:
-    """Overwrites this process's progress file (read by the check when it times out)."""
-    _path("progress").write_text(json.dumps({"state": state, "pid": os.getpid(), **facts}))
-
-
 def start() -> None:
     """Called by ``tfdist.startup.install``: progress, and the stack dump before the timeout."""
     if not active():
         return
-    _progress("started")
+    progress("started")
     after = float(os.environ.get(STACK_AFTER_ENV, "0") or 0)
     if after > 0:
         # A bare descriptor, open for the life of the process: faulthandler writes to it
@@ -125,6 +106,10 @@ def on_keras_import(keras) -> None:
     reason = fix_registry.apply_fix(record)
     if reason is not None:
         raise RuntimeError(f"tfdist check cannot hook keras.Model.fit: {reason}")
+    if keras.backend.backend() == "tensorflow":
+        from tfdist.check import loop
+
+        loop.install()
 
 
 def _wrap_fit(original):
@@ -133,88 +118,26 @@ def _wrap_fit(original):
         steps = int(os.environ.get(STEPS_ENV, "20"))
         recorder = _recorder_class()(steps)
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), recorder]
-        batchnorm = _batchnorm_layers(self)
-        if os.environ.get(SYNC_BN_ENV) == "1":
-            for layer in batchnorm:
-                layer.synchronized = True  # read when fit traces its step, just below
-        drawing = _random_layers(self)
-        inert = (
-            [_make_inert(layer) for layer in drawing]
-            if os.environ.get(INERT_RANDOM_ENV) == "1"
-            else []
-        )
+        facts = model_facts([self])  # read when fit traces its step, just below
         rebatched = {}
         if os.environ.get(GLOBAL_BATCH_ENV):
             args, kwargs, rebatched = _at_global_batch(
                 args, kwargs, int(os.environ[GLOBAL_BATCH_ENV])
             )
-        facts = {
-            **rebatched,
-            "batchnorm": [layer.name for layer in batchnorm],
-            "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
-            "random": [layer.name for layer in drawing],
-            "inert": [layer.name for layer, made in zip(drawing, inert, strict=False) if made],
-            **_input_facts(args, kwargs),
-        }
-        _progress("fit", step=0)
+        facts = {**rebatched, **facts, **_input_facts(args, kwargs)}
+        progress("fit", step=0)
         try:
             original(self, *args, **kwargs)
         except BaseException as err:
             _write_failure(err)
             raise
-        _write_result(self, recorder, facts)
-        _wait_for_peers()
+        facts.update(steps_per_epoch=recorder.steps_per_epoch, history=recorder.history)
+        final = _weights(self)
+        write_result(final, recorder.initial, recorder.first or final, facts, recorder.done)
+        wait_for_peers()
         os._exit(0)
 
     return fit
-
-
-def _all_layers(model) -> list:
-    """The model's layers, through the public ``layers`` of nested models."""
-    found, todo = [], list(getattr(model, "layers", ()))
-    while todo:
-        layer = todo.pop(0)
-        found.append(layer)
-        todo.extend(getattr(layer, "layers", ()))
-    return found
-
-
-def _batchnorm_layers(model) -> list:
-    """The model's BatchNormalization layers."""
-    import keras
-
-    return [x for x in _all_layers(model) if isinstance(x, keras.layers.BatchNormalization)]
-
-
-def _random_layers(model) -> list:
-    """The model's layers that draw random numbers in training: those holding a
-    ``keras.random.SeedGenerator`` (Keras's dropouts, noises and random augmentations,
-    and a custom layer built the same way)."""
-    import keras
-
-    def draws(layer) -> bool:
-        return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-
-    return [layer for layer in _all_layers(model) if draws(layer)]
-
-
-def _make_inert(layer) -> bool:
-    """Makes ``layer`` draw nothing: its ``call`` runs in inference mode (Dropout and
-    GaussianNoise are then the identity, a random augmentation its deterministic
-    inference form). Read when fit traces its step; False when ``call`` takes no
-    ``training`` argument (nothing to switch)."""
-    import inspect
-
-    original = layer.call
-    if "training" not in inspect.signature(original).parameters:
-        return False
-
-    def call(*args, **kwargs):
-        kwargs["training"] = False  # Keras passes the training flag; this wins
-        return original(*args, **kwargs)
-
-    layer.call = call  # the instance's attribute: Layer.__call__ calls self.call
-    return True
 
 
 def _at_global_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict, dict]:
@@ -356,6 +279,7 @@ def _recorder_class():
             self.steps, self.done = steps, 0
             self.history: dict[str, list[float]] = {}
             self.initial: dict[str, np.ndarray] | None = None
+            self.first: dict[str, np.ndarray] | None = None  # after the first step
             self.steps_per_epoch: int | None = None
 
         def on_train_batch_begin(self, batch, logs=None):
@@ -363,12 +287,14 @@ def _recorder_class():
                 self.initial = _weights(self.model)
                 # Steps per epoch: a global batch that grows with the replicas shows here.
                 self.steps_per_epoch = self.params.get("steps")
+            elif self.first is None:
+                self.first = _weights(self.model)
 
         def on_train_batch_end(self, batch, logs=None):
             self.done += 1
             for key, value in (logs or {}).items():
                 self.history.setdefault(key, []).append(float(np.asarray(value)))
-            _progress("fit", step=self.done)
+            progress("fit", step=self.done)
             if self.done >= self.steps:
                 self.model.stop_training = True
 
@@ -387,55 +313,9 @@ def _recorder_class():
 
 
 def _weights(model) -> dict:
-    """``{variable path: numpy array}``; a repeated path gets ``#2``, ``#3``..."""
-    import keras
-
-    out: dict = {}
-    for variable in model.weights:
-        key = variable.path
-        n = 1
-        while key in out:
-            n += 1
-            key = f"{variable.path}#{n}"
-        out[key] = keras.ops.convert_to_numpy(variable.value)
-    return out
-
-
-def _write_result(model, recorder, facts: dict) -> None:
-    import numpy as np
-
-    arrays = {f"final/{k}": v for k, v in _weights(model).items()}
-    arrays.update({f"initial/{k}": v for k, v in (recorder.initial or {}).items()})
-    tmp = _path("tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, _path("npz"))
-    facts = {
-        **facts,
-        "steps": recorder.done,
-        "steps_per_epoch": recorder.steps_per_epoch,
-        "history": recorder.history,
-        "world": _world(),
-    }
-    _atomic_text(_path("json"), json.dumps(facts))
-    _progress("done", step=recorder.done)
+    """``{variable path: numpy array}`` of the model's weights."""
+    return values(model.weights)
 
 
 def _write_failure(err: BaseException) -> None:
-    _progress("failed", error=f"{type(err).__name__}: {err}"[:500])
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _wait_for_peers() -> None:
-    """Until every process of the job wrote its result: all left their collectives."""
-    world = _world()
-    folder = Path(os.environ[DIR_ENV])
-    deadline = time.monotonic() + _PEERS_WAIT_S
-    while time.monotonic() < deadline:
-        if all((folder / f"rank-{r}.json").exists() for r in range(world)):
-            return
-        time.sleep(0.05)
+    progress("failed", error=f"{type(err).__name__}: {err}"[:500])

@@ -48,6 +48,8 @@ def _line(verdict: Verdict) -> str:
         facts = verdict.run.ranks[0].facts
         loss = facts["history"].get("loss") or []
         trend = f", loss {loss[0]:.4g} -> {loss[-1]:.4g}" if loss else ""
+        if facts.get("loop"):
+            trend = " (a custom loop: weights compared, no loss recorded)"
         return f"reference: {facts['steps']} steps{trend}"
     if verdict.status == "equal" and verdict.at_global_batch:
         batch = verdict.at_global_batch[0]
@@ -61,7 +63,7 @@ def _line(verdict: Verdict) -> str:
     return {
         "timeout": f"TIMEOUT: not done after {verdict.run.seconds:.0f} s (see hang below)",
         "failed": f"FAILED: exit code {verdict.run.returncode}",
-        "no-fit": "NO FIT: ended without calling fit",
+        "no-fit": "NO FIT: ended without calling fit or drawing a batch of its loop",
         "no-steps": "NO STEPS: fit trained no step",
     }[verdict.status]
 
@@ -78,8 +80,10 @@ def _worst(verdict: Verdict) -> str:
 
 def render(report: Report) -> str:
     """The report a person reads in ten seconds."""
+    first = report.verdicts[0].run.ranks.get(0) if report.verdicts else None
+    what = "its loop" if first and first.facts.get("loop") else "fit"
     head = (
-        f"tfdist check: {report.script}, {report.steps} steps of fit, {report.backend}, "
+        f"tfdist check: {report.script}, {report.steps} steps of {what}, {report.backend}, "
         f"tolerance {report.tolerance:g}"
     )
     lines = [head]

@@ -53,6 +53,7 @@ class Rank:
     facts: dict
     final: dict[str, np.ndarray]
     initial: dict[str, np.ndarray]
+    first: dict[str, np.ndarray] = field(default_factory=dict)  # after the first step
 
 
 @dataclass
@@ -105,7 +106,8 @@ def run_topology(
     folder: Path,
     variant: str = "",
 ) -> Run:
-    """Runs ``script`` on ``topology`` until its first ``fit`` did ``steps`` steps.
+    """Runs ``script`` on ``topology`` until its first ``fit`` (or its custom loop) did
+    ``steps`` steps.
 
     ``variant``: "" (the script as it is) or a key of ``VARIANTS`` (a re-run for a cause).
     """
@@ -179,10 +181,10 @@ def _processes(topology: Topology) -> int:
 
 
 def _why_no_result(run: Run) -> str:
-    if any(p.get("state") in ("fit", "done") for p in run.progress.values()):
-        return "failed"  # it reached fit, and then a process died
+    if any(p.get("state") in ("fit", "loop", "done") for p in run.progress.values()):
+        return "failed"  # it reached fit or its loop, and then a process died
     if run.returncode == 0:
-        return "no-fit"  # it ended without a fit: a custom loop, or another entry point
+        return "no-fit"  # it ended without a fit or a loop the hook could count
     return "failed"
 
 
@@ -199,7 +201,8 @@ def _collect(run: Run, folder: Path, script: str) -> None:
             with np.load(folder / f"rank-{rank}.npz") as arrays:
                 final = {k[6:]: arrays[k] for k in arrays.files if k.startswith("final/")}
                 initial = {k[8:]: arrays[k] for k in arrays.files if k.startswith("initial/")}
-            run.ranks[rank] = Rank(json.loads(result.read_text()), final, initial)
+                first = {k[6:]: arrays[k] for k in arrays.files if k.startswith("first/")}
+            run.ranks[rank] = Rank(json.loads(result.read_text()), final, initial, first)
     run.output = (folder / "output.log").read_text(errors="replace")[-4000:]
 
 
