@@ -22,7 +22,7 @@ Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fi
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
 ``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``,
-``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``datasets`` (a dataset with a
+``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets`` (a dataset with a
 declared length); this module lists them
 and applies them.
 
@@ -52,6 +52,7 @@ from tfdist.compat import (
     keras_fixes,
     loss_scale,
     on_batch,
+    optimizer_build,
     partial_batches,
     steps_per_execution,
     tf_fixes,
@@ -96,6 +97,7 @@ FIXES: list[Fix] = [
     *epoch_start.FIXES,
     *compile_scope.FIXES,
     *batchnorm.FIXES,
+    *optimizer_build.FIXES,
 ]
 
 
