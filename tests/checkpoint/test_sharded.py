@@ -187,3 +187,29 @@ def test_tensorflow_restores_leave_sharded_checkpoints_alone(tmp_path, caplog):
     assert initial_epoch == 0 and tfdist.resume_state(model) is None
     assert "1 sharded checkpoint(s)" in caplog.text and "left alone" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-3.orbax"]
+
+
+@pytest.mark.jax
+def test_orbax_gives_s3_no_bucket_kvstore_and_remote_orbax_gives_it_tensorstores_s3_driver():
+    # Upstream (Orbax 0.12): an s3:// path is normalized into s3:/... and not given a
+    # bucket kvstore; when this fails, Orbax handles s3:// itself and remote_orbax's
+    # _install_s3_kvstore can retire.
+    code = (
+        "import json, os\n"
+        "from tfdist.core import upstream\n"
+        "from tfdist.checkpoint import remote_orbax\n"
+        "ts = upstream.orbax_tensorstore_utils()\n"
+        "before = [ts._normalize_path('s3://b/run/k'), ts._use_gcs_driver('s3://b/run')]\n"
+        "os.environ['AWS_ENDPOINT_URL'] = 'http://127.0.0.1:9'\n"
+        "remote_orbax.prepare('s3://b/run')\n"
+        "after = [ts._normalize_path('s3://b/run/k'), ts._use_gcs_driver('s3://b/run'),\n"
+        "         upstream.orbax_gcs_utils().get_kvstore_for_gcs('s3://b/run/k'),\n"
+        "         ts._use_gcs_driver('/local/run'), ts._normalize_path('/local//run')]\n"
+        "print(json.dumps({'before': before, 'after': after}))\n"
+    )
+    result = last_json_line(run_python(code, timeout=120, KERAS_BACKEND="jax").stdout)
+    assert result["before"] == ["s3:/b/run/k", False]
+    spec = {"driver": "s3", "bucket": "b", "path": "run/k", "endpoint": "http://127.0.0.1:9"}
+    assert result["after"][:2] == ["s3://b/run/k", True]
+    assert {k: result["after"][2][k] for k in spec} == spec
+    assert result["after"][3:] == [False, "/local/run"]  # local paths: Orbax's own

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 
-from tfdist.core import storage
+from tfdist.core import storage, upstream
 
 __all__ = ["COMMIT_MARKER", "prepare", "atomicity_options"]
 
@@ -46,9 +46,7 @@ def prepare(path: str) -> bool:
         return False
     if "EPATH_USE_TF" not in os.environ:
         os.environ["EPATH_USE_TF"] = "false"
-        from etils.epath import gpath
-
-        gpath._is_tf_installed.cache_clear()  # read once and cached by epath
+        upstream.epath_tf_check_cache_clear()  # read once and cached by epath
     if path.lower().startswith("s3://") and not _installed["s3"]:
         _install_s3_kvstore()
         _installed["s3"] = True
@@ -77,9 +75,7 @@ def _s3_kvstore(path: str) -> dict:
 def _install_s3_kvstore() -> None:
     """Routes Orbax's ``s3://`` paths to tensorstore's ``s3`` driver, through the branch
     Orbax takes for ``gs://`` (a bucket kvstore; other paths are left to Orbax)."""
-    from orbax.checkpoint._src.path import gcs_utils
-    from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-
+    gcs_utils, ts_utils = upstream.orbax_gcs_utils(), upstream.orbax_tensorstore_utils()
     normalize, remote, kvstore = (
         ts_utils._normalize_path,
         ts_utils._use_gcs_driver,

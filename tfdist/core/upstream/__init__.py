@@ -1,4 +1,4 @@
-"""Every private TensorFlow and Keras name tfdist touches, behind one named helper each.
+"""Every private TensorFlow, Keras, jax and Orbax name tfdist touches, behind one named helper each.
 
 Upstream has no public way to do these things; each helper says why tfdist needs it.
 ``tests/core/test_private.py`` checks that every name still exists in the installed versions,
@@ -21,12 +21,15 @@ import importlib
 
 from tfdist.core.upstream import jax_names, keras_names, tf_names
 from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __all__
+    epath_tf_check_cache_clear,
     jax_distributed_client,
     jax_key_value_get,
     jax_key_value_put,
     jax_key_value_set,
     jax_key_value_try_get,
     jax_wait_at_barrier,
+    orbax_gcs_utils,
+    orbax_tensorstore_utils,
 )
 from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in __all__
     keras_array_data_adapter_class,
@@ -177,6 +180,9 @@ __all__ = [
     "keras_jax_epoch_iterator_class",
     "tf_wait_at_barrier",
     "jax_wait_at_barrier",
+    "orbax_tensorstore_utils",
+    "orbax_gcs_utils",
+    "epath_tf_check_cache_clear",
     "jax_distributed_client",
     "keras_trainer_class",
     "keras_jax_trainer_class",
@@ -326,6 +332,11 @@ def resolve(entry: str):
 __all__ += ["jax_key_value_set", "jax_key_value_get"]
 
 REQUIRED["jax"] += [
+    # Sharded checkpoints in an s3:// bucket (tfdist.checkpoint.remote_orbax).
+    "orbax.checkpoint._src.serialization.tensorstore_utils:_normalize_path",
+    "orbax.checkpoint._src.serialization.tensorstore_utils:_use_gcs_driver",
+    "orbax.checkpoint._src.path.gcs_utils:get_kvstore_for_gcs",
+    "etils.epath.gpath:_is_tf_installed",
     "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
     "jax._src.lib:_jax.DistributedRuntimeClient.blocking_key_value_get",
 ]

@@ -53,3 +53,30 @@ def jax_key_value_try_get(key: str) -> str | None:
         if "NOT_FOUND" in str(err):
             return None
         raise
+
+
+def orbax_tensorstore_utils() -> Any:
+    """``orbax.checkpoint._src.serialization.tensorstore_utils``: Orbax 0.12 gives only
+    ``gs://`` paths a bucket kvstore (``_use_gcs_driver``) and normalizes ``s3://`` into
+    ``s3:/`` (``_normalize_path``); ``tfdist.checkpoint.remote_orbax`` extends both to
+    ``s3://``, which has no public setting."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    return tensorstore_utils
+
+
+def orbax_gcs_utils() -> Any:
+    """``orbax.checkpoint._src.path.gcs_utils``: its ``get_kvstore_for_gcs`` builds the
+    bucket kvstore spec, given tensorstore's ``s3`` driver for ``s3://`` paths."""
+    from orbax.checkpoint._src.path import gcs_utils
+
+    return gcs_utils
+
+
+def epath_tf_check_cache_clear() -> None:
+    """Forgets etils.epath's cached "is TensorFlow installed" answer
+    (``etils.epath.gpath._is_tf_installed``), so that ``EPATH_USE_TF=false`` set after its
+    first use takes effect (TensorFlow's gfile has no ``s3://``)."""
+    from etils.epath import gpath
+
+    gpath._is_tf_installed.cache_clear()
