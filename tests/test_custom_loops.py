@@ -262,14 +262,60 @@ def test_tensorflow_loop_matches_one_device_on_two_devices_two_workers_and_after
     check_loop(TF_LOOP, tmp_path, single, tmp_path / "single")
 
 
+@pytest.fixture(scope="module")
+def jax_single(tmp_path_factory):
+    """``(directory, result)`` of JAX_LOOP's ``run_single`` (its one-device reference and
+    its 4 devices, never interrupted), run once for the module's JAX tests."""
+    directory = tmp_path_factory.mktemp("jax_single")
+    return directory, run_single(JAX_LOOP, directory)
+
+
 @pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.multiworker
-def test_jax_loop_matches_one_device_on_four_devices_two_processes_and_after_kill(tmp_path):
+def test_jax_loop_matches_one_device_on_four_devices_two_processes_and_after_kill(
+    tmp_path, jax_single
+):
     """As on TensorFlow, with sharded asynchronous checkpoints in the killed job: killed
     -9 with a write under way, which never becomes a checkpoint."""
-    single = run_single(JAX_LOOP, tmp_path / "single")
-    check_loop(JAX_LOOP, tmp_path, single, tmp_path / "single")
+    single_dir, single = jax_single
+    check_loop(JAX_LOOP, tmp_path, single, single_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+def test_jax_loop_with_sharded_checkpoints_in_a_bucket_resumes_after_kill_9(s3_bucket, jax_single):
+    """``Checkpointer(..., sharded=True)`` on ``s3://`` (moto's S3 server): the loop on 4
+    devices is killed -9 right after step 16's save call, that write under way. In the
+    bucket only what Orbax committed (``commit_success.txt``, written last) counts: the
+    restart restores step 12's ``ckpt-2-2.orbax`` (nothing of the cut write counts) and
+    ends within 1e-5 of the same loop never interrupted (``jax_single``'s, on disk)."""
+    run, env = s3_bucket.url("run"), {**JAX_LOOP.single_env, **JAX_LOOP.env, **s3_bucket.env}
+    sharded = [*JAX_LOOP.extra, "--sharded"]
+    argv = [str(SCRIPTS / JAX_LOOP.script), "--dir", run, *sharded]
+    kill = ["--kill-in-write", str(SHARDED_KILL_AT)]
+    proc = warm_start.run(
+        [*argv, *kill], cwd=REPO, env=child_env(**env), base_env=child_env(), timeout=240
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert '"dying_in_write": "ckpt-2-6.orbax"' in proc.stdout, proc.stdout[-3000:]
+    left = {
+        n: "commit_success.txt" in s3_bucket.names(f"run/dist/{n}")
+        for n in s3_bucket.names("run/dist")
+    }
+    committed = sorted(name for name, done in left.items() if done)
+    assert committed == ["ckpt-1-4.orbax", "ckpt-1-8.orbax", "ckpt-2-2.orbax"], left
+
+    resumed = run_script(JAX_LOOP.script, run, *sharded, **env)
+    check_topology(
+        resumed, {k: v for k, v in JAX_LOOP.topology["single"].items() if "one_device" not in k}
+    )
+    resumed, full = resumed["distributed"], jax_single[1]["distributed"]
+    assert resumed["restored_from"] == "ckpt-2-2.orbax" and resumed["step"] == STEPS
+    equivalence.assert_close(full["losses"][12:], resumed["losses"], 1e-5, "losses")
+    assert max_diff(resumed["weights"], full["weights"]) <= TOLERANCE
+    kept = [name.replace(".keras", ".orbax") for name in full["checkpoints"]]
+    assert resumed["checkpoints"] == s3_bucket.names("run/dist") == kept  # pruned, none cut
 
 
 def test_tensorflow_loop_in_a_bucket_resumes_after_kill_9_like_one_device(s3_bucket):

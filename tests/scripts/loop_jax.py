@@ -2,7 +2,7 @@
 JAX" and "Distributed training with JAX" guides, with tfdist's helpers (run with
 KERAS_BACKEND=jax; docs/custom_loops.md shows it).
 
-``python loop_jax.py --dir D``: trains on a mesh over every device of every process
+``python loop_jax.py --dir D``: (D a folder or a URL, e.g. ``s3://bucket/run``) trains on a mesh over every device of every process
 (``tfdist.loops.mesh()``); ``--one-device-too`` first trains the same loop on a mesh of
 one device in the same process (the reference). Checkpoints every ``--every`` steps;
 ``--kill-at-step K`` SIGKILLs the first attempt after step K;
@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
 from tfdist.checkpoint.sharded import sharded_name  # noqa: E402
+from tfdist.core import storage  # noqa: E402
 
 args = builders.loop_arguments(dropout=True, sharded=True)
 
@@ -104,7 +105,7 @@ def train(mesh, directory):
             builders.inject_fault(args, step)
             if ckpt.maybe_save(step, every=args.every, state=state) and args.sharded:
                 name = sharded_name(*divmod(step, ckpt.steps_per_epoch))
-                builders.kill_in_write(args, step, os.path.join(directory, name))
+                builders.kill_in_write(args, step, storage.join(directory, name))
     ckpt.write_state(state)  # the trained values back into the model
     ckpt.wait()  # sharded: the last write finished (close() at exit would wait too)
     return {
@@ -114,7 +115,7 @@ def train(mesh, directory):
         "devices": int(mesh.devices.size),
         "state_devices": len(jax.tree_util.tree_leaves(state)[0].sharding.device_set),
         "restored_from": where,
-        "checkpoints": sorted(n for n in os.listdir(directory) if n.startswith("ckpt")),
+        "checkpoints": sorted(n for n in storage.listdir(directory) if n.startswith("ckpt")),
     }
 
 
@@ -125,8 +126,8 @@ def one_device_mesh():
 
 result = {"processes": jax.process_count(), "devices": jax.device_count()}
 if args.one_device_too:
-    result["one_device"] = train(one_device_mesh(), os.path.join(args.dir, "one"))
-result["distributed"] = train(tfdist.loops.mesh(), os.path.join(args.dir, "dist"))
+    result["one_device"] = train(one_device_mesh(), storage.join(args.dir, "one"))
+result["distributed"] = train(tfdist.loops.mesh(), storage.join(args.dir, "dist"))
 if faults.active("nan"):  # in the run compared with the reference
     result["distributed"]["weights"][0][0][0] = float("nan")
 print(json.dumps(result), flush=True)
