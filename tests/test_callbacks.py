@@ -229,6 +229,49 @@ def test_standard_leaves_tensorboard_to_the_chief(tmp_path, monkeypatch):
         tfdist.callbacks.standard(tmp_path, warmup=0.1)
 
 
+def test_standard_refuses_a_log_dir_tensorflow_cannot_write_at_once_on_every_worker(
+    tmp_path, monkeypatch
+):
+    """TensorBoard writes through TensorFlow's file system, which has gs:// but no s3://
+    (upstream: Keras's callback fails as fit starts, before the first batch, and only on
+    the chief, the one worker standard() gives it). standard() refuses such a log_dir when
+    it is called, on the chief and the other workers alike, before the checkpoint
+    callback touches the store; a local log_dir, a gs:// one or tensorboard=False are
+    what it asks for."""
+    assert "gs" in tf.io.gfile.get_registered_schemes()
+    assert "s3" not in tf.io.gfile.get_registered_schemes()
+    log = RateLog()
+    with pytest.raises(tf.errors.UnimplementedError, match=r"scheme 's3' not implemented"):
+        board = keras.callbacks.TensorBoard("s3://bucket/run/logs")
+        build().fit(X, Y, batch_size=8, epochs=1, verbose=0, callbacks=[log, board])
+    assert log.rates == []  # no batch trained
+
+    default = (
+        r"TensorBoard cannot write its logs to 's3://bucket/run/logs' \(checkpoint_dir/logs, "
+        r"the default\): TensorFlow's file system has no 's3' scheme \(it writes local paths "
+        r"and .*gs://.*\)\. Received: log_dir=None, checkpoint_dir='s3://bucket/run'\. Pass "
+        r"log_dir= a local directory .* or a gs:// URL, or tensorboard=False"
+    )
+    addresses = ["127.0.0.1:1", "127.0.0.1:2"]
+    for rank in (0, 1):  # the chief, and a worker that would not even build TensorBoard
+        monkeypatch.setenv("TF_CONFIG", worker_tf_config(addresses, rank))
+        assert tfdist.is_chief() == (rank == 0)
+        with pytest.raises(ValueError, match=default):
+            tfdist.callbacks.standard("s3://bucket/run")
+    monkeypatch.delenv("TF_CONFIG")
+    with pytest.raises(ValueError, match=r"'s3://b/logs': .*Received: log_dir='s3://b/logs'"):
+        tfdist.callbacks.standard(tmp_path, log_dir="s3://b/logs")
+
+    bucket = f"memory://{tmp_path.name}/run"  # no more writable by TensorFlow than s3://
+    with pytest.raises(ValueError, match=r"no 'memory' scheme"):
+        tfdist.callbacks.standard(bucket)
+    local = tfdist.callbacks.standard(bucket, log_dir=tmp_path / "logs")
+    assert local[-1].log_dir == str(tmp_path / "logs")
+    assert tfdist.callbacks.standard(tmp_path, log_dir="gs://b/logs")[-1].log_dir == "gs://b/logs"
+    kinds = [type(c).__name__ for c in tfdist.callbacks.standard(bucket, tensorboard=False)]
+    assert kinds == ["ResumableCheckpoint", "PrintLR"]
+
+
 @pytest.mark.devices
 def test_callbacks_on_two_logical_devices(tmp_path):
     proc = run_python(

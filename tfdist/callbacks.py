@@ -29,7 +29,7 @@ from tfdist import distribute
 from tfdist.checkpoint import ResumableCheckpoint, ShardedCheckpoint, is_resumed_partial_epoch
 from tfdist.checkpoint.restore import finish_resumed_epoch
 from tfdist.checkpoint.rng import numpy_value
-from tfdist.core import upstream, validate
+from tfdist.core import storage, upstream, validate
 
 __all__ = [
     "Decay",
@@ -354,7 +354,7 @@ def checkpoint(
 
     Raises:
         ValueError: ``save_freq`` is 0, negative or not ``"epoch"``; bad ``max_to_keep``;
-            ``sharded=True`` on TensorFlow or with a URL.
+            ``sharded=True`` on TensorFlow or with a URL other than ``s3://`` or ``gs://``.
         ImportError: ``sharded=True`` without ``orbax-checkpoint`` installed.
         NotADirectoryError: ``checkpoint_dir`` is a file.
         PermissionError: the chief cannot write to ``checkpoint_dir``.
@@ -403,7 +403,15 @@ def standard(
         print_lr: include ``PrintLR``.
         tensorboard: include TensorBoard logging.
         log_dir: TensorBoard's directory (default ``checkpoint_dir/logs``), e.g. a local
-            one beside an ``s3://`` checkpoint directory (TensorFlow writes no ``s3://``).
+            one beside an ``s3://`` checkpoint directory. TensorBoard writes through
+            TensorFlow's file system, which has local paths and ``gs://`` but no
+            ``s3://``: such a directory (given, or the default under an ``s3://``
+            checkpoint directory) raises here, on every worker, rather than in ``fit``
+            on the chief alone.
+
+    Raises:
+        ValueError: with ``tensorboard=True``, a log directory whose URL scheme
+            TensorFlow's file system cannot write (``tf.io.gfile``'s registered schemes).
 
     Example:
         >>> def decay_fn(epoch):
@@ -420,6 +428,8 @@ def standard(
     validate.instance(tensorboard, bool, "tensorboard", where, "a bool")
     if log_dir is not None:
         validate.path_text(log_dir, "log_dir", where)
+    if tensorboard:  # on every worker, before the checkpoint callback touches the store
+        log_dir = _tensorboard_log_dir(checkpoint_dir, log_dir, where)
     callbacks: list[keras.callbacks.Callback] = [
         checkpoint(checkpoint_dir, save_freq=save_freq, max_to_keep=max_to_keep, sharded=sharded)
     ]
@@ -434,7 +444,48 @@ def standard(
             # Keras's TensorBoard callback would only fail at the first epoch end.
             logger.warning("tfdist: the tensorboard package is missing; no TensorBoard logs")
             return callbacks
-        if log_dir is None:
-            log_dir = os.path.join(os.fspath(checkpoint_dir), "logs")
-        callbacks.append(keras.callbacks.TensorBoard(log_dir=os.fspath(log_dir)))
+        callbacks.append(keras.callbacks.TensorBoard(log_dir=log_dir))
     return callbacks
+
+
+def _tensorflow_schemes() -> tuple[str, ...] | None:
+    """The URL schemes TensorFlow's file system (``tf.io.gfile``, which TensorBoard's event
+    writer uses) can write in this process, or None when it cannot say.
+
+    A plugin imported before the call (one registering ``s3``) counts.
+    """
+    try:
+        import tensorflow as tf
+    except ImportError:
+        return None
+    registered = getattr(tf.io.gfile, "get_registered_schemes", None)
+    if registered is None:  # an older TensorFlow: Keras's writer will say, later
+        return None
+    return tuple(sorted(scheme for scheme in registered() if scheme))
+
+
+def _tensorboard_log_dir(checkpoint_dir, log_dir, where: str) -> str:
+    """TensorBoard's directory (``log_dir``, else ``checkpoint_dir/logs``), refused when
+    TensorFlow cannot write its scheme: Keras's callback would fail only once ``fit``
+    has started ("File system scheme 's3' not implemented"), and on the chief alone (the
+    only worker given TensorBoard) while the others go on into the first step."""
+    if log_dir is None:
+        base = validate.path_text(checkpoint_dir, "checkpoint_dir", where)
+        chosen = storage.join(base, "logs")
+    else:
+        chosen = os.fspath(log_dir)
+    if not storage.is_url(chosen):
+        return chosen
+    scheme = chosen.split("://", 1)[0].lower()
+    schemes = _tensorflow_schemes()
+    if schemes is None or scheme in schemes:
+        return chosen
+    urls = ", ".join(f"{s}://" for s in schemes if s != "file")
+    default = " (checkpoint_dir/logs, the default)" if log_dir is None else ""
+    raise ValueError(
+        f"{where}: TensorBoard cannot write its logs to {chosen!r}{default}: TensorFlow's "
+        f"file system has no {scheme!r} scheme (it writes local paths and {urls}). "
+        f"Received: log_dir={log_dir!r}, checkpoint_dir={os.fspath(checkpoint_dir)!r}. Pass "
+        "log_dir= a local directory (e.g. log_dir='logs/') or a gs:// URL, or "
+        "tensorboard=False; the checkpoints still go to checkpoint_dir."
+    )
