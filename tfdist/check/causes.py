@@ -435,18 +435,42 @@ def _workers(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[
         start = compare(reference.ranks[0].initial, result.initial)
         if not start.equal(tolerance):
             return [_seeds(verdict, devices[0], rank, start)]
-    step = f"from step {verdict.first_step}" if verdict.first_step else "in its weights"
+    step = f"the loss differs from step {verdict.first_step}" if verdict.first_step else ""
+    if _jax_loop(verdict):
+        return [_jax_loop_data(verdict, devices[0], step)]
     return [
         Cause(
             "worker_data",
             f"{devices[0].name} equal but {verdict.name} not; every worker started from the "
-            f"reference's initial weights, and the loss differs {step}: the workers train "
-            f"on other data than their share of the global batch ({_given(verdict)})",
+            f"reference's initial weights, and {step or 'its weights differ'}: the workers "
+            f"train on other data than their share of the global batch ({_given(verdict)})",
             "give every worker the same data, order and seed, and let tfdist shard it: "
             "keras.utils.set_random_seed(0) and tfdist.data.pipeline(dataset, "
             "per_replica_batch=..., seed=0) on every worker",
         )
     ]
+
+
+def _jax_loop(verdict: Verdict) -> bool:
+    return verdict.run.topology.backend == "jax" and bool(
+        verdict.run.ranks[verdict.rank].facts.get("loop")
+    )
+
+
+def _jax_loop_data(verdict: Verdict, devices: Verdict, step: str) -> Cause:
+    """``worker_data`` for a JAX custom loop: its processes' global batches differ."""
+    return Cause(
+        "worker_data",
+        f"{devices.name} equal but {verdict.name} not; every process started from the "
+        f"reference's initial weights, and {step or 'its weights differ'}: the processes "
+        "train on other examples than one device. A JAX loop's step takes each process's "
+        "rows of ONE global batch (tfdist.loops.shard_batch, jax.make_array_from_process_"
+        "local_data): data sliced per process before it (jax.process_index()), or shuffled "
+        "or seeded per process, gives each process another global batch",
+        "give every process the same global batches, and let shard_batch keep its rows: "
+        "tfdist.data.pipeline((x, y), global_batch=..., seed=0) over the whole data in "
+        "every process, then tfdist.loops.shard_batch(batch)",
+    )
 
 
 def _given(verdict: Verdict) -> str:
