@@ -517,3 +517,52 @@ def test_the_readme_usage_script_is_equal_at_its_global_batch(tmp_path):
     assert [t["status"] for t in report_["topologies"]] == ["reference", "equal", "equal"]
     assert [t["at_global_batch"][0] for t in report_["topologies"][1:]] == [128, 128]
     assert [c["cause"] for c in report_["causes"]] == ["global_batch"]
+
+
+def test_a_jax_loops_state_is_found_among_a_steps_arguments_only_in_the_guides_order():
+    from tfdist.check import jax_loop
+
+    shapes = ((8, 16), (16,), (), (8, 16))  # kernel, bias; iteration, a moment
+    state = jax_loop._State(("k", "b", "adam/iteration", "adam/m"), shapes, 2, None)
+    kernel, bias, scalar = np.zeros((8, 16)), np.zeros(16), np.zeros(())
+    batch = (np.zeros((16, 8)), np.zeros(16))
+    # (loss, (trainable, non_trainable, optimizer variables)), the batch: found where it lies.
+    given = jax_loop._arrays(((kernel, bias), (), (scalar, kernel), batch))
+    assert jax_loop._find(given, state) == 0
+    assert (
+        jax_loop._find(jax_loop._arrays((scalar, [[kernel, bias], [], [scalar, kernel]])), state)
+        == 1
+    )
+    # The optimizer's variables first, or the model's alone: not the guide's state.
+    assert jax_loop._find(jax_loop._arrays(((scalar, kernel), (kernel, bias))), state) is None
+    assert jax_loop._find(jax_loop._arrays(((kernel, bias), batch)), state) is None
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+def test_a_jax_loop_is_stopped_and_its_per_process_data_named_and_its_twin_is_equal(tmp_path):
+    script = str(SCRIPTS / "loop_jax.py")
+    argv = ("--backend", "jax", "--json", script)
+    proc = check_cli("--steps", "8", *argv, "--data", "per-process", cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    got = {t["topology"]: (t["status"], t["steps"]) for t in found["topologies"]}
+    assert got == {
+        "1 device": ("reference", 8),
+        "2 devices": ("equal", 8),
+        "2 processes": ("differs", 8),
+    }
+    assert found["topologies"][2]["weight_difference"] > 1e-3
+    (cause,) = found["causes"]
+    assert cause["cause"] == "worker_data"
+    assert "every process started from the reference's initial weights" in cause["evidence"]
+    assert "tfdist.loops.shard_batch" in cause["evidence"]
+    # The twin, past its loop's end (2 epochs of 10 steps): measured at the script's exit
+    # from the state its step last returned, every topology equal.
+    proc = check_cli("--steps", "40", *argv, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["status"] for t in found["topologies"]] == ["reference", "equal", "equal"]
+    assert [t["steps"] for t in found["topologies"]] == [20, 20, 20]
+    assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
+    assert found["causes"] == []
