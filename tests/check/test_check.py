@@ -94,16 +94,18 @@ def test_every_topology_runs_under_the_launchers_python(monkeypatch, tmp_path):
     wrapper.chmod(0o755)
     one, two, workers = topology.parse_topologies("1 device,2 devices,2 workers", "tensorflow")
     monkeypatch.delenv("TFDIST_LAUNCH_PYTHON", raising=False)
+    # Each run is told its devices (a script's setdefault of TFDIST_CPU_DEVICES leaves them).
     assert topology.command(one, "s.py", ("a",)) == (
         [sys.executable, "-m", "tfdist.bootstrap", "s.py", "a"],
-        {},
+        {"TFDIST_CPU_DEVICES": "1"},
     )
     monkeypatch.setenv("TFDIST_LAUNCH_PYTHON", str(wrapper))
     argv, env = topology.command(two, "s.py", ())
     assert argv[0] == str(wrapper) and env == {"TFDIST_CPU_DEVICES": "2"}
     # The workers: tfdist launch, which starts each with TFDIST_LAUNCH_PYTHON itself.
-    argv, _ = topology.command(workers, "s.py", ())
+    argv, env = topology.command(workers, "s.py", ())
     assert argv[:4] == [sys.executable, "-m", "tfdist", "launch"]
+    assert env == {"TFDIST_CPU_DEVICES": "1"}  # one device per worker
 
 
 def test_a_nan_is_never_equal_and_a_shape_change_is_named():
@@ -566,3 +568,38 @@ def test_a_jax_loop_is_stopped_and_its_per_process_data_named_and_its_twin_is_eq
     assert [t["steps"] for t in found["topologies"]] == [20, 20, 20]
     assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
     assert found["causes"] == []
+
+
+def _notebook_script(notebook: str, name: str) -> str:
+    """The script a notebook's code cell writes (``open(...name...)``, ``f.write('''...''')``)."""
+    import re
+
+    cells = json.loads((SCRIPTS.parents[2] / "notebooks" / f"{notebook}.ipynb").read_text())
+    for cell in cells["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and name in source:
+            return re.search(r"f\.write\('''(.*?)'''\)", source, re.S).group(1)
+    raise AssertionError(f"{notebook}: no cell writes {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_notebook_03s_training_script_is_equal_at_its_global_batch(tmp_path):
+    """notebooks/03_multi_worker_mnist.ipynb's mw_train.py as the notebook writes it (a seed,
+    64 examples per replica), on 2% of MNIST: 2 devices and 2 workers are one device's
+    model at their global batch of 128."""
+    (tmp_path / "mw_train.py").write_text(_notebook_script("03_multi_worker_mnist", "mw_train.py"))
+    argv = ("--steps", "4", "--json", "mw_train.py", "train[:2%]", "1", "64", "out")
+    proc = check_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["status"] for t in found["topologies"]] == ["reference", "equal", "equal"]
+    assert [t["at_global_batch"][0] for t in found["topologies"][1:]] == [128, 128]
+    assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
+    assert [c["cause"] for c in found["causes"]] == ["global_batch"]
+
+
+def test_other_initial_weights_are_named_before_a_global_batch_that_grew():
+    """Notebook 01's code (no seed, 64 per replica): other weights at any batch."""
+    _, found = _causes(_run("2 devices", 0.2, 0.9, steps_per_epoch=5))
+    assert [c.cause for c in found] == ["unseeded"]

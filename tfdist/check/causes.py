@@ -14,9 +14,9 @@
   (``TFDIST_CHECK_INERT_RANDOM=1``): equal again, or not.
 - ``partial_batch``: the difference starts at an epoch's last step, whose batch
   is partial (or of a size ``fit``'s input did not tell).
-- ``global_batch``: another number of steps per epoch than ``1 device`` (the global batch
-  grows with the replicas), or ``unseeded``: ``N devices`` starts from other initial
-  weights than ``1 device``: the other causes are not looked for then.
+- ``unseeded``: ``N devices`` starts from other initial weights than ``1 device``, or
+  else ``global_batch``: another number of steps per epoch than ``1 device`` (the global
+  batch grows with the replicas): the other causes are not looked for then.
 - ``fewer_steps``: a run whose fit trained fewer steps than the reference's.
 - ``unsharded_data``: a differing ``N workers`` whose ``tf.data`` input turns auto-sharding
   off (``AutoShardPolicy.OFF``): every worker reads the whole dataset.
@@ -61,7 +61,9 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     causes = [_hang(v) for v in verdicts if v.status == "timeout"]
     causes += [_failed(v) for v in verdicts if v.status == "failed"]
     causes += _short(verdicts, reference)
-    first = _global_batch(verdicts, reference) or _unseeded(verdicts, reference, tolerance)
+    # Other initial weights first: then every other comparison (at another global batch
+    # too) differs for that reason alone.
+    first = _unseeded(verdicts, reference, tolerance) or _global_batch(verdicts, reference)
     if first:  # every step differs from the start: the causes below would be guesses
         return [*causes, first]
     causes += _loss_per_replica(verdicts, reference, tolerance)
