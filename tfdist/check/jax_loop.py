@@ -131,8 +131,8 @@ class _Watched:
         return self if instance is None else functools.partial(self, instance)
 
     def __call__(self, *args, **kwargs):
-        if _LOOP.step is self:
-            return _step(self, args, kwargs)
+        if _LOOP.step is self and _LOOP.state is not None:
+            return _step(self, _LOOP.state, args, kwargs)
         if _LOOP.step is not None or id(self) in _LOOP.not_steps:
             return self._jitted(*args, **kwargs)
         return _maybe_the_step(self, args, kwargs)
@@ -175,19 +175,18 @@ def _maybe_the_step(watched: _Watched, args: tuple, kwargs: dict):
     return out
 
 
-def _step(watched: _Watched, args: tuple, kwargs: dict):
+def _step(watched: _Watched, state: _State, args: tuple, kwargs: dict):
     """A call of the step: the state it is given is the one after ``calls`` steps."""
-    state = _LOOP.state
     leaves = _arrays((args, kwargs))
     at = None if leaves is None else _find(leaves, state)
-    if at is None:  # traced, or called with another state: not counted
+    if leaves is None or at is None:  # traced, or called with another state: not counted
         return watched._jitted(*args, **kwargs)
     given = leaves[at : at + len(state.shapes)]
     steps = int(os.environ.get(model.STEPS_ENV, "20"))
     if _LOOP.calls == 1:
         _LOOP.first = _host(given[: state.weights], state)
     if _LOOP.calls >= steps:
-        _finish(given, steps)
+        _finish(given, state, steps)
         model.wait_for_peers()
         os._exit(0)
     _LOOP.calls += 1
@@ -239,8 +238,7 @@ def _host(leaves: list, state: _State) -> dict:
     return {key: to_host(leaf) for key, leaf in zip(state.keys, leaves, strict=False)}
 
 
-def _finish(leaves: list, steps: int) -> None:
-    state = _LOOP.state
+def _finish(leaves: list, state: _State, steps: int) -> None:
     final = _host(leaves, state)
     first = _LOOP.first or {k: v for k, v in final.items() if k in _LOOP.initial}
     facts = {
@@ -257,8 +255,8 @@ def _at_exit() -> None:
     """The loop ended before N steps (the script's own end), or no step was found."""
     if _LOOP.failed:
         return
-    if _LOOP.step is not None and _LOOP.last is not None:
-        _finish(_LOOP.last, _LOOP.calls)
+    if _LOOP.state is not None and _LOOP.last is not None:
+        _finish(_LOOP.last, _LOOP.state, _LOOP.calls)
         model.wait_for_peers()
     elif _LOOP.jitted:
         model.progress(
