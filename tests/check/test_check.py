@@ -94,16 +94,18 @@ def test_every_topology_runs_under_the_launchers_python(monkeypatch, tmp_path):
     wrapper.chmod(0o755)
     one, two, workers = topology.parse_topologies("1 device,2 devices,2 workers", "tensorflow")
     monkeypatch.delenv("TFDIST_LAUNCH_PYTHON", raising=False)
+    # Each run is told its devices (a script's setdefault of TFDIST_CPU_DEVICES leaves them).
     assert topology.command(one, "s.py", ("a",)) == (
         [sys.executable, "-m", "tfdist.bootstrap", "s.py", "a"],
-        {},
+        {"TFDIST_CPU_DEVICES": "1"},
     )
     monkeypatch.setenv("TFDIST_LAUNCH_PYTHON", str(wrapper))
     argv, env = topology.command(two, "s.py", ())
     assert argv[0] == str(wrapper) and env == {"TFDIST_CPU_DEVICES": "2"}
     # The workers: tfdist launch, which starts each with TFDIST_LAUNCH_PYTHON itself.
-    argv, _ = topology.command(workers, "s.py", ())
+    argv, env = topology.command(workers, "s.py", ())
     assert argv[:4] == [sys.executable, "-m", "tfdist", "launch"]
+    assert env == {"TFDIST_CPU_DEVICES": "1"}  # one device per worker
 
 
 def test_a_nan_is_never_equal_and_a_shape_change_is_named():
@@ -420,6 +422,10 @@ def test_a_script_without_fit_cannot_be_stopped_and_says_so(tmp_path):
     proc = check_cli(str(SCRIPTS / "custom_loop.py"), "--traced", cwd=tmp_path)
     assert proc.returncode == 2, _fail(proc)
     assert "it made 1 distributed dataset(s) but drew no batch of them in Python" in (proc.stdout)
+    # The official multi-worker tutorial's main.py reads TF_CONFIG unconditionally.
+    proc = check_cli(str(SCRIPTS.parent.parent / "scripts" / "tutorial" / "main.py"), cwd=tmp_path)
+    assert proc.returncode == 2, _fail(proc)
+    assert "on 1 device it failed" in proc.stdout and "KeyError: 'TF_CONFIG'" in proc.stdout
 
 
 @pytest.mark.slow
@@ -517,3 +523,88 @@ def test_the_readme_usage_script_is_equal_at_its_global_batch(tmp_path):
     assert [t["status"] for t in report_["topologies"]] == ["reference", "equal", "equal"]
     assert [t["at_global_batch"][0] for t in report_["topologies"][1:]] == [128, 128]
     assert [c["cause"] for c in report_["causes"]] == ["global_batch"]
+
+
+def test_a_jax_loops_state_is_found_among_a_steps_arguments_only_in_the_guides_order():
+    from tfdist.check import jax_loop
+
+    shapes = ((8, 16), (16,), (), (8, 16))  # kernel, bias; iteration, a moment
+    state = jax_loop._State(("k", "b", "adam/iteration", "adam/m"), shapes, 2, None)
+    kernel, bias, scalar = np.zeros((8, 16)), np.zeros(16), np.zeros(())
+    batch = (np.zeros((16, 8)), np.zeros(16))
+    # (loss, (trainable, non_trainable, optimizer variables)), the batch: found where it lies.
+    given = jax_loop._arrays(((kernel, bias), (), (scalar, kernel), batch))
+    assert jax_loop._find(given, state) == 0
+    assert (
+        jax_loop._find(jax_loop._arrays((scalar, [[kernel, bias], [], [scalar, kernel]])), state)
+        == 1
+    )
+    # The optimizer's variables first, or the model's alone: not the guide's state.
+    assert jax_loop._find(jax_loop._arrays(((scalar, kernel), (kernel, bias))), state) is None
+    assert jax_loop._find(jax_loop._arrays(((kernel, bias), batch)), state) is None
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+def test_a_jax_loop_is_stopped_and_its_per_process_data_named_and_its_twin_is_equal(tmp_path):
+    script = str(SCRIPTS / "loop_jax.py")
+    argv = ("--backend", "jax", "--json", script)
+    proc = check_cli("--steps", "8", *argv, "--data", "per-process", cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    got = {t["topology"]: (t["status"], t["steps"]) for t in found["topologies"]}
+    assert got == {
+        "1 device": ("reference", 8),
+        "2 devices": ("equal", 8),
+        "2 processes": ("differs", 8),
+    }
+    assert found["topologies"][2]["weight_difference"] > 1e-3
+    (cause,) = found["causes"]
+    assert cause["cause"] == "worker_data"
+    assert "every process started from the reference's initial weights" in cause["evidence"]
+    assert "tfdist.loops.shard_batch" in cause["evidence"]
+    # The twin, past its loop's end (2 epochs of 10 steps): measured at the script's exit
+    # from the state its step last returned. On one process it is the run above (a slice
+    # [0::1] is the whole data), equal on 2 devices; here on 2 processes.
+    proc = check_cli("--steps", "40", "--topologies", "2 processes", *argv, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["status"] for t in found["topologies"]] == ["reference", "equal"]
+    assert [t["steps"] for t in found["topologies"]] == [20, 20]
+    assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
+    assert found["causes"] == []
+
+
+def _notebook_script(notebook: str, name: str) -> str:
+    """The script a notebook's code cell writes (``open(...name...)``, ``f.write('''...''')``)."""
+    import re
+
+    cells = json.loads((SCRIPTS.parents[2] / "notebooks" / f"{notebook}.ipynb").read_text())
+    for cell in cells["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and name in source:
+            return re.search(r"f\.write\('''(.*?)'''\)", source, re.S).group(1)
+    raise AssertionError(f"{notebook}: no cell writes {name}")
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_notebook_03s_training_script_is_equal_at_its_global_batch(tmp_path):
+    """notebooks/03_multi_worker_mnist.ipynb's mw_train.py as the notebook writes it (a seed,
+    64 examples per replica), on 2% of MNIST: 2 devices and 2 workers are one device's
+    model at their global batch of 128."""
+    (tmp_path / "mw_train.py").write_text(_notebook_script("03_multi_worker_mnist", "mw_train.py"))
+    argv = ("--steps", "4", "--json", "mw_train.py", "train[:2%]", "1", "64", "out")
+    proc = check_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["status"] for t in found["topologies"]] == ["reference", "equal", "equal"]
+    assert [t["at_global_batch"][0] for t in found["topologies"][1:]] == [128, 128]
+    assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
+    assert [c["cause"] for c in found["causes"]] == ["global_batch"]
+
+
+def test_other_initial_weights_are_named_before_a_global_batch_that_grew():
+    """Notebook 01's code (no seed, 64 per replica): other weights at any batch."""
+    _, found = _causes(_run("2 devices", 0.2, 0.9, steps_per_epoch=5))
+    assert [c.cause for c in found] == ["unseeded"]

@@ -1,6 +1,7 @@
 """``tfdist check script.py``: does this unchanged script train one device's model when distributed?
 
-It runs the script's first ``steps`` training steps of its first ``fit`` on each
+It runs the script's first ``steps`` training steps of its first ``fit`` (or of its
+custom loop: ``loop`` on TensorFlow, ``jax_loop`` on JAX) on each
 topology on this machine's CPU, each in fresh processes (``runner``; the hook that stops
 ``fit`` and records the weights is ``hook``), compares every topology with ``1 device``
 (``verdict``, through ``compare``: per variable, the largest absolute difference, a NaN
@@ -134,9 +135,10 @@ def _why_not(reference, options: CheckOptions) -> str:
         loops = (
             f"its custom loop cannot be stopped: {why}"
             if why
-            else "tfdist check measures fit, and on TensorFlow a custom loop drawing its "
+            else "tfdist check measures fit; a custom loop on TensorFlow drawing its "
             "batches from strategy.experimental_distribute_dataset or "
-            "tfdist.loops.distribute (custom loops on JAX are not measured yet)"
+            "tfdist.loops.distribute; and on JAX a jax.jit step that takes and returns the "
+            "state (trainable_variables, non_trainable_variables, optimizer_variables)"
         )
         return (
             f"on 1 device it ended (exit code {reference.returncode}) without calling "

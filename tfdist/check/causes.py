@@ -14,9 +14,9 @@
   (``TFDIST_CHECK_INERT_RANDOM=1``): equal again, or not.
 - ``partial_batch``: the difference starts at an epoch's last step, whose batch
   is partial (or of a size ``fit``'s input did not tell).
-- ``global_batch``: another number of steps per epoch than ``1 device`` (the global batch
-  grows with the replicas), or ``unseeded``: ``N devices`` starts from other initial
-  weights than ``1 device``: the other causes are not looked for then.
+- ``unseeded``: ``N devices`` starts from other initial weights than ``1 device``, or
+  else ``global_batch``: another number of steps per epoch than ``1 device`` (the global
+  batch grows with the replicas): the other causes are not looked for then.
 - ``fewer_steps``: a run whose fit trained fewer steps than the reference's.
 - ``unsharded_data``: a differing ``N workers`` whose ``tf.data`` input turns auto-sharding
   off (``AutoShardPolicy.OFF``): every worker reads the whole dataset.
@@ -61,7 +61,9 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     causes = [_hang(v) for v in verdicts if v.status == "timeout"]
     causes += [_failed(v) for v in verdicts if v.status == "failed"]
     causes += _short(verdicts, reference)
-    first = _global_batch(verdicts, reference) or _unseeded(verdicts, reference, tolerance)
+    # Other initial weights first: then every other comparison (at another global batch
+    # too) differs for that reason alone.
+    first = _unseeded(verdicts, reference, tolerance) or _global_batch(verdicts, reference)
     if first:  # every step differs from the start: the causes below would be guesses
         return [*causes, first]
     causes += _loss_per_replica(verdicts, reference, tolerance)
@@ -435,18 +437,42 @@ def _workers(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[
         start = compare(reference.ranks[0].initial, result.initial)
         if not start.equal(tolerance):
             return [_seeds(verdict, devices[0], rank, start)]
-    step = f"from step {verdict.first_step}" if verdict.first_step else "in its weights"
+    step = f"the loss differs from step {verdict.first_step}" if verdict.first_step else ""
+    if _jax_loop(verdict):
+        return [_jax_loop_data(verdict, devices[0], step)]
     return [
         Cause(
             "worker_data",
             f"{devices[0].name} equal but {verdict.name} not; every worker started from the "
-            f"reference's initial weights, and the loss differs {step}: the workers train "
-            f"on other data than their share of the global batch ({_given(verdict)})",
+            f"reference's initial weights, and {step or 'its weights differ'}: the workers "
+            f"train on other data than their share of the global batch ({_given(verdict)})",
             "give every worker the same data, order and seed, and let tfdist shard it: "
             "keras.utils.set_random_seed(0) and tfdist.data.pipeline(dataset, "
             "per_replica_batch=..., seed=0) on every worker",
         )
     ]
+
+
+def _jax_loop(verdict: Verdict) -> bool:
+    return verdict.run.topology.backend == "jax" and bool(
+        verdict.run.ranks[verdict.rank].facts.get("loop")
+    )
+
+
+def _jax_loop_data(verdict: Verdict, devices: Verdict, step: str) -> Cause:
+    """``worker_data`` for a JAX custom loop: its processes' global batches differ."""
+    return Cause(
+        "worker_data",
+        f"{devices.name} equal but {verdict.name} not; every process started from the "
+        f"reference's initial weights, and {step or 'its weights differ'}: the processes "
+        "train on other examples than one device. A JAX loop's step takes each process's "
+        "rows of ONE global batch (tfdist.loops.shard_batch, jax.make_array_from_process_"
+        "local_data): data sliced per process before it (jax.process_index()), or shuffled "
+        "or seeded per process, gives each process another global batch",
+        "give every process the same global batches, and let shard_batch keep its rows: "
+        "tfdist.data.pipeline((x, y), global_batch=..., seed=0) over the whole data in "
+        "every process, then tfdist.loops.shard_batch(batch)",
+    )
 
 
 def _given(verdict: Verdict) -> str:

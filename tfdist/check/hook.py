@@ -110,6 +110,10 @@ def on_keras_import(keras) -> None:
         from tfdist.check import loop
 
         loop.install()
+    elif keras.backend.backend() == "jax":
+        from tfdist.check import jax_loop
+
+        jax_loop.install()
 
 
 def _wrap_fit(original):

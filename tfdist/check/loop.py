@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from tfdist.check import model
 
-__all__ = ["install"]
+__all__ = ["install", "noting_failure"]
 
 _FIX_NAME = "tfdist_check_loop"
 _METHODS = ("experimental_distribute_dataset", "distribute_datasets_from_function")
@@ -73,7 +73,7 @@ def install() -> None:
         for name in _METHODS:
             fix_registry.patch(tf.distribute.Strategy, name, _FIX_NAME, _wrap_distribute)
         atexit.register(_at_exit)
-        sys.excepthook = _noting_failure(sys.excepthook)
+        sys.excepthook = noting_failure(sys.excepthook, _LOOP)
 
     record = fix_registry.Fix(
         _FIX_NAME, "tfdist check stops a custom loop", lambda: True, apply, package="tensorflow"
@@ -211,11 +211,12 @@ def _finish(steps: int) -> None:
     model.write_result(final, _LOOP.initial, first, facts, steps)
 
 
-def _noting_failure(excepthook):
-    """``sys.excepthook`` that first notes the script failed (it runs before ``atexit``)."""
+def noting_failure(excepthook, loop):
+    """``sys.excepthook`` that first notes on ``loop`` (its ``failed``) that the script
+    failed: it runs before ``atexit``, where no result is then written."""
 
     def noted(kind, value, traceback):
-        _LOOP.failed = True
+        loop.failed = True
         model.progress("failed", error=f"{kind.__name__}: {value}"[:500])
         excepthook(kind, value, traceback)
 

@@ -1,8 +1,9 @@
 """The topologies ``tfdist check`` compares, and the command that runs the script on each.
 
-A topology is a count and a kind: ``1 device`` (the reference), ``N devices`` (one
-process, ``TFDIST_CPU_DEVICES=N``), ``N workers`` (TensorFlow) or ``N processes`` (JAX):
-N processes started by ``tfdist launch -n N``, exactly as a user would start them.
+A topology is a count and a kind: ``1 device`` (the reference, ``TFDIST_CPU_DEVICES=1``),
+``N devices`` (one process, ``TFDIST_CPU_DEVICES=N``), ``N workers`` (TensorFlow) or ``N
+processes`` (JAX): N processes of one device each, started by ``tfdist launch -n N``,
+exactly as a user would start them.
 
 Example:
     >>> parse_topologies("1 device, 2-devices,2workers", "tensorflow")
@@ -81,8 +82,11 @@ def command(topology: Topology, script: str, args: tuple[str, ...]) -> tuple[lis
     (``TFDIST_LAUNCH_PYTHON``, else this one), so that every topology's script runs
     under the same Python.
     """
+    # Every run is told its devices, one per worker: a script that picks its own when
+    # none are set (os.environ.setdefault("TFDIST_CPU_DEVICES", "2"), a notebook's habit)
+    # then runs on the topology's, not on its own.
     if topology.kind == "worker":
         argv = [sys.executable, "-m", "tfdist", "launch", "-n", str(topology.count)]
-        return [*argv, script, *args], {}
-    env = {"TFDIST_CPU_DEVICES": str(topology.count)} if topology.count > 1 else {}
+        return [*argv, script, *args], {"TFDIST_CPU_DEVICES": "1"}
+    env = {"TFDIST_CPU_DEVICES": str(topology.count)}
     return [launch_python(), "-m", "tfdist.bootstrap", script, *args], env
