@@ -18,7 +18,15 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
   64 (the last one 44): each replica's valid tokens differ, in full batches too;
 * ``sample weights``: a regression with ``sample_weight``, 100 examples at 32;
 * ``conv, batches of 6``: Conv2D + MaxPooling2D, 60 examples at a global batch of 6 (on 4
-  replicas: 2 + 2 + 1 + 1 each step, never an empty replica).
+  replicas, in one process or over 2 workers: 2 + 2 + 1 + 1 each step, never an empty
+  replica);
+* ``conv, 65 at 6`` and ``conv + BN, 65 at 6`` (a synchronized BatchNormalization
+  after the Conv2D): 65 examples, the last batch 5 (2 + 1 + 1 + 1 on 4 replicas);
+* ``conv, 63 at 6``: the last batch 3, which leaves one of 4 replicas empty (refused
+  before training there).
+
+On TensorFlow every worker then prints ``SLICES {"worker": i, "steps": [...]}``: the
+example ids each of its replicas gets, step by step, from 21 ids at a global batch of 6.
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
 "replicas": r, "workers": w}}}``: the weights and (for compiled losses) the loss
@@ -153,15 +161,25 @@ def sample_weights() -> keras.Model:
     return model
 
 
-def conv_batches_of_6() -> keras.Model:
+def conv_batches_of_6(examples: int = 60, batchnorm: bool = False) -> keras.Model:
     rng = np.random.default_rng(4)
-    x = rng.normal(size=(60, 8, 8, 1)).astype("float32")
-    y = rng.integers(0, 3, size=60)
+    x = rng.normal(size=(examples, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 3, size=examples)
+    # BatchNormalization synchronized: its statistics are the global batch's, as on one
+    # device (an unsynchronized one differs from one device on any split).
+    if batchnorm:
+        conv = [
+            keras.layers.Conv2D(4, 3),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Activation("relu"),
+        ]
+    else:
+        conv = [keras.layers.Conv2D(4, 3, activation="relu")]
     with tfdist.scope():
         model = keras.Sequential(
             [
                 keras.Input((8, 8, 1)),
-                keras.layers.Conv2D(4, 3, activation="relu"),
+                *conv,
                 keras.layers.MaxPooling2D(),
                 keras.layers.Flatten(),
                 keras.layers.Dense(3),
@@ -182,6 +200,9 @@ CASES = {
     "masked GRU": masked_gru,
     "sample weights": sample_weights,
     "conv, batches of 6": conv_batches_of_6,
+    "conv, 65 at 6": lambda: conv_batches_of_6(65),
+    "conv + BN, 65 at 6": lambda: conv_batches_of_6(65, batchnorm=True),
+    "conv, 63 at 6": lambda: conv_batches_of_6(63),
 }
 
 
@@ -198,6 +219,15 @@ def result(model: keras.Model) -> dict:
     return {"values": values, **trained_on.model_topology(model)}
 
 
+def slices() -> list:
+    """Which examples each of this worker's replicas gets, step by step, when the
+    strategy distributes 21 ids at a global batch of 6 (the last batch 3)."""
+    strategy = tfdist.strategy()
+    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(21).batch(6))
+    local = strategy.experimental_local_results
+    return [[part.numpy().tolist() for part in local(batch)] for batch in dataset]
+
+
 def main() -> None:
     names = sys.argv[1:] or list(CASES if keras.backend.backend() == "tensorflow" else JAX_CASES)
     out = {}
@@ -210,6 +240,8 @@ def main() -> None:
             out[name] = {"error": f"{type(error).__name__}: {str(error)[:1500]}"}
     worker = tfdist.cluster_from_env().rank
     print("NOHARM " + json.dumps({"worker": worker, "cases": out}), flush=True)
+    if keras.backend.backend() == "tensorflow":
+        print("SLICES " + json.dumps({"worker": worker, "steps": slices()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ Two upstream defects follow, each fixed here:
 * ``tf_distribute_partial_batch_evenly``: a replica handed no example aborts the process
   in oneDNN's MaxPool gradient (``Check failed: dtype() == expected_dtype``; an empty
   batch does so on one device too) and, with a Conv2D + ReLU before it, fails in oneDNN's
-  fused kernels. The fix cuts every batch into ``ceil(B / N)``-sized slices (TF's own
-  legacy rebatch), so on 2 replicas a replica is empty only for a batch of 1.
+  fused kernels. The fix cuts every batch into slices whose sizes differ by at most one
+  (6 on 4 replicas -> 2 + 2 + 1 + 1, in one process or over workers), so a replica is
+  empty only for a batch with fewer examples than replicas.
 * ``keras_tf_fit_refuses_empty_replicas``: training on a batch that still leaves a
   replica empty makes BatchNormalization's statistics NaN, silently, and aborts oneDNN's
   MaxPool gradient; ``fit`` refuses it, before the first step where the sizes are known
@@ -56,7 +57,6 @@ __all__ = [
     "fix_jax_process_share",
     "fix_fit_marks_training_input",
     "fix_jax_uneven_batch_refused_first",
-    "split_evenly",
     "split_balanced",
     "leaves_a_replica_empty",
     "takes_empty_replicas",
@@ -157,24 +157,11 @@ def fix_loss_weights() -> None:
     )
 
 
-def split_evenly(dataset, pieces: int):
-    """Each batch of ``dataset`` as ``pieces`` consecutive slices of ``ceil(size /
-    pieces)`` examples, the last ones shorter (88 in 2 -> 44 + 44, 89 -> 45 + 44): TF's own
-    legacy rebatch, which its auto-sharding between workers knows.
-
-    Example:
-        >>> import tensorflow as tf
-        >>> ds = split_evenly(tf.data.Dataset.range(5).batch(5), 2)
-        >>> [len(piece) for piece in ds]  # doctest: +SKIP
-        [3, 2]
-    """
-    return upstream.tf_legacy_rebatch(dataset, pieces)
-
-
 def split_balanced(dataset, pieces: int):
     """Each batch of ``dataset`` as ``pieces`` consecutive slices whose sizes differ by at
-    most one, the larger first (6 in 4 -> 2 + 2 + 1 + 1, 9 -> 3 + 2 + 2 + 2): a replica is
-    empty only when the batch has fewer examples than there are replicas.
+    most one, the larger first (6 in 4 -> 2 + 2 + 1 + 1, 9 -> 3 + 2 + 2 + 2; in 2, TF's
+    legacy ``ceil`` cut: 89 -> 45 + 44): a replica is empty only when the batch has
+    fewer examples than there are replicas.
 
     Example:
         >>> import tensorflow as tf
@@ -209,25 +196,16 @@ def _splittable(dataset) -> bool:
     )
 
 
-def _splitter(workers: int, replicas: int):
-    """The cut the fix uses: ``ceil(B / N)`` slices on 2 replicas and between workers
-    (the rebatch their sharding knows), sizes differing by at most one on more replicas
-    of one process."""
-    return split_balanced if workers == 1 and replicas > 2 else split_evenly
-
-
-def leaves_a_replica_empty(batch: int, replicas: int, workers: int = 1) -> bool:
+def leaves_a_replica_empty(batch: int, replicas: int) -> bool:
     """Whether the fix's cut of a global batch of ``batch`` examples hands some replica
-    no example (1 on 2 replicas; 3 on 4 replicas of one process; 6 -> 2 + 2 + 2 + 0 on
-    4 replicas over 2 workers).
+    no example: only a batch with fewer examples than replicas (1 on 2; 3 on 4, in one
+    process or over several workers).
 
     Example:
-        >>> leaves_a_replica_empty(1, 2), leaves_a_replica_empty(3, 2)
+        >>> leaves_a_replica_empty(1, 2), leaves_a_replica_empty(6, 4)
         (True, False)
     """
-    if _splitter(workers, replicas) is split_balanced:
-        return batch < replicas
-    return batch - (replicas - 1) * -(-batch // replicas) <= 0
+    return batch < replicas
 
 
 def batch_sizes(dataset) -> set[int] | None:
@@ -300,11 +278,10 @@ def _empty_replica_guard(sizes: set[int] | None, replicas: int, workers: int):
     advice = (
         f"Give every global batch at least one example per replica: drop the last batch "
         f"(drop_remainder=True), or change the dataset or batch size so that the last "
-        f"batch holds at least {replicas} examples (and, over several workers, a global "
-        f"batch that divides by {replicas})."
+        f"batch holds at least {replicas} examples."
     )
     if sizes is not None:
-        empty = sorted(s for s in sizes if leaves_a_replica_empty(s, replicas, workers))
+        empty = sorted(s for s in sizes if leaves_a_replica_empty(s, replicas))
         if empty:
             raise ValueError(
                 f"tfdist: fit's training data has a batch of {empty[0]} example(s) "
@@ -314,17 +291,12 @@ def _empty_replica_guard(sizes: set[int] | None, replicas: int, workers: int):
                 f"gradients. {advice}"
             )
         return None
-    balanced = _splitter(workers, replicas) is split_balanced
     message = f"tfdist: a training batch leaves a replica of {replicas} with no example. "
 
     def guard(*batch):
         element = batch[0] if len(batch) == 1 else batch
         size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
-        n = tf.constant(replicas, tf.int64)
-        empty = size < n if balanced else size - (n - 1) * ((size + n - 1) // n) <= 0
-        assertion = tf.debugging.Assert(
-            tf.logical_not(empty), [message + advice + " Batch size:", size]
-        )
+        assertion = tf.debugging.Assert(size >= replicas, [message + advice + " Batch size:", size])
         with tf.control_dependencies([assertion]):
             return tf.nest.map_structure(tf.identity, element)
 
@@ -340,13 +312,18 @@ def fix_even_split() -> None:
     leaves the last ones short or empty (56 of 128 on 2 replicas -> 56 + 0), and an empty
     replica aborts oneDNN's MaxPool gradient. Where it does not find the batch size it
     uses its legacy rebatch, which cuts every batch into ``N`` slices of ``ceil(B / N)``
-    (56 -> 28 + 28; on 2 replicas a slice is empty only for a batch of 1; on 4, 6 ->
-    2 + 2 + 2 + 0, an empty replica in a full batch). The fix takes that path always
-    (``split_evenly``) on 2 replicas and between workers (the sharding between workers
-    that follows is upstream's, which knows this rebatch), and on more replicas of one
-    process cuts sizes that differ by at most one (``split_balanced``: 6 -> 2 + 2 + 1 +
-    1). Full batches that divide by ``N`` are cut exactly as before (``B / N`` each, in
-    order). Datasets whose elements are not dense batched tensors keep upstream's choice.
+    (on 4 replicas, 6 -> 2 + 2 + 2 + 0: an empty replica in a full batch). The fix cuts
+    every batch, on every topology, into ``N`` consecutive slices whose sizes differ by
+    at most one (``split_balanced``: 6 -> 2 + 2 + 1 + 1; on 2 replicas this is the
+    ``ceil`` cut, 89 -> 45 + 44), so a replica is empty only for a batch with fewer
+    examples than replicas. Between workers, tf.distribute's sharding that follows deals
+    the slices out in turn (DATA or AUTO sharding of an in-memory dataset: slice ``i``
+    of each batch to worker ``i % W``, and a worker's slices to its replicas in order),
+    so every replica of every worker sees each example of the batch once (measured: 4
+    replicas over 2 workers, a batch of 6 -> worker 0 [0, 1] + [4], worker 1 [2, 3] +
+    [5]). Full batches that divide by ``N`` are cut exactly as before (``B / N`` each,
+    in order). Datasets whose elements are not dense batched tensors keep upstream's
+    choice.
 
     A training batch that still leaves a replica empty (1 example on 2 replicas) would
     make BatchNormalization's moving statistics NaN or abort the process in oneDNN, so
@@ -362,7 +339,6 @@ def fix_even_split() -> None:
             if not _splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
-            split = _splitter(num_workers, num_replicas_in_sync)
             guard = None
             training = _TRAINING_INPUT.get()
             if training is not None and not training.cut:
@@ -373,7 +349,7 @@ def fix_even_split() -> None:
             def rebatch_fn(dataset, worker_index):
                 if guard is not None:
                     dataset = dataset.map(guard)
-                return split(dataset, num_replicas_in_sync).prefetch(per_worker)
+                return split_balanced(dataset, num_replicas_in_sync).prefetch(per_worker)
 
             return rebatch_fn
 
@@ -652,7 +628,8 @@ FIXES = [
     Fix(
         "tf_distribute_partial_batch_evenly",
         "tf.distribute splits a partial last batch by fixed per-replica sizes (56 of 128 "
-        "-> 56 + 0 on 2 replicas): an empty replica aborts oneDNN's MaxPool gradient",
+        "-> 56 + 0 on 2 replicas) and, over workers, full batches too (6 -> 2 + 2 + 2 + 0 on "
+        "4 replicas of 2 workers): an empty replica aborts oneDNN's MaxPool gradient",
         on_tensorflow_backend(),
         fix_even_split,
         package="tensorflow",
@@ -668,6 +645,10 @@ FIXES = [
         ),
         no_harm=(
             "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
+            "conv, batches of 6",
+            "conv, 65 at 6",
+            "conv + BN, 65 at 6",
+            "tests/compat/test_no_harm.py::test_each_example_reaches_one_replica_in_slices_that_differ_by_at_most_one",
             "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[tensorflow]",
         ),
     ),
@@ -689,6 +670,8 @@ FIXES = [
         ),
         no_harm=(
             "tests/compat/test_partial_batches.py::test_a_batch_that_leaves_a_replica_empty_is_refused_in_training_only",
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes",
+            "conv, 63 at 6",
         ),
     ),
     Fix(
