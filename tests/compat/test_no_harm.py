@@ -70,7 +70,7 @@ FULL_BATCH_CASES = (
 REFUSED = {"conv, 63 at 6": {"4 devices", "2 workers"}}
 REFUSAL = (
     r"^ValueError: tfdist: fit's training data has a batch of 3 example\(s\) \(batch "
-    r"sizes \[3, 6\]\), which leaves a replica of 4 .*drop_remainder=True"
+    r"sizes \[3, 6\] of 63 examples\), which leaves a replica of 4 .*drop_remainder=True"
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.devices]

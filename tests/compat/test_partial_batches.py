@@ -430,7 +430,8 @@ def test_a_batch_that_leaves_a_replica_empty_is_refused_in_training_only():
     for name in ("conv numpy last 1", "bn numpy last 1", "bn tf.data last 1"):
         case = two[name]
         assert re.search(REFUSED_BEFORE_TRAINING, case.get("error", "")), (name, case)
-        assert "batch of 1 example" in case["error"] and "drop_remainder=True" in case["error"]
+        assert "batch of 1 example(s) (batch sizes [1, 16] of 33 examples)" in case["error"]
+        assert "drop_remainder=True" in case["error"]
         assert case["iterations"] == 0 and case["finite"], (name, case)
     unknown = two["conv tf.data unknown last 1"]
     assert re.search(REFUSED_BY_THE_PIPELINE, unknown.get("error", ""), re.S), unknown

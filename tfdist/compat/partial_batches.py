@@ -218,6 +218,17 @@ def batch_sizes(dataset) -> set[int] | None:
         >>> sorted(batch_sizes(tf.data.Dataset.range(5).batch(2).prefetch(1)))  # doctest: +SKIP
         [1, 2]
     """
+    batching = _dataset_batching(dataset)
+    if batching is None:
+        return None
+    size, count, drop = batching
+    last = count % size
+    return {size} | ({last} if last and not drop else set()) if count else set()
+
+
+def _dataset_batching(dataset) -> tuple[int, int, bool] | None:
+    """(batch size, examples batched, drop_remainder) of the ``batch`` that makes
+    ``dataset``'s elements, read from the pipeline; None when it cannot tell."""
     node = dataset
     while True:
         batching = upstream.tf_dataset_batching(node)
@@ -227,8 +238,7 @@ def batch_sizes(dataset) -> set[int] | None:
             count = int(inputs[0].cardinality())
             if count < 0:  # tf.data.INFINITE_CARDINALITY or UNKNOWN_CARDINALITY
                 return None
-            last = count % size
-            return {size} | ({last} if last and not drop else set()) if count else set()
+            return size, count, drop
         # Walk back only through ops that keep the number (and so the sizes) of elements.
         if len(inputs) != 1 or int(inputs[0].cardinality()) != int(node.cardinality()):
             return None
@@ -238,9 +248,17 @@ def batch_sizes(dataset) -> set[int] | None:
 class _TrainingInput:
     """``fit``'s training data, until tf.distribute cuts it (the first cut of that call)."""
 
-    def __init__(self, sizes: set[int] | None):
+    def __init__(self, sizes: set[int] | None, examples: int | None = None):
         self.sizes = sizes  # of arrays, known from their length; None: ask the pipeline
+        self.examples = examples
         self.cut = False
+
+    def batches(self, dataset) -> tuple[set[int] | None, int | None]:
+        """The batch sizes and number of examples of the training data, ``dataset``."""
+        if self.sizes is not None:
+            return self.sizes, self.examples
+        batching = _dataset_batching(dataset)
+        return batch_sizes(dataset), None if batching is None else batching[1]
 
 
 _TRAINING_INPUT: contextvars.ContextVar[_TrainingInput | None] = contextvars.ContextVar(
@@ -248,27 +266,30 @@ _TRAINING_INPUT: contextvars.ContextVar[_TrainingInput | None] = contextvars.Con
 )
 
 
-def _array_batch_sizes(bound: inspect.BoundArguments) -> set[int] | None:
+def _array_batches(bound: inspect.BoundArguments) -> _TrainingInput:
     """The batch sizes ``fit`` will train on when ``x`` holds arrays, as Keras's array
-    adapter cuts them (``batch_size`` 32 by default, after ``validation_split``)."""
+    adapter cuts them (``batch_size`` 32 by default, after ``validation_split``), and the
+    number of examples; unknown (None) for other inputs."""
     import tensorflow as tf
 
     args = bound.arguments
     x = args.get("x")
     leaves = tf.nest.flatten(x)
     if x is None or not leaves or not all(hasattr(leaf, "shape") for leaf in leaves):
-        return None
+        return _TrainingInput(None)
     if isinstance(x, tf.data.Dataset) or not leaves[0].shape or leaves[0].shape[0] is None:
-        return None
+        return _TrainingInput(None)
     count = int(leaves[0].shape[0])
     if args.get("validation_split"):
         count = int(math.floor(count * (1.0 - args["validation_split"])))
     size = args.get("batch_size") or 32
     last = count % size
-    return ({size} if count >= size else set()) | ({last} if last else set())
+    return _TrainingInput(({size} if count >= size else set()) | ({last} if last else set()), count)
 
 
-def _empty_replica_guard(sizes: set[int] | None, replicas: int, workers: int):
+def _empty_replica_guard(
+    sizes: set[int] | None, replicas: int, workers: int, examples: int | None = None
+):
     """Refuses a training batch the cut would leave a replica empty on: now (ValueError)
     when the batch sizes are known; otherwise returns a ``map`` function that fails in
     the input pipeline when such a batch comes, before any kernel sees an empty batch.
@@ -282,10 +303,11 @@ def _empty_replica_guard(sizes: set[int] | None, replicas: int, workers: int):
     )
     if sizes is not None:
         empty = sorted(s for s in sizes if leaves_a_replica_empty(s, replicas))
+        of = "" if examples is None else f" of {examples} examples"
         if empty:
             raise ValueError(
                 f"tfdist: fit's training data has a batch of {empty[0]} example(s) "
-                f"(batch sizes {sorted(sizes)}), which leaves a replica of {replicas} "
+                f"(batch sizes {sorted(sizes)}{of}), which leaves a replica of {replicas} "
                 f"({workers} worker(s)) with no example; an empty replica makes "
                 f"BatchNormalization's statistics NaN and aborts oneDNN's pooling "
                 f"gradients. {advice}"
@@ -343,8 +365,8 @@ def fix_even_split() -> None:
             training = _TRAINING_INPUT.get()
             if training is not None and not training.cut:
                 training.cut = True  # the first cut of a fit is its training data
-                sizes = training.sizes if training.sizes is not None else batch_sizes(dataset)
-                guard = _empty_replica_guard(sizes, num_replicas_in_sync, num_workers)
+                sizes, examples = training.batches(dataset)
+                guard = _empty_replica_guard(sizes, num_replicas_in_sync, num_workers, examples)
 
             def rebatch_fn(dataset, worker_index):
                 if guard is not None:
@@ -413,10 +435,10 @@ def fix_fit_marks_training_input() -> None:
             if takes_empty_replicas(self):
                 return original(self, *args, **kwargs)
             try:
-                sizes = _array_batch_sizes(signature.bind(self, *args, **kwargs))
+                training = _array_batches(signature.bind(self, *args, **kwargs))
             except TypeError:  # upstream reports the bad call
-                sizes = None
-            token = _TRAINING_INPUT.set(_TrainingInput(sizes))
+                training = _TrainingInput(None)
+            token = _TRAINING_INPUT.set(training)
             try:
                 return original(self, *args, **kwargs)
             finally:
