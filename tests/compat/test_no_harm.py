@@ -217,16 +217,24 @@ def test_each_example_reaches_one_replica_in_slices_that_differ_by_at_most_one(c
     """21 ids at a global batch of 6 on 4 replicas: each step's ids, gathered over every
     worker's replicas, are that batch's, each once, in slices differing by at most one
     (2 + 2 + 1 + 1; the last batch of 3: 1 + 1 + 1 + 0). Over 2 workers tf.distribute
-    deals the slices out in turn: worker 0 gets the first and third, worker 1 the others."""
+    deals the slices out in turn: worker 0 gets the first and third, worker 1 the others;
+    read from 2 TFRecord files, each worker reads its own file (sharding by file, as
+    upstream), every id once, each of its batches cut alike."""
     found = tagged_reports(_stdout(cell), "SLICES", "worker")
     replicas, workers, _, _ = _spec(cell)
     assert sorted(found) == list(range(workers))
-    steps = zip(*(found[w]["steps"] for w in range(workers)), strict=True)
+    steps = zip(*(found[w]["memory"] for w in range(workers)), strict=True)
     for step, parts in enumerate(steps):
         slices = [ids for worker in parts for ids in worker]
         assert len(slices) == replicas, (step, parts)
         assert sorted(sum(slices, [])) == list(range(6 * step, min(6 * step + 6, 21)))
         assert max(map(len, slices)) - min(map(len, slices)) <= 1, (step, parts)
-    if workers == 2:
-        assert found[0]["steps"][0] == [[0, 1], [4]]
-        assert found[1]["steps"][0] == [[2, 3], [5]]
+    if workers == 1:
+        return
+    assert found[0]["memory"][0] == [[0, 1], [4]]
+    assert found[1]["memory"][0] == [[2, 3], [5]]
+    for worker, ids in ((0, range(0, 11)), (1, range(11, 21))):
+        steps = found[worker]["files"]
+        assert sorted(sum(sum(steps, []), [])) == list(ids), (worker, steps)
+        for parts in steps:
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1, (worker, steps)

@@ -25,8 +25,9 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
 * ``conv, 63 at 6``: the last batch 3, which leaves one of 4 replicas empty (refused
   before training there).
 
-On TensorFlow every worker then prints ``SLICES {"worker": i, "steps": [...]}``: the
-example ids each of its replicas gets, step by step, from 21 ids at a global batch of 6.
+On TensorFlow every worker then prints ``SLICES {"worker": i, "memory": [...], "files":
+[...]}``: the example ids each of its replicas gets, step by step, from 21 ids at a global
+batch of 6, in memory and read from 2 TFRecord files (ids 0-10 and 11-20).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
 "replicas": r, "workers": w}}}``: the weights and (for compiled losses) the loss
@@ -39,7 +40,9 @@ A failing case reports ``{"error": ...}`` and the others still run.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -219,13 +222,27 @@ def result(model: keras.Model) -> dict:
     return {"values": values, **trained_on.model_topology(model)}
 
 
-def slices() -> list:
+def slices() -> dict:
     """Which examples each of this worker's replicas gets, step by step, when the
-    strategy distributes 21 ids at a global batch of 6 (the last batch 3)."""
+    strategy distributes 21 ids at a global batch of 6 (the last batch 3): from memory,
+    and read from 2 TFRecord files (ids 0-10 and 11-20)."""
     strategy = tfdist.strategy()
-    dataset = strategy.experimental_distribute_dataset(tf.data.Dataset.range(21).batch(6))
-    local = strategy.experimental_local_results
-    return [[part.numpy().tolist() for part in local(batch)] for batch in dataset]
+    folder = Path(tempfile.mkdtemp())
+    files = [str(folder / f"part-{i}.tfrecord") for i in range(2)]
+    for path, ids in zip(files, (range(0, 11), range(11, 21)), strict=True):
+        with tf.io.TFRecordWriter(path) as writer:
+            for i in ids:
+                writer.write(tf.io.serialize_tensor(tf.constant(i, tf.int64)).numpy())
+    records = tf.data.TFRecordDataset(files).map(
+        lambda r: tf.ensure_shape(tf.io.parse_tensor(r, tf.int64), [])
+    )
+    out = {}
+    for name, dataset in (("memory", tf.data.Dataset.range(21)), ("files", records)):
+        distributed = strategy.experimental_distribute_dataset(dataset.batch(6))
+        local = strategy.experimental_local_results
+        out[name] = [[part.numpy().tolist() for part in local(batch)] for batch in distributed]
+    shutil.rmtree(folder)
+    return out
 
 
 def main() -> None:
@@ -241,7 +258,7 @@ def main() -> None:
     worker = tfdist.cluster_from_env().rank
     print("NOHARM " + json.dumps({"worker": worker, "cases": out}), flush=True)
     if keras.backend.backend() == "tensorflow":
-        print("SLICES " + json.dumps({"worker": worker, "steps": slices()}), flush=True)
+        print("SLICES " + json.dumps({"worker": worker, **slices()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -171,19 +171,27 @@ def split_balanced(dataset, pieces: int):
     """
     import tensorflow as tf
 
-    def cut(*batch):
+    # map -> unbatch -> map, ops tf.data's auto-sharding passes through: a file-based
+    # pipeline over several workers keeps its sharding by file (a flat_map here makes it
+    # shard records instead, and every worker reads every file).
+    def spread(*batch):
+        """The batch as ``pieces`` rows of equal width (gathered, the last index repeated
+        where a slice is shorter), with each slice's length."""
         element = batch[0] if len(batch) == 1 else batch
         size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
         base, extra = size // pieces, size % pieces
+        i = tf.range(pieces, dtype=tf.int64)
+        starts = i * base + tf.minimum(i, extra)
+        width = base + tf.cast(extra > 0, tf.int64)
+        rows = starts[:, None] + tf.range(width, dtype=tf.int64)[None, :]
+        rows = tf.minimum(rows, tf.maximum(size - 1, 0))
+        lengths = base + tf.cast(i < extra, tf.int64)
+        return tf.nest.map_structure(lambda t: tf.gather(t, rows), element), lengths
 
-        def piece(i):
-            start = i * base + tf.minimum(i, extra)
-            length = base + tf.cast(i < extra, tf.int64)
-            return tf.nest.map_structure(lambda t: t[start : start + length], element)
+    def trim(element, length):
+        return tf.nest.map_structure(lambda t: t[:length], element)
 
-        return tf.data.Dataset.range(pieces).map(piece)
-
-    return dataset.flat_map(cut)
+    return dataset.map(spread).unbatch().map(trim)
 
 
 def _splittable(dataset) -> bool:
@@ -343,7 +351,8 @@ def fix_even_split() -> None:
     of each batch to worker ``i % W``, and a worker's slices to its replicas in order),
     so every replica of every worker sees each example of the batch once (measured: 4
     replicas over 2 workers, a batch of 6 -> worker 0 [0, 1] + [4], worker 1 [2, 3] +
-    [5]). Full batches that divide by ``N`` are cut exactly as before (``B / N`` each,
+    [5]); sharded by file, each worker reads its own files and cuts its own batches
+    alike. Full batches that divide by ``N`` are cut exactly as before (``B / N`` each,
     in order). Datasets whose elements are not dense batched tensors keep upstream's
     choice.
 
