@@ -2,9 +2,9 @@
 
 tfdist's fix ``keras_partial_batch_loss_weights`` all-reduces one scalar per loss per
 training step (each replica's share of the global batch), though only an epoch's last
-batch can be partial; ``tf_distribute_partial_batch_evenly`` cuts every batch with TF's
-legacy rebatch and ``keras_tf_fit_refuses_empty_replicas`` reads the batch sizes before
-``fit``. This tool times ``fit`` on FULL batches only (a dataset whose size divides the
+batch can be partial; ``tf_distribute_partial_batch_evenly`` cuts every batch into slices
+whose sizes differ by at most one and ``keras_tf_fit_refuses_empty_replicas`` reads the
+batch sizes before ``fit``. This tool times ``fit`` on FULL batches only (a dataset whose size divides the
 global batch) with the fixes on (A, the default) and off (B, ``TFDIST_COMPAT_EXCLUDE`` of
 the three: upstream), each run a fresh process (the fixes are process-wide), A and B
 alternated (A B, then B A, ...) after one unrecorded warm-up pair, in each configuration:

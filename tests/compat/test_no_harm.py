@@ -2,8 +2,10 @@
 one it gets wrong equals one device with them.
 
 ``tests/scripts/no_harm_job.py`` trains each case once per cell: 1 device (the reference),
-2 and 4 logical devices and 2 workers with every fix, and 2 and 4 logical devices with
-every fix excluded (``TFDIST_COMPAT_EXCLUDE=all``); on JAX, the cases without a
+2 and 4 logical devices and 4 replicas over 2 workers (2 logical devices each) with every
+fix, and 2 and 4 logical devices with every fix excluded (``TFDIST_COMPAT_EXCLUDE=all``;
+the cases of full batches only: a last batch of 3 leaves a replica of 2 empty upstream,
+and oneDNN aborts the process); on JAX, the cases without a
 TensorFlow ``train_step`` on 1 device (the reference), 2 devices and 2 processes with every
 fix, and 2 processes with every fix excluded (upstream equals one device there: the cases'
 numpy inputs are cut per process by Keras itself). A loss called inside a ``tf.cond``, a
@@ -12,13 +14,17 @@ issued) equals one device with the fixes off, so it must with them on; a masked 
 loss ends away from one device with the fixes off (each replica divides by its own valid
 tokens) and equals it with them on; so does a Conv2D + MaxPooling2D model fed batches of 6
 on 4 replicas (upstream hands one replica no example and fails; with the fixes each step
-is cut 2 + 2 + 1 + 1). Each case reports the replicas of the strategy its own
-model was built under, and every worker's weights are compared, not only the chief's.
+is cut 2 + 2 + 1 + 1, in one process and over 2 workers), and with a partial last batch
+of 5 (2 + 1 + 1 + 1), with and without a synchronized BatchNormalization; a last batch of
+3 on 4 replicas is refused before training. Each case reports the replicas of the
+strategy its own model was built under, and every worker's weights are compared, not only
+the chief's.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 
@@ -32,7 +38,7 @@ LOSS_TOLERANCE = {"masked GRU": 1e-3}
 CELLS = {  # name -> (replicas, workers, fixes, backend)
     "2 devices": (2, 1, "on", "tensorflow"),
     "4 devices": (4, 1, "on", "tensorflow"),
-    "2 workers": (2, 2, "on", "tensorflow"),
+    "2 workers": (4, 2, "on", "tensorflow"),  # 2 logical devices each
     "2 devices, fixes off": (2, 1, "off", "tensorflow"),
     "4 devices, fixes off": (4, 1, "off", "tensorflow"),
     "jax 2 devices": (2, 1, "on", "jax"),
@@ -50,6 +56,22 @@ UPSTREAM_DIFFERS = {
     "masked GRU": {"2 devices, fixes off", "4 devices, fixes off"},
     "conv, batches of 6": {"4 devices, fixes off"},
 }
+# What the fixes-off cells run: the cases of full batches (no_harm_job.CASES before the
+# partial ones, whose empty replicas abort a process upstream).
+FULL_BATCH_CASES = (
+    "loss in tf.cond",
+    "loss in a while loop",
+    "loss in a nested tf.function",
+    "masked GRU",
+    "sample weights",
+    "conv, batches of 6",
+)
+# A last batch of 3 on 4 replicas leaves one empty: fit refuses it before training.
+REFUSED = {"conv, 63 at 6": {"4 devices", "2 workers"}}
+REFUSAL = (
+    r"^ValueError: tfdist: fit's training data has a batch of 3 example\(s\) \(batch "
+    r"sizes \[3, 6\] of 63 examples\), which leaves a replica of 4 .*drop_remainder=True"
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.devices]
 
@@ -70,26 +92,36 @@ def _reference(cell: str) -> dict:
 
 
 @functools.cache
-def _cell(name: str) -> dict:
-    """``{worker: {case: result}}`` of one cell."""
+def _stdout(name: str) -> str:
+    """The output of one cell's job (every worker's, under ``tfdist launch``)."""
     replicas, workers, fixes, backend = _spec(name)
     env = {"KERAS_BACKEND": backend}
     if fixes == "off":
         env["TFDIST_COMPAT_EXCLUDE"] = "all"
-    cases = JAX_CASES if backend == "jax" else ()
+    cases = JAX_CASES if backend == "jax" else FULL_BATCH_CASES if fixes == "off" else ()
     if workers > 1:
+        if replicas > workers:
+            env["TFDIST_CPU_DEVICES"] = str(replicas // workers)
         proc = launch_cli("-n", str(workers), str(JOB), *cases, timeout=600, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     else:
         argv = [str(JOB), *cases]
         code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
         proc = run_python(code, timeout=600, TFDIST_CPU_DEVICES=str(replicas), **env)
-    reports = _reports(proc.stdout)
+    return proc.stdout
+
+
+@functools.cache
+def _cell(name: str) -> dict:
+    """``{worker: {case: result}}`` of one cell."""
+    replicas, workers, _, _ = _spec(name)
+    reports = _reports(_stdout(name))
     assert sorted(reports) == list(range(workers)), f"{name}: reports from {sorted(reports)}"
     for worker, found in reports.items():
         for case, result in found.items():
-            if "error" in result and name in UPSTREAM_DIFFERS.get(case, ()):
-                continue  # an upstream failure, checked by the test that expects it
+            expected = UPSTREAM_DIFFERS.get(case, set()) | REFUSED.get(case, set())
+            if "error" in result and name in expected:
+                continue  # an upstream failure or a refusal, checked by the test expecting it
             assert "error" not in result, f"{name}, worker {worker}, {case}: {result['error']}"
             topology = (result["replicas"], result["workers"])
             assert topology == (replicas, workers), (name, worker, case, topology)
@@ -114,8 +146,11 @@ def test_every_case_equals_one_device_with_the_fixes(cell):
     for worker, cases in _cell(cell).items():
         assert sorted(cases) == sorted(reference)
         for case, result in cases.items():
-            weights, loss = _difference(reference[case], result, case)
             where = f"{cell}, worker {worker}, {case}"
+            if cell in REFUSED.get(case, ()):
+                assert re.search(REFUSAL, result.get("error", ""), re.S), (where, result)
+                continue
+            weights, loss = _difference(reference[case], result, case)
             assert weights <= WEIGHTS_TOLERANCE, f"{where}: weights differ by {weights:.3g}"
             tolerance = LOSS_TOLERANCE.get(case, WEIGHTS_TOLERANCE)
             assert loss <= tolerance, f"{where}: loss history differs by {loss:.3g}"
@@ -148,3 +183,58 @@ def test_fixes_off_upstream_differs_from_one_device(cell):
             continue
         weights, _ = _difference(reference[case], result, case)
         assert weights > 1e-4, f"{cell}, {case}: upstream now equals one device ({weights:.3g})"
+
+
+@pytest.mark.upstream_failure("tf_distribute_partial_batch_evenly")
+def test_without_the_even_split_a_worker_replica_is_empty_in_full_batches():
+    """4 replicas over 2 workers, full batches of 6, the even split alone excluded:
+    upstream cuts each batch 2 + 2 + 2 + 0 (measured: worker 1's second replica gets no
+    example in any step), and on this project's CPUs that worker aborts in oneDNN's
+    MaxPool gradient (``Check failed``); where oneDNN does not check, the case fails or
+    ends away from one device. With the fix: ``4 replicas, 2 workers`` above."""
+    env = {"KERAS_BACKEND": "tensorflow", "TFDIST_CPU_DEVICES": "2"}
+    env["TFDIST_COMPAT_EXCLUDE"] = "tf_distribute_partial_batch_evenly"
+    case = "conv, batches of 6"
+    proc = launch_cli("-n", "2", str(JOB), case, timeout=600, **env)
+    if proc.returncode != 0:
+        assert "Check failed" in proc.stdout + proc.stderr, (
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
+        return
+    reference = _reference("4 devices")[case]
+    for worker, cases in _reports(proc.stdout).items():
+        result = cases[case]
+        assert result.get("replicas") in (None, 4), (worker, result)
+        if "error" not in result:
+            weights, _ = _difference(reference, result, case)
+            assert weights > 1e-4, (
+                f"worker {worker}: upstream now equals one device ({weights:.3g})"
+            )
+
+
+@pytest.mark.parametrize("cell", ["4 devices", "2 workers"])
+def test_each_example_reaches_one_replica_in_slices_that_differ_by_at_most_one(cell):
+    """21 ids at a global batch of 6 on 4 replicas: each step's ids, gathered over every
+    worker's replicas, are that batch's, each once, in slices differing by at most one
+    (2 + 2 + 1 + 1; the last batch of 3: 1 + 1 + 1 + 0). Over 2 workers tf.distribute
+    deals the slices out in turn: worker 0 gets the first and third, worker 1 the others;
+    read from 2 TFRecord files, each worker reads its own file (sharding by file, as
+    upstream), every id once, each of its batches cut alike."""
+    found = tagged_reports(_stdout(cell), "SLICES", "worker")
+    replicas, workers, _, _ = _spec(cell)
+    assert sorted(found) == list(range(workers))
+    steps = zip(*(found[w]["memory"] for w in range(workers)), strict=True)
+    for step, parts in enumerate(steps):
+        slices = [ids for worker in parts for ids in worker]
+        assert len(slices) == replicas, (step, parts)
+        assert sorted(sum(slices, [])) == list(range(6 * step, min(6 * step + 6, 21)))
+        assert max(map(len, slices)) - min(map(len, slices)) <= 1, (step, parts)
+    if workers == 1:
+        return
+    assert found[0]["memory"][0] == [[0, 1], [4]]
+    assert found[1]["memory"][0] == [[2, 3], [5]]
+    for worker, ids in ((0, range(0, 11)), (1, range(11, 21))):
+        steps = found[worker]["files"]
+        assert sorted(sum(sum(steps, []), [])) == list(ids), (worker, steps)
+        for parts in steps:
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1, (worker, steps)

@@ -18,7 +18,16 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
   64 (the last one 44): each replica's valid tokens differ, in full batches too;
 * ``sample weights``: a regression with ``sample_weight``, 100 examples at 32;
 * ``conv, batches of 6``: Conv2D + MaxPooling2D, 60 examples at a global batch of 6 (on 4
-  replicas: 2 + 2 + 1 + 1 each step, never an empty replica).
+  replicas, in one process or over 2 workers: 2 + 2 + 1 + 1 each step, never an empty
+  replica);
+* ``conv, 65 at 6`` and ``conv + BN, 65 at 6`` (a synchronized BatchNormalization
+  after the Conv2D): 65 examples, the last batch 5 (2 + 1 + 1 + 1 on 4 replicas);
+* ``conv, 63 at 6``: the last batch 3, which leaves one of 4 replicas empty (refused
+  before training there).
+
+On TensorFlow every worker then prints ``SLICES {"worker": i, "memory": [...], "files":
+[...]}``: the example ids each of its replicas gets, step by step, from 21 ids at a global
+batch of 6, in memory and read from 2 TFRecord files (ids 0-10 and 11-20).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
 "replicas": r, "workers": w}}}``: the weights and (for compiled losses) the loss
@@ -31,7 +40,9 @@ A failing case reports ``{"error": ...}`` and the others still run.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -153,15 +164,25 @@ def sample_weights() -> keras.Model:
     return model
 
 
-def conv_batches_of_6() -> keras.Model:
+def conv_batches_of_6(examples: int = 60, batchnorm: bool = False) -> keras.Model:
     rng = np.random.default_rng(4)
-    x = rng.normal(size=(60, 8, 8, 1)).astype("float32")
-    y = rng.integers(0, 3, size=60)
+    x = rng.normal(size=(examples, 8, 8, 1)).astype("float32")
+    y = rng.integers(0, 3, size=examples)
+    # BatchNormalization synchronized: its statistics are the global batch's, as on one
+    # device (an unsynchronized one differs from one device on any split).
+    if batchnorm:
+        conv = [
+            keras.layers.Conv2D(4, 3),
+            keras.layers.BatchNormalization(synchronized=True),
+            keras.layers.Activation("relu"),
+        ]
+    else:
+        conv = [keras.layers.Conv2D(4, 3, activation="relu")]
     with tfdist.scope():
         model = keras.Sequential(
             [
                 keras.Input((8, 8, 1)),
-                keras.layers.Conv2D(4, 3, activation="relu"),
+                *conv,
                 keras.layers.MaxPooling2D(),
                 keras.layers.Flatten(),
                 keras.layers.Dense(3),
@@ -182,6 +203,9 @@ CASES = {
     "masked GRU": masked_gru,
     "sample weights": sample_weights,
     "conv, batches of 6": conv_batches_of_6,
+    "conv, 65 at 6": lambda: conv_batches_of_6(65),
+    "conv + BN, 65 at 6": lambda: conv_batches_of_6(65, batchnorm=True),
+    "conv, 63 at 6": lambda: conv_batches_of_6(63),
 }
 
 
@@ -198,6 +222,29 @@ def result(model: keras.Model) -> dict:
     return {"values": values, **trained_on.model_topology(model)}
 
 
+def slices() -> dict:
+    """Which examples each of this worker's replicas gets, step by step, when the
+    strategy distributes 21 ids at a global batch of 6 (the last batch 3): from memory,
+    and read from 2 TFRecord files (ids 0-10 and 11-20)."""
+    strategy = tfdist.strategy()
+    folder = Path(tempfile.mkdtemp())
+    files = [str(folder / f"part-{i}.tfrecord") for i in range(2)]
+    for path, ids in zip(files, (range(0, 11), range(11, 21)), strict=True):
+        with tf.io.TFRecordWriter(path) as writer:
+            for i in ids:
+                writer.write(tf.io.serialize_tensor(tf.constant(i, tf.int64)).numpy())
+    records = tf.data.TFRecordDataset(files).map(
+        lambda r: tf.ensure_shape(tf.io.parse_tensor(r, tf.int64), [])
+    )
+    out = {}
+    for name, dataset in (("memory", tf.data.Dataset.range(21)), ("files", records)):
+        distributed = strategy.experimental_distribute_dataset(dataset.batch(6))
+        local = strategy.experimental_local_results
+        out[name] = [[part.numpy().tolist() for part in local(batch)] for batch in distributed]
+    shutil.rmtree(folder)
+    return out
+
+
 def main() -> None:
     names = sys.argv[1:] or list(CASES if keras.backend.backend() == "tensorflow" else JAX_CASES)
     out = {}
@@ -210,6 +257,8 @@ def main() -> None:
             out[name] = {"error": f"{type(error).__name__}: {str(error)[:1500]}"}
     worker = tfdist.cluster_from_env().rank
     print("NOHARM " + json.dumps({"worker": worker, "cases": out}), flush=True)
+    if keras.backend.backend() == "tensorflow":
+        print("SLICES " + json.dumps({"worker": worker, **slices()}), flush=True)
 
 
 if __name__ == "__main__":

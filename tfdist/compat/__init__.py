@@ -21,8 +21,9 @@ Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime pat
 Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
-``loss_scale``, ``partial_batches``, ``tf_inputs``, ``jit_compile``,
-``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets`` (a dataset with a
+``loss_scale``, ``partial_batches``, ``jax_partial_batches``, ``tf_inputs``, ``jit_compile``,
+``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets``
+(a dataset with a
 declared length); this module lists them
 and applies them.
 
@@ -47,6 +48,7 @@ from tfdist.compat import (
     epoch_start,
     jax_fixes,
     jax_inputs,
+    jax_partial_batches,
     jax_watchdog,
     jit_compile,
     keras_fixes,
@@ -91,6 +93,7 @@ FIXES: list[Fix] = [
     *loss_scale.FIXES,
     *jax_watchdog.FIXES,
     *partial_batches.FIXES,
+    *jax_partial_batches.FIXES,
     *tf_inputs.FIXES,
     *jit_compile.FIXES,
     *steps_per_execution.FIXES,

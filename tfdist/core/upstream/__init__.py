@@ -98,7 +98,6 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_is_distributed_variable,
     tf_key_value_get,
     tf_key_value_set,
-    tf_legacy_rebatch,
     tf_mark_server_started,
     tf_maybe_merge_call,
     tf_multi_device_iterator_module,
@@ -152,7 +151,6 @@ __all__ = [
     "keras_warm_save_skipsets",
     "tf_distributed_dataset_class",
     "tf_multi_device_iterator_module",
-    "tf_legacy_rebatch",
     "tf_static_batch_size",
     "keras_tf_optimizer_module",
     "keras_tree",
@@ -226,7 +224,6 @@ REQUIRED = {
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._experimental_distribute_dataset",
         "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
-        "tensorflow.python.data.experimental.ops.distribute:_LegacyRebatchDataset",
         "tensorflow.python.data.experimental.ops.distribute:compute_batch_size",
         "tensorflow.python.distribute.input_lib:DistributedDataset."
         "_create_cloned_datasets_from_dataset",

@@ -186,15 +186,6 @@ def tf_static_batch_size(dataset) -> int | None:
     return size if size >= 0 else None
 
 
-def tf_legacy_rebatch(dataset, pieces: int):
-    """``dataset`` with every batch cut into ``pieces`` slices of ``ceil(size / pieces)``:
-    the rebatch tf.distribute itself uses when it cannot find a dataset's batch size (no
-    public op cuts one batch into equal parts; its auto-sharding knows this one)."""
-    from tensorflow.python.data.experimental.ops import distribute
-
-    return distribute._LegacyRebatchDataset(dataset, pieces)
-
-
 def tf_multi_device_iterator_module():
     """``multi_device_iterator_ops``: tf.distribute feeds several local devices (and a
     multi-worker job's own devices) through its ``OwnedMultiDeviceIterator``, which builds

@@ -1,0 +1,245 @@
+"""A partial last batch on several JAX processes or devices: each process feeds its equal
+part, and a batch that cannot be split evenly is refused before the first step.
+
+On JAX a global batch is one array over every device, so one process computes one
+device's loss; with several processes Keras feeds each its part of a ``tf.data`` batch by
+``rebatch(global / processes)`` then ``shard``, which cuts the partial last batch into
+one full part and a short one (40 of 64 -> 32 + 8): the processes then assemble arrays of
+different global shapes and train apart, silently (measured: 2e-2 from one device).
+
+* ``keras_jax_partial_batch_share``: each process takes its equal, contiguous part of
+  every global batch, the partial one too; a batch that cannot be split evenly between
+  the data-parallel replicas stops the job with an error naming its size. The parts are
+  cut from each batch as it comes, so a dataset whose batch size only the data knows
+  (batch then ``map``, ``class_weight``, ``padded_batch``, a generator), which upstream
+  refuses ("The batch size of the input dataset is unknown"), is fed too.
+
+The batch sizes a pipeline tells come from ``partial_batches.batch_sizes``. Every private
+name used comes from ``tfdist.core.upstream``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tfdist.compat import jax_inputs
+from tfdist.compat.partial_batches import _splittable, batch_sizes
+from tfdist.core import upstream
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
+
+__all__ = [
+    "FIXES",
+    "fix_jax_process_share",
+    "fix_jax_uneven_batch_refused_first",
+    "process_share",
+]
+
+
+def process_share(dataset, index: int, parts: int, replicas: int):
+    """Part ``index`` of ``parts`` equal, contiguous parts of every batch of ``dataset``;
+    a batch whose size does not divide by ``replicas`` (or ``parts``) fails with a message
+    naming its size.
+
+    Example:
+        >>> import tensorflow as tf
+        >>> ds = process_share(tf.data.Dataset.range(6).batch(6), 1, 2, 2)
+        >>> [p.numpy().tolist() for p in ds]  # doctest: +SKIP
+        [[3, 4, 5]]
+    """
+    import tensorflow as tf
+
+    unit = math.lcm(replicas, parts)
+
+    def part_of(*batch):
+        element = batch[0] if len(batch) == 1 else batch
+        size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        message = tf.strings.format(
+            "tfdist: a batch of {} examples cannot be split evenly between "
+            + f"{replicas} data-parallel replicas ({parts} processes feed one part each): "
+            + "Keras on JAX gives every replica the same number of examples. A partial "
+            + f"last batch must be a multiple of {unit}: batch with drop_remainder=True, "
+            + f"or choose a dataset size whose last batch divides by {unit}.",
+            [size],
+        )
+        with tf.control_dependencies([tf.debugging.Assert(tf.equal(size % unit, 0), [message])]):
+            length = size // parts
+        return tf.nest.map_structure(lambda t: t[index * length : (index + 1) * length], element)
+
+    return dataset.map(part_of)
+
+
+def _refuse_uneven_batch_size(dataset, share) -> None:
+    """A batch size the pipeline tells without reading data (the full batches, as upstream
+    computes it, and the last one where ``batch_sizes`` can tell) that cannot be split
+    evenly: refused now, before the first step (upstream refuses only the full size)."""
+    unit = math.lcm(share.replicas, share.parts)
+    full = upstream.tf_static_batch_size(dataset)
+    every = batch_sizes(dataset) or set()
+    uneven = sorted({s for s in every | {full} if s is not None and s % unit})
+    if not uneven:
+        return
+    full_uneven = full is not None and full % unit
+    received = full if full_uneven else uneven[0]
+    last = "" if full_uneven else " (the dataset's last batch)"
+    raise ValueError(
+        "Global batch size must be divisible by the number of data-parallel replicas "
+        f"and of the processes that feed them: tfdist cuts every batch into {unit} "
+        f"equal parts ({share.replicas} replicas, {share.parts} processes). Received: "
+        f"global_batch_size={received}{last}. Batch the "
+        f"dataset with a multiple of {unit}, and give it a size whose last batch is one "
+        "too (or drop_remainder=True)."
+    )
+
+
+def fix_jax_process_share() -> None:
+    """Feeds each JAX process an equal, contiguous part of every global batch.
+
+    Upstream's ``distribute_tf_dataset`` rebatches a ``tf.data.Dataset`` into
+    ``global / processes`` examples and deals the pieces out (``shard``); a partial last
+    batch then becomes one full piece and a short one, and each process builds its global
+    array from its own piece's shape. The fix cuts every batch into the same ``parts``
+    Keras uses (``Distribution.data_shard_id`` of ``min(processes, replicas)``) by
+    slicing it: for full batches these are exactly upstream's pieces, in the same order,
+    and for the partial batch every process gets ``size / parts`` examples. A batch size
+    tf.data knows from the pipeline that cannot be split evenly is refused before the
+    first step, as upstream refuses it (Keras's own ``distribution_lib_test`` checks the
+    message), and so is a last batch the pipeline tells (``batch_sizes``: a ``batch``
+    whose input has a known cardinality); a partial batch only the data reveals fails
+    when it comes. One process,
+    a distribution that does not shard its data, or elements that are not dense batched
+    tensors keep upstream's path.
+    """
+
+    def make(original):
+        def distribute_tf_dataset(self, dataset):
+            share = jax_inputs._share_of(self)
+            if share is None or not _splittable(dataset):
+                return original(self, dataset)
+            _refuse_uneven_batch_size(dataset, share)
+            import tensorflow as tf
+
+            from tfdist.core.full_epochs import keep_epoch_length
+
+            parts = process_share(dataset, share.index, share.parts, share.replicas)
+            # A length the dataset declared (tfdist.data.pipeline's) stays declared.
+            return keep_epoch_length(dataset, parts.prefetch(tf.data.AUTOTUNE))
+
+        return distribute_tf_dataset
+
+    patch(
+        upstream.keras_distribution_class(),
+        "distribute_tf_dataset",
+        "keras_jax_partial_batch_share",
+        make,
+    )
+
+
+def _one_process_replicas() -> int:
+    """The data-parallel replicas of this one process's ``keras.distribution``; 1
+    without one, or when several processes feed it (``keras_jax_partial_batch_share``
+    and ``keras_jax_multi_process_inputs`` check those)."""
+    from keras import distribution as kd
+
+    distribution = kd.distribution()
+    if distribution is None or int(distribution.num_processes) != 1:
+        return 1
+    return int(distribution.num_model_replicas)
+
+
+def fix_jax_uneven_batch_refused_first() -> None:
+    """Refuses, before the first step, a batch that one JAX process cannot split evenly
+    between its devices, when the batch sizes are known.
+
+    Under a ``keras.distribution`` over several devices of one process, every batch is
+    one array split evenly between them; upstream finds a batch that cannot be (a last
+    batch of 89 at 128 on 2 devices) only when it comes, with jax's ``IndivisibleError``,
+    after a whole epoch of training (measured: 41 examples at 8 on 2 devices, 5 steps
+    trained first). The fix reads the sizes before the first step: arrays from Keras's
+    own adapter (its batch size and last partial batch), a ``tf.data`` pipeline where
+    ``batch_sizes`` can tell; and raises with the sizes and what to do. Sizes only the
+    data reveals, other inputs, one device, several processes: upstream's path.
+    """
+    module = upstream.keras_data_adapters_module()
+
+    def make(original):
+        def get_data_adapter(x, *args, **kwargs):
+            adapter = original(x, *args, **kwargs)
+            replicas = _one_process_replicas()
+            if replicas > 1:
+                sizes = _adapter_batch_sizes(adapter, x)
+                uneven = sorted(size for size in sizes or () if size % replicas)
+                if uneven:
+                    raise ValueError(
+                        f"tfdist: a batch of {uneven[0]} examples cannot be split evenly "
+                        f"between the {replicas} devices of the keras.distribution (batch "
+                        f"sizes {sorted(sizes)}): Keras on JAX gives every device the same "
+                        f"number of examples, and jax would fail when that batch comes. "
+                        f"Use a batch size and a dataset size whose every batch is a "
+                        f"multiple of {replicas} (or drop_remainder=True)."
+                    )
+            return adapter
+
+        return get_data_adapter
+
+    patch(module, "get_data_adapter", "keras_jax_uneven_batch_refused_first", make)
+
+
+def _adapter_batch_sizes(adapter, x) -> set[int] | None:
+    """The batch sizes an adapter will yield, when known before any data is read."""
+    import sys
+
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and isinstance(x, tf.data.Dataset):
+        return batch_sizes(x)
+    batch = getattr(adapter, "batch_size", None)
+    count = getattr(adapter, "num_batches", None)
+    if not isinstance(adapter, upstream.keras_array_data_adapter_class()) or not batch:
+        return None
+    partial = adapter.partial_batch_size or 0
+    full = {batch} if count and count > (1 if partial else 0) else set()
+    return full | ({partial} if partial else set())
+
+
+FIXES = [
+    Fix(
+        "keras_jax_uneven_batch_refused_first",
+        "Keras on JAX, one process, several devices: a batch that cannot be split evenly "
+        "between them fails only when it comes, with jax's IndivisibleError, after "
+        "an epoch of training",
+        on_keras_backend("jax"),
+        fix_jax_uneven_batch_refused_first,
+        targets=targets(
+            "keras.src.trainers.data_adapters:get_data_adapter",
+            "keras.src.trainers.data_adapters.array_data_adapter:ArrayDataAdapter.partial_batch_size",
+            "keras.src.distribution.distribution_lib:Distribution.num_model_replicas",
+        ),
+        acts_where=(
+            "get_data_adapter under a keras.distribution over >1 device of one process, "
+            "arrays or tf.data with known batch sizes; other inputs, several processes: "
+            "upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_no_harm.py::test_every_case_equals_one_device_with_the_fixes[jax 2 devices]",
+        ),
+    ),
+    Fix(
+        "keras_jax_partial_batch_share",
+        "Keras on JAX, several processes: a partial last tf.data batch is dealt out as one "
+        "full part and a short one (the processes train apart, silently), and a batch "
+        "size only the data knows is refused",
+        on_keras_backend("jax"),
+        fix_jax_process_share,
+        targets=targets(
+            "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
+            "keras.src.distribution.distribution_lib:Distribution.data_shard_id",
+            "keras.src.distribution.distribution_lib:Distribution.num_model_replicas",
+        ),
+        acts_where=(
+            "Distribution.distribute_tf_dataset over >1 process (auto_shard_dataset, dense "
+            "batched tensors); one process, other elements: upstream's path"
+        ),
+        no_harm=(
+            "tests/compat/test_upstream_keras.py::test_keras_tests_fail_with_the_fixes_only_where_they_fail_without[jax]",
+        ),
+    ),
+]
