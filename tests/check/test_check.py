@@ -422,10 +422,31 @@ def test_a_script_without_fit_cannot_be_stopped_and_says_so(tmp_path):
     proc = check_cli(str(SCRIPTS / "custom_loop.py"), "--traced", cwd=tmp_path)
     assert proc.returncode == 2, _fail(proc)
     assert "it made 1 distributed dataset(s) but drew no batch of them in Python" in (proc.stdout)
-    # The official multi-worker tutorial's main.py reads TF_CONFIG unconditionally.
-    proc = check_cli(str(SCRIPTS.parent.parent / "scripts" / "tutorial" / "main.py"), cwd=tmp_path)
-    assert proc.returncode == 2, _fail(proc)
-    assert "on 1 device it failed" in proc.stdout and "KeyError: 'TF_CONFIG'" in proc.stdout
+
+
+def test_only_a_run_that_failed_reading_tf_config_is_run_again_as_one_worker():
+    def failed(output: str, status: str = "failed") -> runner.Run:
+        return runner.Run(topology.Topology(1, "device"), 1.0, status, 1, output=output)
+
+    assert failed("...\nKeyError: 'TF_CONFIG'\n").reads_tf_config
+    assert not failed("...\nKeyError: 'EPOCHS'\n").reads_tf_config
+    assert not failed("KeyError: 'TF_CONFIG' (printed)", status="done").reads_tf_config
+
+
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_a_script_that_reads_tf_config_runs_as_one_worker_on_one_process(tmp_path):
+    """The official multi-worker tutorial's main.py reads TF_CONFIG unconditionally
+    (``KeyError: 'TF_CONFIG'`` on one process): 1 device runs again as one worker."""
+    keep = tmp_path / "runs"
+    script = str(SCRIPTS.parent.parent / "scripts" / "tutorial" / "main.py")
+    argv = ("--steps", "2", "--topologies", "1 device", "--keep", str(keep))
+    proc = check_cli(*argv, script, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    assert "KeyError: 'TF_CONFIG'" in (keep / "1-device" / "output.log").read_text()
+    assert "the script reads TF_CONFIG: 1 device and N devices run as 1 worker" in proc.stdout
+    assert "1 device     reference: 2 steps, loss" in proc.stdout
+    assert "1 device (as 1 worker: the script reads TF_CONFIG)" in proc.stderr
 
 
 @pytest.mark.slow
@@ -604,7 +625,32 @@ def test_notebook_03s_training_script_is_equal_at_its_global_batch(tmp_path):
     assert [c["cause"] for c in found["causes"]] == ["global_batch"]
 
 
+@pytest.mark.slow
+@pytest.mark.mnist
+def test_notebook_01s_code_is_equal_at_its_global_batch(tmp_path):
+    """notebooks/01_mirrored_mnist.ipynb's code cells as one script (its magic left out;
+    1 epoch of 2% of MNIST): seeded, 2 devices are one device's model at their global
+    batch of 128."""
+    notebook = json.loads(
+        (SCRIPTS.parents[2] / "notebooks" / "01_mirrored_mnist.ipynb").read_text()
+    )
+    code = []
+    for cell in (c for c in notebook["cells"] if c["cell_type"] == "code"):
+        source = "".join(cell["source"])
+        if "parameters" in cell["metadata"].get("tags", []):
+            source += '\nEPOCHS, TRAIN_SPLIT = 1, "train[:2%]"'
+        code += [line for line in source.splitlines() if not line.startswith("%")]
+    (tmp_path / "nb01.py").write_text("\n".join(code) + "\n")
+    argv = ("--steps", "4", "--topologies", "2 devices", "--json", "nb01.py")
+    proc = check_cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [t["status"] for t in found["topologies"]] == ["reference", "equal"]
+    assert found["topologies"][1]["at_global_batch"][0] == 128
+    assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
+
+
 def test_other_initial_weights_are_named_before_a_global_batch_that_grew():
-    """Notebook 01's code (no seed, 64 per replica): other weights at any batch."""
+    """A script without a seed and with 64 per replica: other weights at any batch."""
     _, found = _causes(_run("2 devices", 0.2, 0.9, steps_per_epoch=5))
     assert [c.cause for c in found] == ["unseeded"]

@@ -57,21 +57,28 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
     def run(which, variant: str = ""):
         name = str(which).replace(" ", "-") + (f"-{variant.replace(':', '-')}" if variant else "")
         how = _VARIANT_NAMES.get(variant, f" (at a global batch of {variant.split(':')[-1]})")
-        progress(f"tfdist check: running {which}{how if variant else ''}")
+        alone = result.one_worker and which.kind == "device"
+        progress(f"tfdist check: running {which}{how if variant else ''}{_AS_ONE * alone}")
         done = runner.run_topology(
             which,
             options.script,
             options.args,
             steps=options.steps,
             timeout=options.timeout,
-            folder=folder / name,
+            folder=folder / (name + "-as-1-worker" * alone),
             variant=variant,
+            one_worker=result.one_worker,
         )
         progress(f"tfdist check: {which}: {done.status} in {done.seconds:.1f} s")
         return done
 
     try:
         reference = run(topologies[0])
+        if reference.reads_tf_config and options.backend == "tensorflow":
+            # A script for workers only (json.loads(os.environ["TF_CONFIG"]), the
+            # TensorFlow tutorial's): every one-process run from here on is one worker.
+            result.one_worker = True
+            reference = run(topologies[0])
         if reference.status == "done" and not reference.ranks[0].facts["steps"]:
             reference.status = "no-steps"
         if reference.status != "done":
@@ -121,6 +128,7 @@ def _judge_at_their_global_batch(verdicts, reference, run, tolerance: float) -> 
             judged.first_step = None
 
 
+_AS_ONE = " (as 1 worker: the script reads TF_CONFIG)"
 # How the progress line names a re-run (runner.VARIANTS).
 _VARIANT_NAMES = {
     "sync_batchnorm": " (BatchNormalization synchronized)",

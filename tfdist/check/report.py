@@ -35,6 +35,7 @@ class Report:
     causes: list[Cause] = field(default_factory=list)
     seconds: float = 0.0
     error: str = ""  # why the script could not be run or stopped
+    one_worker: bool = False  # it read TF_CONFIG: one-process runs got one worker's
 
     @property
     def exit_code(self) -> int:
@@ -87,6 +88,11 @@ def render(report: Report) -> str:
         f"tolerance {report.tolerance:g}"
     )
     lines = [head]
+    if report.one_worker:
+        lines.append(
+            "  the script reads TF_CONFIG: 1 device and N devices run as 1 worker "
+            "(a TF_CONFIG of one worker on a free loopback port)"
+        )
     lines += [f"  {v.name:<13}{_line(v)}" for v in report.verdicts]
     if report.error:
         lines.append(f"could not stop this script: {report.error}")
@@ -132,6 +138,7 @@ def as_json(report: Report) -> dict:
         "tolerance": report.tolerance,
         "exit_code": report.exit_code,
         "error": report.error or None,
+        "one_worker": report.one_worker,
         "total_seconds": round(report.seconds, 2),
         "topologies": [_verdict_json(v) for v in report.verdicts],
         "causes": [vars(c) for c in report.causes],

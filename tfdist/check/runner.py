@@ -32,6 +32,9 @@ import numpy as np
 
 from tfdist.check import hook
 from tfdist.check.topology import Topology, command
+from tfdist.core.cluster import worker_tf_config
+from tfdist.launch.environment import free_ports
+from tfdist.launch.options import LOOPBACK
 
 __all__ = ["GLOBAL_BATCH", "Rank", "Run", "VARIANTS", "run_topology"]
 
@@ -69,6 +72,12 @@ class Run:
     waiting_at: dict[int, str] = field(default_factory=dict)  # rank -> "file:line: code"
     output: str = ""
     variant: str = ""  # "", a key of VARIANTS, or GLOBAL_BATCH + N
+    one_worker: bool = False  # one process run with a TF_CONFIG of one worker
+
+    @property
+    def reads_tf_config(self) -> bool:
+        """It failed on reading TF_CONFIG, which a one-process run is not given."""
+        return self.status == "failed" and "KeyError: 'TF_CONFIG'" in self.output
 
 
 def _environment(topology: Topology, folder: Path, steps: int, timeout: float, variant: str):
@@ -105,11 +114,15 @@ def run_topology(
     timeout: float,
     folder: Path,
     variant: str = "",
+    one_worker: bool = False,
 ) -> Run:
     """Runs ``script`` on ``topology`` until its first ``fit`` (or its custom loop) did
     ``steps`` steps.
 
     ``variant``: "" (the script as it is) or a key of ``VARIANTS`` (a re-run for a cause).
+    ``one_worker``: a one-process topology is given a TF_CONFIG of one worker on a free
+    loopback port (``Run.reads_tf_config``: a script written for workers only); the
+    workers of ``N workers`` get theirs from ``tfdist launch`` whatever it is.
     """
     batch = variant[len(GLOBAL_BATCH) :] if variant.startswith(GLOBAL_BATCH) else None
     if variant and variant not in VARIANTS and not (batch and batch.isdigit() and int(batch)):
@@ -120,6 +133,9 @@ def run_topology(
     folder.mkdir(parents=True, exist_ok=True)
     argv, extra = command(topology, os.path.abspath(script), args)
     env = {**_environment(topology, folder, steps, timeout, variant), **extra}
+    one_worker = one_worker and topology.kind == "device"
+    if one_worker:
+        env["TF_CONFIG"] = worker_tf_config([f"{LOOPBACK}:{free_ports(1)[0]}"], 0)
     started = time.monotonic()
     with open(folder / "output.log", "w") as log:
         proc = subprocess.Popen(
@@ -132,7 +148,7 @@ def run_topology(
         )
         returncode, timed_out = _wait(proc, timeout)
     run = Run(topology, time.monotonic() - started, "done", returncode)
-    run.variant = variant
+    run.variant, run.one_worker = variant, one_worker
     _collect(run, folder, script)
     if len(run.ranks) < _processes(topology):
         run.status = "timeout" if timed_out else _why_no_result(run)
