@@ -22,7 +22,7 @@ from tfdist.compat import tf_fixes
 from tfdist.core import config, fix_registry, process
 from tfdist.core.cluster import worker_tf_config
 
-from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, run_python
+from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, run_python
 
 TOL = 1e-5
 
@@ -376,3 +376,14 @@ def test_sigterm_or_sigint_to_the_group_ends_the_start_up_wait_at_once(signum):
     assert worker.returncode == -signal.SIGKILL  # the watcher ended it, not the timeout
     name = signal.Signals(signum).name
     assert f"worker 0 got {name} while waiting for the other workers; ending it." in rest
+
+
+@pytest.mark.multiworker
+def test_a_one_worker_job_whose_script_builds_its_strategy_gets_its_logical_cpus():
+    """``tfdist launch -n 1 --devices-per-worker 2`` of a script whose first TensorFlow
+    work is ``tf.distribute.MultiWorkerMirroredStrategy()``: 2 replicas (the strategy used
+    to copy the device configuration before tfdist split the CPU: "TFDIST_CPU_DEVICES=2
+    but TensorFlow has 1 logical CPU device(s)")."""
+    proc = launch_cli("-n", "1", "--devices-per-worker", "2", str(SCRIPTS / "mw_lone.py"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[w0] READY 2" in proc.stdout, proc.stdout[-3000:]

@@ -137,7 +137,9 @@ def fix_multi_worker_logical_cpus() -> None:
     devices, so the job has K replicas per worker, as ``MirroredStrategy`` would on one
     machine. The collective all-reduce already handles several CPU devices per worker;
     only the device list changes. With GPUs, or without the variable, upstream's
-    answer stands.
+    answer stands. The CPU is split before the strategy starts TensorFlow's context (a
+    strategy the script builds as its first TensorFlow work copies the device
+    configuration then: a one-worker job had 1 device).
     """
 
     def make(original):
@@ -150,12 +152,25 @@ def fix_multi_worker_logical_cpus() -> None:
 
         return _initialize_local_devices
 
-    patch(
-        upstream.tf_collective_extended_class(),
-        "_initialize_local_devices",
-        "tf_multi_worker_logical_cpus",
-        make,
-    )
+    def make_init(original):
+        def _initialize_multi_worker(self, cluster_resolver):
+            # The strategy copies the context's device configuration into its server
+            # definition before it starts the context, so tfdist's start-up hook (run when
+            # the context starts) splits the CPU too late for a strategy the script builds
+            # itself as the process's first TensorFlow work (a one-worker job): split it
+            # here. A no-op where the devices are already split.
+            wanted = config.cpu_devices() or 1
+            if wanted > 1:
+                from tfdist.backends.tf_plan import configure_cpu_devices
+
+                configure_cpu_devices(wanted)
+            return original(self, cluster_resolver)
+
+        return _initialize_multi_worker
+
+    owner = upstream.tf_collective_extended_class()
+    patch(owner, "_initialize_local_devices", "tf_multi_worker_logical_cpus", make)
+    patch(owner, "_initialize_multi_worker", "tf_multi_worker_logical_cpus", make_init)
 
 
 # Reasons already logged: "said once", not once per fit/evaluate/predict call.
@@ -270,10 +285,12 @@ FIXES: list[Fix] = [
         "tensorflow",
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
+            _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
         ),
         acts_where=(
             "MultiWorkerMirroredStrategy without explicit devices, no GPU/TPU, "
-            "TFDIST_CPU_DEVICES > 1; otherwise upstream's devices"
+            "TFDIST_CPU_DEVICES > 1 (the CPU split before the strategy starts the context); "
+            "otherwise upstream's devices"
         ),
         no_harm=(),  # none yet
     ),
