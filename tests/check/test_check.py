@@ -36,6 +36,22 @@ def check_cli(
     """``python -m tfdist check *argv`` (run in ``cwd``), output captured; its runs fork
     from the warm processes (``TFDIST_LAUNCH_PYTHON``: tests/warm_python.py), or with
     ``warm=False`` start fresh interpreters, as a user's do."""
+    return _finish(_start_check(*argv, cwd=cwd, warm=warm, **extra), timeout)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 400) -> subprocess.CompletedProcess:
+    """A started check's exit code and output (``subprocess.run``'s, killed on timeout)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _start_check(*argv: str, cwd: Path, warm: bool = True, **extra: str) -> subprocess.Popen:
+    """``check_cli``'s command, started: ``_finish`` waits for it."""
     env = child_env(**extra)  # tfdist from the repository: installed editable (the README's)
     if not warm:
         env["TFDIST_TEST_WARM"] = "0"
@@ -43,13 +59,13 @@ def check_cli(
     # The check runs its jobs on this machine's CPU: jax's JAX_PLATFORMS=cpu, the key of
     # their warm process.
     warm_start.prepare({**env, "KERAS_BACKEND": backend, "JAX_PLATFORMS": "cpu"}, child_env())
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "tfdist", "check", *argv],
         cwd=cwd,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
 
 
@@ -480,7 +496,9 @@ def test_a_loss_averaged_per_replica_in_a_custom_loop_is_named_and_its_twin_is_e
 @pytest.mark.jax
 def test_a_correct_script_is_equal_on_jax_devices_and_processes(tmp_path):
     argv = ("--backend", "jax", "--steps", "8", "--json", str(SCRIPTS / "correct.py"))
-    proc = check_cli(*argv, cwd=tmp_path)
+    # With an unsynchronized BatchNormalization and a Dropout, which differ on TensorFlow:
+    # on JAX both see the global batch, as on one device (docs/check.md, "On JAX").
+    proc = check_cli(*argv, "--bn", "plain", "--random", "dropout", cwd=tmp_path)
     assert proc.returncode == 0, _fail(proc)
     report = json.loads(proc.stdout)
     got = {t["topology"]: t["status"] for t in report["topologies"]}
@@ -594,6 +612,43 @@ def test_a_jax_loop_is_stopped_and_its_per_process_data_named_and_its_twin_is_eq
     assert [t["steps"] for t in found["topologies"]] == [20, 20]
     assert all(t["weight_difference"] <= 1e-5 for t in found["topologies"])
     assert found["causes"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+def test_data_seeded_per_process_and_a_chief_only_barrier_are_named_on_jax(tmp_path):
+    # Both checks at once: the hang's runs wait, most of their time, while the other's train.
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "seeds").mkdir()
+    jax = ("--backend", "jax")
+    argv = (*jax, "--topologies", "2 processes", "--timeout", "20", "--keep", "runs")
+    barrier = _start_check(*argv, str(SCRIPTS / "chief_barrier.py"), cwd=tmp_path / "hang")
+    argv = (*jax, "--steps", "4", "--json", str(SCRIPTS / "worker_seeds.py"))
+    proc = check_cli(*argv, cwd=tmp_path / "seeds")
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    got = {t["topology"]: (t["status"], t["first_differing_step"]) for t in found["topologies"]}
+    assert got == {
+        "1 device": ("reference", None),
+        "2 devices": ("equal", None),
+        "2 processes": ("differs", 1),
+    }
+    assert found["topologies"][2]["weight_difference"] > 1e-3
+    (cause,) = found["causes"]
+    assert cause["cause"] == "worker_data"
+    assert "every worker started from the reference's initial weights" in cause["evidence"]
+    assert "fit was given other arrays on each worker: fingerprints" in cause["evidence"]
+
+    proc = _finish(barrier)
+    assert proc.returncode == 1, _fail(proc)
+    assert "2 processes  TIMEOUT" in proc.stdout
+    assert "hang: 2 processes did not finish within" in proc.stdout
+    assert 'process 0 waiting at chief_barrier.py:20: tfdist.barrier("files written")' in (
+        proc.stdout
+    )
+    assert "process 1 waiting at chief_barrier.py:22: model.fit(" in proc.stdout
+    # A relative --keep DIR is the current folder's, though every run works in its own.
+    assert (tmp_path / "hang" / "runs" / "2-processes" / "output.log").is_file()
 
 
 def _notebook_script(notebook: str, name: str) -> str:

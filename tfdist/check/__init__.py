@@ -51,7 +51,8 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
 
     started = time.monotonic()
     topologies = topology.parse_topologies(options.topologies or topology.DEFAULTS, options.backend)
-    folder = Path(options.keep or tempfile.mkdtemp(prefix="tfdist-check-"))
+    # Absolute: every run works in a folder of its own, where a relative --keep is not.
+    folder = Path(options.keep or tempfile.mkdtemp(prefix="tfdist-check-")).absolute()
     result = report.Report(options.script, options.backend, options.steps, options.tolerance)
 
     def run(which, variant: str = ""):
