@@ -324,7 +324,7 @@ if gateway is not None and len(sys.argv) > 1:
         conn.sendall(f"ping from w{rank}\\n".encode())
         result["reply"] = conn.makefile().readline().strip()
 print("RESULT", json.dumps(result), flush=True)
-if result["restart"] == 0 and os.environ.get("ASK_RESTART"):
+if result["restart"] == 0 and rank == 0 and os.environ.get("ASK_RESTART"):
     sys.exit(75)  # "saved, restart me": a second group start
 """
 
