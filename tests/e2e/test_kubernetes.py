@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import yaml
 
 from tfdist.core import config
 
-from conftest import REPO, SCRIPTS, child_env, equivalence
+from conftest import REPO, SCRIPTS, child_env, equivalence, warm_start
 
 TRAIN = SCRIPTS / "slurm_train.py"
 DOCS = REPO / "docs" / "multi_worker.md"
@@ -69,11 +68,11 @@ def in_pods(pods: list[k8s_pods.Pod], ckpt: Path, *args: str) -> None:
 
 
 def one_process(workdir: Path, backend: str) -> dict:
-    """The reference: slurm_train.py alone, outside any pod."""
-    proc = subprocess.run(
-        [sys.executable, str(TRAIN), "--dir", str(workdir / "ckpt"), "--results", str(workdir)],
-        cwd=workdir, env=child_env(KERAS_BACKEND=backend), capture_output=True, text=True,
-        timeout=180,
+    """The reference: slurm_train.py alone, outside any pod (forked from the warm
+    interpreter, tests/warm_start.py)."""
+    proc = warm_start.run(
+        [str(TRAIN), "--dir", str(workdir / "ckpt"), "--results", str(workdir)],
+        env=child_env(KERAS_BACKEND=backend), base_env=child_env(), cwd=workdir, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((workdir / "0-0.json").read_text())
