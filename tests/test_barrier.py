@@ -29,8 +29,13 @@ def test_chief_print_prints_on_the_chief(capsys):
 @pytest.mark.multiworker
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
-def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend):
-    proc = launch_cli("-n", "2", str(SCRIPTS / "barrier_job.py"), KERAS_BACKEND=backend)
+def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend, tmp_path):
+    """The chief's barrier has a 2 s timeout; the other worker stays alive, not calling
+    it, until the chief's barrier ended."""
+    chief_done = str(tmp_path / "chief done")
+    proc = launch_cli(
+        "-n", "2", str(SCRIPTS / "barrier_job.py"), chief_done, KERAS_BACKEND=backend
+    )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
     assert out.count("all workers reached 'start'") == 1  # chief_print: once, not per worker
@@ -58,9 +63,12 @@ def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend)
 def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
     """The other worker finishes; the chief's predict waits for it, then TensorFlow says
     "The tasks have crashed". The worker ends within 60 s with one line naming the lost
-    worker and the every-worker rule, not a traceback."""
+    worker and the every-worker rule, not a traceback. The heartbeat timeout, through
+    which the chief learns of the loss, is set to 4 s (default 10 s)."""
     start = time.monotonic()
-    proc = launch_cli("-n", "2", str(SCRIPTS / "chief_only_predict.py"))
+    proc = launch_cli(
+        "-n", "2", str(SCRIPTS / "chief_only_predict.py"), TFDIST_HEARTBEAT_TIMEOUT="4"
+    )  # fmt: skip
     elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     chief = [line for line in output.splitlines() if line.startswith("[w0]")]
@@ -72,4 +80,4 @@ def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
     assert "unhealthy" in verdict and "/job:worker/replica:0/task:1" in verdict, verdict
     assert "every worker must make the same calls" in verdict, verdict
     assert "failed: worker w0 exited with code 1" in proc.stderr
-    assert elapsed < 120, f"{elapsed:.0f} s"  # start-up + the 10 s heartbeat, never a hang
+    assert elapsed < 120, f"{elapsed:.0f} s"  # start-up + the 4 s heartbeat, never a hang

@@ -12,7 +12,8 @@ Two halves:
   process starts with only the operator's environment (plus the venv's ``PATH``,
   ``PYTHONPATH``, ``TFDS_DATA_DIR``, ``TFDIST_CPU_DEVICES``). A pod whose process exits
   non-zero is restarted as kubelet restarts a container under ``restartPolicy:
-  OnFailure``: the same pod (name, address, environment) and kubelet's back-off.
+  OnFailure``: the same pod (name, address, environment) and kubelet's back-off (a
+  test may shorten it: ``Cluster``'s ``backoff_scale``).
   ``Cluster.wait_jobset`` restarts a TrainJob as JobSet does: new pods for the whole job.
 
 Every namespace, veth, bridge, mount and process created here is removed by
@@ -64,11 +65,12 @@ BACKOFF_INITIAL_S = 10.0
 BACKOFF_MAX_S = 300.0
 
 
-def restart_delay(restarts_so_far: int) -> float:
-    """kubelet's wait before restarting a container that already restarted this often."""
+def restart_delay(restarts_so_far: int, scale: float = 1.0) -> float:
+    """kubelet's wait before restarting a container that already restarted this often,
+    times ``scale`` (``Cluster``'s ``backoff_scale``: 1 is kubelet's own)."""
     if restarts_so_far <= 0:
         return 0.0
-    return min(BACKOFF_INITIAL_S * 2 ** (restarts_so_far - 1), BACKOFF_MAX_S)
+    return scale * min(BACKOFF_INITIAL_S * 2 ** (restarts_so_far - 1), BACKOFF_MAX_S)
 
 
 @dataclass
@@ -269,9 +271,21 @@ _ENTER = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
 
 
 class Cluster:
-    """The pods' namespaces, their processes, and kubelet's restarts."""
+    """The pods' namespaces, their processes, and kubelet's restarts.
 
-    def __init__(self, pods: Sequence[Pod], workdir: Path, host_env: Mapping[str, str]):
+    ``backoff_scale`` multiplies kubelet's restart back-off (``restart_delay``): 1 waits
+    as kubelet does (10 s, 20 s, ...); a test whose claim is that the pods are restarted
+    and resume, not how long kubelet waits first, may shorten it (0.1: 1 s, 2 s, ...).
+    The order of the restarts is kubelet's either way.
+    """
+
+    def __init__(self, pods: Sequence[Pod], workdir: Path, host_env: Mapping[str, str],
+                 backoff_scale: float = 1.0):  # fmt: skip
+        if backoff_scale <= 0:
+            raise ValueError(
+                f"backoff_scale must be positive. Received: backoff_scale={backoff_scale}"
+            )
+        self.backoff_scale = backoff_scale
         self.pods = list(pods)
         self.workdir = workdir
         self.host_env = dict(host_env)  # PATH, PYTHONPATH, TFDS_DATA_DIR, ...
@@ -345,7 +359,7 @@ class Cluster:
                 pod.exit_times.append(time.monotonic())
                 if self.stopping.is_set() or code == 0 or pod.restart_policy == "Never":
                     return
-            if self.stopping.wait(restart_delay(pod.restarts)):
+            if self.stopping.wait(restart_delay(pod.restarts, self.backoff_scale)):
                 return
             with self.lock:
                 if self.stopping.is_set():
@@ -503,12 +517,13 @@ def _netns_pids(ns: str) -> list[int]:
 
 
 @contextlib.contextmanager
-def running(pods: Sequence[Pod], host_env: Mapping[str, str], workdir: Path | None = None
-            ) -> Iterator[Cluster]:  # fmt: skip
-    """A built ``Cluster`` of ``pods``; removed on exit, also on failure."""
+def running(pods: Sequence[Pod], host_env: Mapping[str, str], workdir: Path | None = None,
+            backoff_scale: float = 1.0) -> Iterator[Cluster]:  # fmt: skip
+    """A built ``Cluster`` of ``pods`` (``backoff_scale``: see ``Cluster``); removed on
+    exit, also on failure."""
     own = workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="tfdist-pods-")) if own else workdir
-    cluster = Cluster(pods, workdir, host_env)
+    cluster = Cluster(pods, workdir, host_env, backoff_scale)
     atexit.register(cluster.remove)  # also when the session ends without this finally
     try:
         cluster.build()

@@ -256,8 +256,10 @@ def slurm_conf(root: Path, node: str, cpus: int, memory_mb: int, user: str) -> s
             f"SlurmdUser={user}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            # cred_expire: how long a requeued job is held (default 120 s) before it may run
-            f"AuthInfo=socket={root / 'munge' / 'munge.socket'},cred_expire=10",
+            # cred_expire: how long a requeued job is held (default 120 s) before it may run;
+            # 5 is SLURM's least (slurm_cred.c), and a step's credential, valid that long,
+            # reaches slurmd on this one node well within it
+            f"AuthInfo=socket={root / 'munge' / 'munge.socket'},cred_expire=5",
             f"StateSaveLocation={root / 'state'}",
             f"SlurmdSpoolDir={root / 'spool'}",
             f"SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}",

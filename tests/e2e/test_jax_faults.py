@@ -32,7 +32,9 @@ pytestmark = [pytest.mark.jax, pytest.mark.multiworker]
 JOB = str(SCRIPTS / "jax_fault_job.py")
 BOUND_S = 60.0  # what the README promises: every process ends within this of the fault
 START_S = 240.0  # 2-4 JAX processes starting at once on a small CI machine
-SHORT = {"TFDIST_COLLECTIVE_TIMEOUT": "10"}
+COLLECTIVE_S = 5  # the jobs' short watchdog limit (45 s by default on JAX)
+SHORT = {"TFDIST_COLLECTIVE_TIMEOUT": str(COLLECTIVE_S)}
+REGISTER_S = 5  # a job whose peer never starts: its short register timeout (60 s by default)
 
 
 class Procs:
@@ -225,7 +227,7 @@ def test_launch_ends_the_job_when_a_worker_dies_or_is_stuck(procs):
     assert code == config.WATCHDOG_EXIT_CODE, out[-3000:]
     assert "failed: worker w1 exited with code 69 (tfdist.watchdog" in out, out[-3000:]
     line = _one_line(out, r"^\[w1\] tfdist: process 1 of 2: no batch finished")
-    assert "(12 batches done; TFDIST_COLLECTIVE_TIMEOUT=10)" in line, line  # 8 + 4 val
+    assert f"(12 batches done; TFDIST_COLLECTIVE_TIMEOUT={COLLECTIVE_S})" in line, line  # 8 + 4 val
     assert "so this one is stuck, in on_batch_end (jax_fault_job.py:" in line, line
     print(f"launch: dead -> job ended {dead_s:.1f} s after the kill; stuck -> {stuck_s:.1f} s")
 
@@ -235,7 +237,7 @@ def test_each_process_ends_itself_when_its_peer_dies_or_never_starts(procs):
     """Started directly (no launcher to stop them): process 1 SIGKILLs itself after batch
     5; and, in another job, process 0 starts alone."""
     _direct(procs, "dead", (0, 1), "--fault-rank", "1", "--die-at", "5")
-    _direct(procs, "alone", (0,), TFDIST_REGISTER_TIMEOUT="10")
+    _direct(procs, "alone", (0,), TFDIST_REGISTER_TIMEOUT=str(REGISTER_S))
     started = time.time()
     died = _fault_time(procs, "dead1")
     code, dead_s = procs.wait_end("dead0", died)
@@ -248,11 +250,11 @@ def test_each_process_ends_itself_when_its_peer_dies_or_never_starts(procs):
     code, alone_s = procs.wait_end("alone0", started, START_S)
     out = procs.output("alone0")
     assert code == config.WATCHDOG_EXIT_CODE and "STEP" not in out, out[-3000:]
-    assert alone_s < 10 + BOUND_S  # its start-up, then the short register timeout
+    assert alone_s < REGISTER_S + BOUND_S  # its start-up, then the short register timeout
     _one_line(
         out,
-        r"^tfdist: process 0 of 2 gave up after 10 s waiting for process 1 to join the job "
-        r"at 127\.0\.0\.1:\d+: start it, or raise TFDIST_REGISTER_TIMEOUT\.$",
+        rf"^tfdist: process 0 of 2 gave up after {REGISTER_S} s waiting for process 1 to join "
+        r"the job at 127\.0\.0\.1:\d+: start it, or raise TFDIST_REGISTER_TIMEOUT\.$",
     )
     print(f"direct: dead -> survivor ended {dead_s:.1f} s after; alone -> {alone_s:.1f} s")
 
@@ -279,7 +281,7 @@ def test_each_process_ends_itself_when_its_peer_is_stuck_and_hangs_without_the_f
     assert stuck_s < waiting_s  # the stuck one ends first: a launcher names it
 
     upstream_stalled = _fault_time(procs, "upstream1")
-    hang_until = upstream_stalled + 10 + watchdog.VERDICT_MAX_S + 10
+    hang_until = upstream_stalled + COLLECTIVE_S + watchdog.VERDICT_MAX_S + 10
     procs.wait_for("upstream0", r"^STEP 5$")
     while time.time() < hang_until:
         assert procs.running("upstream0") and procs.running("upstream1")

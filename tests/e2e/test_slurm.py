@@ -28,7 +28,7 @@ import slurm_cluster
 from tfdist import startup
 from tfdist.core import cluster, config, process
 
-from conftest import REPO, SCRIPTS, child_env, equivalence
+from conftest import REPO, SCRIPTS, child_env, equivalence, warm_start
 
 TRAIN = SCRIPTS / "slurm_train.py"
 DOCS = REPO / "docs" / "multi_worker.md"
@@ -166,15 +166,12 @@ def max_diff(a, b) -> float:
 
 
 def one_process(script: Path, workdir: Path, *args: str, **env) -> dict:
-    """The reference: ``script`` alone, without srun, in ``workdir``."""
-    proc = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=workdir,
-        env=child_env(**env),
-        capture_output=True,
-        text=True,
+    """The reference: ``script`` alone, without srun, in ``workdir`` (forked from the warm
+    interpreter, tests/warm_start.py)."""
+    proc = warm_start.run(
+        [str(script), *args], env=child_env(**env), base_env=child_env(), cwd=workdir,
         timeout=180,
-    )
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return results(proc.stdout)[-1]
 

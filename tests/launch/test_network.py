@@ -199,12 +199,14 @@ def lab():
         built.remove()
 
 
-def start_job(lab: Lab, progress, *flags: str, epochs: int, step_sleep: float) -> list[Output]:
-    """One launcher per host: 2 workers each, ranks 0-1 on a and 2-3 on b."""
+def start_job(lab: Lab, progress, *flags: str, epochs: int, step_sleep: float = 0.0,
+              hold: str = "") -> list[Output]:  # fmt: skip
+    """One launcher per host: 2 workers each, ranks 0-1 on a and 2-3 on b. ``hold``: a
+    file the workers wait for at the start of epoch 1 (mw_steps.py ``--hold``)."""
     hosts = f"{ADDRESS['a']},{ADDRESS['b']}"
     progress.mkdir(parents=True, exist_ok=True)  # the chief saves its progress there
     job = [str(SCRIPTS / "mw_steps.py"), "--progress", str(progress)]
-    job += ["--epochs", str(epochs), "--step-sleep", str(step_sleep)]
+    job += ["--epochs", str(epochs), "--step-sleep", str(step_sleep), "--hold", hold]
     return [
         lab.start(
             host,
@@ -260,19 +262,30 @@ def finish_job(outputs: list[Output]) -> None:
         assert result["diff"] < 1e-5  # the same weights as one device, uninterrupted
 
 
+def while_held(outputs: list[Output], hold, look):
+    """``look()`` once the job trained an epoch, while its workers wait for ``hold``."""
+    try:
+        outputs[0].wait_for("[w0] EPOCH 1 start", timeout=300)
+        return look()
+    finally:
+        hold.touch()  # the job trains on
+
+
 def test_two_hosts_train_like_one_device_and_the_firewall_closes_their_ports(lab, tmp_path):
     # Without protection: the job trains, and the outsider reaches every worker port.
-    outputs = start_job(lab, tmp_path / "open", epochs=3, step_sleep=0.5)
-    outputs[0].wait_for("[w0] EPOCH 1 start", timeout=300)
-    assert set(probe_from_outsider(lab).values()) == {"open"}
+    hold = tmp_path / "probed-open"
+    outputs = start_job(lab, tmp_path / "open", epochs=3, hold=str(hold))
+    assert set(while_held(outputs, hold, lambda: probe_from_outsider(lab)).values()) == {"open"}
     finish_job(outputs)
     assert "multi-node job: worker ports 23456, 23457 listen unauthenticated" in outputs[0].text()
 
     # With the recommended rule applied by each launcher: only the job's hosts get in.
-    outputs = start_job(lab, tmp_path / "guarded", "--firewall", "apply", epochs=3, step_sleep=0.5)
-    outputs[0].wait_for("[w0] EPOCH 1 start", timeout=300)
-    assert set(probe_from_outsider(lab).values()) == {"refused"}
-    assert "table inet tfdist_" in lab.run("a", ["nft", "list", "tables"]).stdout
+    hold = tmp_path / "probed-guarded"
+    outputs = start_job(lab, tmp_path / "guarded", "--firewall", "apply", epochs=3, hold=str(hold))
+    probe, tables = while_held(outputs, hold, lambda: (
+        probe_from_outsider(lab), lab.run("a", ["nft", "list", "tables"]).stdout))  # fmt: skip
+    assert set(probe.values()) == {"refused"}
+    assert "table inet tfdist_" in tables
     finish_job(outputs)  # the workers of a and b still reach each other: same weights
     assert "firewall: nftables table inet tfdist_" in outputs[1].text()
     for host in ("a", "b"):  # the launcher removed its rules
@@ -311,7 +324,7 @@ if gateway is not None and len(sys.argv) > 1:
         conn.sendall(f"ping from w{rank}\\n".encode())
         result["reply"] = conn.makefile().readline().strip()
 print("RESULT", json.dumps(result), flush=True)
-if result["restart"] == 0 and os.environ.get("ASK_RESTART"):
+if result["restart"] == 0 and rank == 0 and os.environ.get("ASK_RESTART"):
     sys.exit(75)  # "saved, restart me": a second group start
 """
 

@@ -11,6 +11,9 @@ has no other state), and every worker resumes from it when it starts. Prints
 Fault injection: ``--die-at-epoch E --die-rank R`` makes worker R SIGKILL itself when
 epoch E begins, on the first attempt only (``TFDIST_RESTART=0``). ``--step-sleep S``
 sleeps S seconds after every batch, so an external kill lands mid-training.
+``--hold FILE``: every worker, at the start of epoch 1, waits until FILE exists (300 s at
+most), so a test can look at the running job (after one trained epoch) for as long as
+it needs, then let it train on.
 
 Finally prints one JSON line: worker, restart, first_epoch (where this attempt
 started), epochs, and diff: the largest difference from the same model trained
@@ -34,6 +37,7 @@ parser.add_argument("--epochs", type=int, default=4)
 parser.add_argument("--die-at-epoch", type=int, default=-1)
 parser.add_argument("--die-rank", type=int, default=-1)
 parser.add_argument("--step-sleep", type=float, default=0.0)
+parser.add_argument("--hold", default="")
 args = parser.parse_args()
 print("PID", os.getpid(), flush=True)
 
@@ -76,6 +80,10 @@ if args.step_sleep:
     )
 for epoch in range(first_epoch, args.epochs):
     print("EPOCH", epoch, "start", flush=True)
+    if args.hold and epoch == 1:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(args.hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
     if restart == 0 and epoch == args.die_at_epoch and info.rank == args.die_rank:
         # The chief writes the progress of the epoch just ended after its fit returns;
         # die only once it is there, so the restart point does not depend on timing.
