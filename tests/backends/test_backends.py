@@ -224,6 +224,9 @@ ALLOWED = {
     "compat/": "Fix records are guarded per backend (on_keras_backend(...)) by design",
     "core/fix_registry.py": "the guards those Fix records use (on_keras_backend(...))",
     "startup.py": "installs hooks on the framework's import, before any backend module loads",
+    "check/hook.py": "tfdist check's hook, run from startup.py's Keras-import hook, installs the"
+    " custom-loop watcher of the framework the script trains with (tf.distribute's datasets"
+    " or jax.jit)",
     "info.py": "`tfdist info` (the bug-report template) reports each framework's own build",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",

@@ -65,7 +65,11 @@ def test_aligned_arrays_train_as_one_device_and_stay_unchanged(topology):
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_tf_generator_batches_copied")
 def test_upstream_overwrites_the_first_replicas_labels_on_two_devices():
-    one, upstream = run("1 device"), run("2 devices", exclude=FIX)
+    # tf_distribute_partial_batch_evenly's cut copies each slice (a gather), which keeps the
+    # user's arrays apart from the step's tensors too: upstream's rebatch, which slices in
+    # place, is what this shows, so both are excluded.
+    one = run("1 device")
+    upstream = run("2 devices", exclude=f"{FIX},tf_distribute_partial_batch_evenly")
     for idiom in ("pydataset", "generator"):
         assert upstream[idiom]["changed_rows"] == FIRST_HALVES, (idiom, upstream[idiom])
         # The first epoch trained on the true labels; the second on overwritten ones.

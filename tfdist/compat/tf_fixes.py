@@ -152,25 +152,25 @@ def fix_multi_worker_logical_cpus() -> None:
 
         return _initialize_local_devices
 
-    def make_init(original):
-        def _initialize_multi_worker(self, cluster_resolver):
+    def make_start(original):
+        def _initialize_strategy(self, cluster_resolver, devices):
             # The strategy copies the context's device configuration into its server
             # definition before it starts the context, so tfdist's start-up hook (run when
             # the context starts) splits the CPU too late for a strategy the script builds
             # itself as the process's first TensorFlow work (a one-worker job): split it
-            # here. A no-op where the devices are already split.
+            # here. A no-op where the devices are already split; explicit devices: upstream.
             wanted = config.cpu_devices() or 1
-            if wanted > 1:
+            if wanted > 1 and not devices:
                 from tfdist.backends.tf_plan import configure_cpu_devices
 
                 configure_cpu_devices(wanted)
-            return original(self, cluster_resolver)
+            return original(self, cluster_resolver, devices)
 
-        return _initialize_multi_worker
+        return _initialize_strategy
 
     owner = upstream.tf_collective_extended_class()
     patch(owner, "_initialize_local_devices", "tf_multi_worker_logical_cpus", make)
-    patch(owner, "_initialize_multi_worker", "tf_multi_worker_logical_cpus", make_init)
+    patch(owner, "_initialize_strategy", "tf_multi_worker_logical_cpus", make_start)
 
 
 # Reasons already logged: "said once", not once per fit/evaluate/predict call.
@@ -285,7 +285,7 @@ FIXES: list[Fix] = [
         "tensorflow",
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
-            _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
+            _CARS + "CollectiveAllReduceExtended._initialize_strategy",
         ),
         acts_where=(
             "MultiWorkerMirroredStrategy without explicit devices, no GPU/TPU, "

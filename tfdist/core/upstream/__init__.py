@@ -211,6 +211,8 @@ REQUIRED = {
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._initialize_local_devices",
         "tensorflow.python.distribute.collective_all_reduce_strategy:"
+        "CollectiveAllReduceExtended._initialize_strategy",
+        "tensorflow.python.distribute.collective_all_reduce_strategy:"
         "CollectiveAllReduceExtended._in_multi_worker_mode",
         "tensorflow.python.distribute.collective_util:Options",
         "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
