@@ -71,7 +71,7 @@ setup(
             # A real S3 API on 127.0.0.1 (moto's server) and the s3:// filesystem, for
             # tests/checkpoint/test_object_store.py (tests/object_store.py starts the server).
             "moto[server]>=5",
-            "s3fs",
+            "s3fs>=2024.3",  # before 2024 (0.4: no aiobotocore) it fails on botocore's Session
         ],
         # The sessions that test other release pairs of the verified range (noxfile.py).
         "dev": ["tfdist[test]", "nox"],
