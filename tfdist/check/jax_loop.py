@@ -34,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import sys
@@ -87,17 +86,10 @@ def install() -> None:
 
     from tfdist.core import fix_registry
 
-    def apply() -> None:
+    def patch() -> None:
         fix_registry.patch(jax, "jit", _FIX_NAME, _wrap_jit)
-        atexit.register(_at_exit)
-        sys.excepthook = loop.noting_failure(sys.excepthook, _LOOP)
 
-    record = fix_registry.Fix(
-        _FIX_NAME, "tfdist check stops a JAX custom loop", lambda: True, apply, package="jax"
-    )
-    reason = fix_registry.apply_fix(record)
-    if reason is not None:
-        raise RuntimeError(f"tfdist check cannot hook jax.jit: {reason}")
+    loop.install_watcher(_FIX_NAME, "a JAX custom loop", "jax", "jax.jit", patch, _at_exit, _LOOP)
 
 
 def _wrap_jit(original):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from tfdist.check import model
 
-__all__ = ["install", "noting_failure"]
+__all__ = ["install", "install_watcher", "noting_failure"]
 
 _FIX_NAME = "tfdist_check_loop"
 _METHODS = ("experimental_distribute_dataset", "distribute_datasets_from_function")
@@ -69,18 +69,32 @@ def install() -> None:
 
     from tfdist.core import fix_registry
 
-    def apply() -> None:
+    def patch() -> None:
         for name in _METHODS:
             fix_registry.patch(tf.distribute.Strategy, name, _FIX_NAME, _wrap_distribute)
-        atexit.register(_at_exit)
-        sys.excepthook = noting_failure(sys.excepthook, _LOOP)
+
+    install_watcher(
+        _FIX_NAME, "a custom loop", "tensorflow", "tf.distribute.Strategy", patch, _at_exit, _LOOP
+    )
+
+
+def install_watcher(name, what, package, target, patch, at_exit, state) -> None:
+    """Applies a loop watcher the one way every patch is (``fix_registry.apply_fix``):
+    ``patch()``, then ``at_exit`` at the process's exit and a ``sys.excepthook`` that
+    notes a failing script in ``state``; a clear error when it cannot be applied."""
+    from tfdist.core import fix_registry
+
+    def apply() -> None:
+        patch()
+        atexit.register(at_exit)
+        sys.excepthook = noting_failure(sys.excepthook, state)
 
     record = fix_registry.Fix(
-        _FIX_NAME, "tfdist check stops a custom loop", lambda: True, apply, package="tensorflow"
+        name, f"tfdist check stops {what}", lambda: True, apply, package=package
     )
     reason = fix_registry.apply_fix(record)
     if reason is not None:
-        raise RuntimeError(f"tfdist check cannot hook tf.distribute.Strategy: {reason}")
+        raise RuntimeError(f"tfdist check cannot hook {target}: {reason}")
 
 
 def _wrap_distribute(original):
