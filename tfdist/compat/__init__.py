@@ -21,7 +21,7 @@ Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime pat
 Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
 ``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
 ``jax_watchdog``,
-``loss_scale``, ``partial_batches``, ``jax_partial_batches``, ``tf_inputs``, ``jit_compile``,
+``loss_scale``, ``loss_weights``, ``partial_batches``, ``jax_partial_batches``, ``tf_inputs``, ``jit_compile``,
 ``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets``
 (a dataset with a
 declared length); this module lists them
@@ -53,6 +53,7 @@ from tfdist.compat import (
     jit_compile,
     keras_fixes,
     loss_scale,
+    loss_weights,
     on_batch,
     optimizer_build,
     partial_batches,
@@ -92,6 +93,7 @@ FIXES: list[Fix] = [
     *on_batch.FIXES,
     *loss_scale.FIXES,
     *jax_watchdog.FIXES,
+    *loss_weights.FIXES,
     *partial_batches.FIXES,
     *jax_partial_batches.FIXES,
     *tf_inputs.FIXES,
