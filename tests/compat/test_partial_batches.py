@@ -496,3 +496,22 @@ def test_unseeded_pydataset_trains_whole_batches_on_two_workers(fixed):
             assert not all(whole), "upstream now agrees the workers' shuffle"
     if fixed:  # the probe trained on the chief alone, on one replica
         assert results[-1]["probe alone"] is True
+
+
+def test_a_known_cut_tells_each_slice_its_batch():
+    """``KnownCut``: the slices of a balanced cut and whether a slice's size tells its
+    global batch (what the loss-weight fix reads instead of an all-reduce), and which
+    slice a replica gets over workers (slice i to worker i % W, in order)."""
+    from tfdist.compat.partial_batches import KnownCut
+
+    cut = KnownCut(frozenset({16, 10}), replicas=4, workers=2)
+    assert [cut.slice_size(10, i) for i in range(4)] == [3, 3, 2, 2]
+    assert [cut.slice_size(16, i) for i in range(4)] == [4, 4, 4, 4]
+    assert (cut.even, cut.telling) == (False, True)
+    # Worker 0's replicas (ids 0, 1) get slices 0 and 2; worker 1's (2, 3) get 1 and 3.
+    assert [cut.slice_index(r) for r in range(4)] == [0, 2, 1, 3]
+    assert [KnownCut(frozenset({8}), 4, 1).slice_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert KnownCut(frozenset({128, 96}), 2, 1).even
+    # 6 and 5 on 4 replicas: the first slice is 2 in both, so it cannot tell.
+    assert not KnownCut(frozenset({6, 5}), 4, 1).telling
+    assert KnownCut(frozenset({128, 89}), 2, 2).telling

@@ -188,6 +188,7 @@ _STATEFUL_CALLS = {
     "WeakKeyDictionary",
     "WeakSet",
     "WeakValueDictionary",
+    "defaultdict",
 }
 
 

@@ -23,15 +23,19 @@ Cases (each a fresh model, seeded alike, trained with ``fit`` under ``tfdist.sco
 * ``conv, 65 at 6`` and ``conv + BN, 65 at 6`` (a synchronized BatchNormalization
   after the Conv2D): 65 examples, the last batch 5 (2 + 1 + 1 + 1 on 4 replicas);
 * ``conv, 63 at 6``: the last batch 3, which leaves one of 4 replicas empty (refused
-  before training there).
+  before training there);
+* ``conv, 74 at 16``: the last batch 10 (5 + 5; 3 + 3 + 2 + 2, dealt over 2 workers as
+  slices 0 and 2 to worker 0): each replica reads its share from its slice's size;
+* ``conv, 64 then 41 at 16``: a second ``fit`` of the same model on data cut otherwise
+  (its last batch 9): the train function is made anew.
 
 On TensorFlow every worker then prints ``SLICES {"worker": i, "memory": [...], "files":
 [...]}``: the example ids each of its replicas gets, step by step, from 21 ids at a global
 batch of 6, in memory and read from 2 TFRecord files (ids 0-10 and 11-20).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
-"replicas": r, "workers": w}}}``: the weights and (for compiled losses) the loss
-history, and what the case's own model trained on (its ``distribute_strategy`` on
+"replicas": r, "workers": w, "loss_all_reduces": n}}}``: the weights and (for compiled
+losses) the loss history, the all-reduces the loss-weight fix traced on this worker, and what the case's own model trained on (its ``distribute_strategy`` on
 TensorFlow, the devices holding its weights on JAX; not the process's). A custom ``train_step`` reports its replica's
 loss as upstream scales it (``1 / replicas``), so its history is not compared.
 A failing case reports ``{"error": ...}`` and the others still run.
@@ -164,7 +168,11 @@ def sample_weights() -> keras.Model:
     return model
 
 
-def conv_batches_of_6(examples: int = 60, batchnorm: bool = False) -> keras.Model:
+def conv_batches_of_6(
+    examples: int = 60, batchnorm: bool = False, batch: int = 6, then: int = 0
+) -> keras.Model:
+    """Conv2D + MaxPooling2D on ``examples`` at a global batch of ``batch``; ``then``: a
+    second ``fit`` of the same model on the first ``then`` examples."""
     rng = np.random.default_rng(4)
     x = rng.normal(size=(examples, 8, 8, 1)).astype("float32")
     y = rng.integers(0, 3, size=examples)
@@ -192,7 +200,11 @@ def conv_batches_of_6(examples: int = 60, batchnorm: bool = False) -> keras.Mode
             keras.optimizers.SGD(0.05),
             keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
-    model.history_values = model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
+    model.history_values = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    if then:
+        model.history_values = model.fit(
+            x[:then], y[:then], batch_size=batch, epochs=1, shuffle=False, verbose=0
+        )
     return model
 
 
@@ -206,11 +218,29 @@ CASES = {
     "conv, 65 at 6": lambda: conv_batches_of_6(65),
     "conv + BN, 65 at 6": lambda: conv_batches_of_6(65, batchnorm=True),
     "conv, 63 at 6": lambda: conv_batches_of_6(63),
+    "conv, 74 at 16": lambda: conv_batches_of_6(74, batch=16),
+    "conv, 64 then 41 at 16": lambda: conv_batches_of_6(64, batch=16, then=41),
 }
 
 
 # The cases any backend runs (the others are TensorFlow train_steps).
 JAX_CASES = ("masked GRU", "sample weights", "conv, batches of 6")
+
+
+# All-reduces the loss-weight fix issued (traced), per case (``count_loss_all_reduces``).
+LOSS_ALL_REDUCES: list[int] = []
+
+
+def count_loss_all_reduces() -> None:
+    """Counts the all-reduces a replica issues from the loss-weight fix (``reduce_weighted_values``)."""
+    upstream_all_reduce = tf.distribute.ReplicaContext.all_reduce
+
+    def all_reduce(self, reduce_op, value, options=None):
+        if sys._getframe(1).f_code.co_name == "reduce_weighted_values":
+            LOSS_ALL_REDUCES.append(1)
+        return upstream_all_reduce(self, reduce_op, value, options)
+
+    tf.distribute.ReplicaContext.all_reduce = all_reduce
 
 
 def result(model: keras.Model) -> dict:
@@ -219,7 +249,11 @@ def result(model: keras.Model) -> dict:
         values["loss"] = [float(v) for v in model.history_values.history["loss"]]
     # What the model itself trained on: its strategy on TensorFlow, the devices and
     # processes holding its weights on JAX.
-    return {"values": values, **trained_on.model_topology(model)}
+    return {
+        "values": values,
+        "loss_all_reduces": len(LOSS_ALL_REDUCES),
+        **trained_on.model_topology(model),
+    }
 
 
 def slices() -> dict:
@@ -248,8 +282,11 @@ def slices() -> dict:
 def main() -> None:
     names = sys.argv[1:] or list(CASES if keras.backend.backend() == "tensorflow" else JAX_CASES)
     out = {}
+    if keras.backend.backend() == "tensorflow":
+        count_loss_all_reduces()
     for name in names:
         keras.utils.set_random_seed(0)
+        LOSS_ALL_REDUCES.clear()
         try:
             out[name] = result(CASES[name]())
         except Exception as error:  # a failing case is a result, not a crash of the others

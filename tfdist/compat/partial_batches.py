@@ -25,7 +25,9 @@ Every private name used comes from ``tfdist.core.upstream``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import dataclasses
 import inspect
 import math
 
@@ -37,6 +39,9 @@ __all__ = [
     "fix_even_split",
     "fix_fit_marks_training_input",
     "split_balanced",
+    "KnownCut",
+    "fit_cut",
+    "training_input_of",
     "leaves_a_replica_empty",
     "takes_empty_replicas",
     "batch_sizes",
@@ -78,6 +83,64 @@ def split_balanced(dataset, pieces: int):
         return tf.nest.map_structure(lambda t: t[:length], element)
 
     return dataset.map(spread).unbatch().map(trim)
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownCut:
+    """How ``split_balanced`` cuts every global batch of a dataset whose batch sizes are
+    known before training, and which slice each replica gets: what a replica needs to
+    know the global batch of a step from its own slice, without asking the others.
+
+    Example:
+        >>> cut = KnownCut(frozenset({16, 9}), replicas=2, workers=1)
+        >>> cut.even, cut.telling, cut.slice_size(9, 0), cut.slice_size(9, 1)
+        (False, True, 5, 4)
+    """
+
+    sizes: frozenset[int]  # every global batch size (full batches and the last one)
+    replicas: int
+    workers: int
+
+    def slice_size(self, batch: int, index: int) -> int:
+        """Slice ``index``'s size in a global batch of ``batch`` (the larger first)."""
+        return batch // self.replicas + (1 if index < batch % self.replicas else 0)
+
+    def slice_index(self, replica: int) -> int:
+        """The slice replica ``replica`` (its id in the sync group) gets: its own on one
+        worker; over workers tf.distribute's DATA sharding deals slice ``i`` to worker
+        ``i % workers``, and each worker's slices to its replicas in order."""
+        worker, local = divmod(replica, self.replicas // self.workers)
+        return local * self.workers + worker
+
+    @property
+    def even(self) -> bool:
+        """Every batch divides by the replicas: every slice of every batch is equal."""
+        return all(size % self.replicas == 0 for size in self.sizes)
+
+    @property
+    def telling(self) -> bool:
+        """Each slice's size tells which batch size it was cut from, for every slice."""
+        return all(
+            len({self.slice_size(size, i) for size in self.sizes}) == len(self.sizes)
+            for i in range(self.replicas)
+        )
+
+
+def _dealing_known(dataset, workers: int) -> bool:
+    """Whether tf.distribute deals the cut's slices to workers as ``KnownCut`` says: one
+    worker, or sharding by DATA (set, or AUTO on a pipeline that reads no file)."""
+    import tensorflow as tf
+
+    from tfdist.core import shard_policy
+
+    if workers == 1:
+        return True
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    if policy == tf.data.experimental.AutoShardPolicy.DATA:
+        return True
+    return policy == tf.data.experimental.AutoShardPolicy.AUTO and (
+        shard_policy.reads_files(dataset) is False
+    )
 
 
 def _splittable(dataset) -> bool:
@@ -146,6 +209,7 @@ class _TrainingInput:
         self.sizes = sizes  # of arrays, known from their length; None: ask the pipeline
         self.examples = examples
         self.cut = False
+        self.known: KnownCut | None = None  # set by the cut, where the sizes are known
 
     def batches(self, dataset) -> tuple[set[int] | None, int | None]:
         """The batch sizes and number of examples of the training data, ``dataset``."""
@@ -158,6 +222,29 @@ class _TrainingInput:
 _TRAINING_INPUT: contextvars.ContextVar[_TrainingInput | None] = contextvars.ContextVar(
     "tfdist_training_input", default=None
 )
+# The same, for the loss-weight fix: how fit's training data was cut (``fit_cut``).
+_FIT_CUT: contextvars.ContextVar[_TrainingInput | None] = contextvars.ContextVar(
+    "tfdist_fit_cut", default=None
+)
+
+
+@contextlib.contextmanager
+def fit_cut(training: _TrainingInput):
+    """Within this context the first dataset tf.distribute cuts is ``training``'s, and the
+    cut records how it cut it in ``training.known`` (where the sizes are known)."""
+    token = _FIT_CUT.set(training)
+    try:
+        yield training
+    finally:
+        _FIT_CUT.reset(token)
+
+
+def training_input_of(signature: inspect.Signature, model, args, kwargs) -> _TrainingInput:
+    """What ``fit(*args, **kwargs)`` trains on, as far as known before it starts."""
+    try:
+        return _array_batches(signature.bind(model, *args, **kwargs))
+    except TypeError:  # upstream reports the bad call
+        return _TrainingInput(None)
 
 
 def _array_batches(bound: inspect.BoundArguments) -> _TrainingInput:
@@ -253,6 +340,13 @@ def fix_even_split() -> None:
     def make(original):
         def _make_rebatch_fn(self, dataset, num_workers, num_replicas_in_sync):
             upstream_fn = original(self, dataset, num_workers, num_replicas_in_sync)
+            cutting = _FIT_CUT.get()
+            if cutting is not None and not cutting.cut:
+                cutting.cut = True  # the first cut of a fit is its training data
+                sizes, _ = cutting.batches(dataset)
+                if sizes and _splittable(dataset) and _dealing_known(dataset, num_workers):
+                    known = KnownCut(frozenset(sizes), num_replicas_in_sync, num_workers)
+                    cutting.known = known
             if not _splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
@@ -329,10 +423,7 @@ def fix_fit_marks_training_input() -> None:
         def fit(self, *args, **kwargs):
             if takes_empty_replicas(self):
                 return original(self, *args, **kwargs)
-            try:
-                training = _array_batches(signature.bind(self, *args, **kwargs))
-            except TypeError:  # upstream reports the bad call
-                training = _TrainingInput(None)
+            training = training_input_of(signature, self, args, kwargs)
             token = _TRAINING_INPUT.set(training)
             try:
                 return original(self, *args, **kwargs)

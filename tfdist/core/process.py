@@ -123,6 +123,12 @@ OUTSIDE_STATE = {
     "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
     "tfdist.compat.partial_batches._TRAINING_INPUT": "a context variable, per fit call: "
     "which dataset that fit trains on, until tf.distribute cuts it",
+    "tfdist.compat.partial_batches._FIT_CUT": "a context variable, per fit call: how "
+    "tf.distribute cut that fit's training data",
+    "tfdist.compat.loss_weights._FITS": "the fits running now, per strategy, popped when "
+    "each returns: what a replica thread (outside the fit's context) reads",
+    "tfdist.compat.loss_weights._TRAINED_WITH": "weak, per model: the cut its train "
+    "function was traced for, forgotten with the model",
     "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
     "tfdist.saving._SYNCS": _COUNTER,
 }
