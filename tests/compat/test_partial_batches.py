@@ -515,3 +515,43 @@ def test_a_known_cut_tells_each_slice_its_batch():
     # 6 and 5 on 4 replicas: the first slice is 2 in both, so it cannot tell.
     assert not KnownCut(frozenset({6, 5}), 4, 1).telling
     assert KnownCut(frozenset({128, 89}), 2, 2).telling
+
+
+@pytest.mark.devices
+def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
+    """On 4 logical devices, 41 examples at 16: a ``batch`` whose sizes and order are
+    known (followed by prefetch/cache/options) is cut by tf.data's rebatch kernel, one
+    whose order or sizes are not (a ``map`` or ``shuffle`` after the batch) by
+    ``split_balanced``; both give 4 x 4, 4 x 4, then 3 + 2 + 2 + 2 (tf.distribute's
+    auto-sharding would rewrite the kernel into its 3 + 3 + 3 + 0 cut), each example
+    once, in order. A pipeline that reorders its batches is not taken for ordered."""
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import tfdist
+        import tensorflow as tf
+        from tfdist.compat.partial_batches import epoch_slices, ordered_batching
+        strategy = tfdist.strategy()
+        base = tf.data.Dataset.range(41).batch(16)
+        pipelines = {{
+            "kernel": base.cache().prefetch(2),
+            "split": base.map(lambda b: b),
+        }}
+        out = {{"replicas": strategy.num_replicas_in_sync, "ordered": {{}}}}
+        for name, ds in pipelines.items():
+            steps = strategy.experimental_distribute_dataset(ds)
+            local = strategy.experimental_local_results
+            out[name] = [[p.numpy().tolist() for p in local(step)] for step in steps]
+        for name, ds in {{**pipelines, "shuffled": base.shuffle(3)}}.items():
+            out["ordered"][name] = ordered_batching(ds)
+        out["slices"] = epoch_slices(ordered_batching(base), 4)
+        print(json.dumps(out))
+    """
+    out = json.loads(run_python(code, TFDIST_CPU_DEVICES="4").stdout.strip().splitlines()[-1])
+    assert out["replicas"] == 4
+    assert out["ordered"] == {"kernel": [16, 41, False], "split": None, "shuffled": None}
+    assert out["slices"] == [4] * 8 + [3, 2, 2, 2]
+    for name in ("kernel", "split"):
+        sizes = [[len(part) for part in step] for step in out[name]]
+        assert sizes == [[4] * 4, [4] * 4, [3, 2, 2, 2]], (name, sizes)
+        assert sum(sum(out[name], []), []) == list(range(41)), name
