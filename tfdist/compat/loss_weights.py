@@ -122,16 +122,17 @@ def fix_loss_weights() -> None:
     upstream's, bit for bit.
 
     What it costs: in ``fit``, an unweighted, unmasked loss on data whose batch sizes
-    are known before training (arrays; a ``tf.data`` pipeline whose ``batch`` input has
-    a known cardinality) costs nothing more than upstream. The even-split fix records
-    how it cut that data (``partial_batches.KnownCut``): when every batch divides by
-    ``N`` the loss is upstream's, untouched; otherwise each replica reads the global
-    batch ``B`` from its own slice's size (slice sizes differ between batch sizes: 64
-    -> 128, 45 or 44 -> 89) and scales by ``n_r * N / B``, with no communication. A
-    masked or weighted loss (whose ``d_r`` the data decides), data whose sizes are not
-    known (a ``filter``, a generator), files sharded between workers, sizes a slice
-    cannot tell apart (6 and 5 on 4 replicas: both give a first slice of 2), a custom
-    loop: the fix all-reduces ``d_r``, one scalar per loss per step.
+    and order are known before training (arrays; a ``tf.data`` ``batch`` of known
+    cardinality followed only by prefetch, cache or options) costs nothing more than
+    upstream. The even-split fix cuts that data with tf.data's rebatch kernel and
+    records how (``partial_batches.KnownCut``): when every batch divides by ``N`` the
+    loss is upstream's, untouched; otherwise each replica reads the global batch ``B``
+    from its own slice's size (slice sizes differ between batch sizes: 64 -> 128, 45 or
+    44 -> 89) and scales by ``n_r * N / B``, with no communication. A masked or
+    weighted loss (whose ``d_r`` the data decides), data whose sizes are not known (a
+    ``map`` or ``filter`` after the batch, a generator), files sharded between workers,
+    sizes a slice cannot tell apart (6 and 5 on 4 replicas: both give a first slice of
+    2), a custom loop: the fix all-reduces ``d_r``, one scalar per loss per step.
 
     Where it acts: a Keras loss reduced by averaging in the replica function of a
     strategy with several replicas, in that function's own graph. Reductions that do not

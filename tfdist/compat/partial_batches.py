@@ -432,8 +432,7 @@ def fix_even_split() -> None:
     auto-sharding that would follow is switched off for this dataset: it rewrites
     that kernel into its legacy ``ceil`` cut): upstream's cost (measured in
     tools/bench_partial_batch_cost.py). Elsewhere it is ``split_balanced`` (a gather,
-    an unbatch and a slice, about 0.1 ms more per slice of 128 x 784 floats on these
-    cores, in the input pipeline).
+    an unbatch and a slice per replica, in the input pipeline: dearer than the kernel).
 
     A training batch that still leaves a replica empty (1 example on 2 replicas) would
     make BatchNormalization's moving statistics NaN or abort the process in oneDNN, so
