@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import inspect
+import logging
 import math
 
 from tfdist.core import upstream
@@ -282,7 +283,27 @@ def _rebatch_in_order(dataset, slices: list[int], workers: int, worker: int, per
         cut = cut.shard(workers, worker)
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    return cut.with_options(options).prefetch(per_worker)
+    with _quiet_policy_change():
+        cut = cut.with_options(options)
+    return cut.prefetch(per_worker)
+
+
+class _PolicyChangeFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Changing the value of option auto_shard")
+
+
+@contextlib.contextmanager
+def _quiet_policy_change():
+    """Without tf.data's warning that the auto-shard policy changes (DATA, set for the
+    pipeline, to OFF for the cut that shards itself): the sharding stays DATA's."""
+    absl_logger = logging.getLogger("absl")
+    quiet = _PolicyChangeFilter()
+    absl_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(quiet)
 
 
 class _TrainingInput:
@@ -448,19 +469,21 @@ def fix_even_split() -> None:
             # fit's first cut is its training data: the fit knows its arrays' batches.
             fits = [h for h in (_FIT_CUT.get(), _TRAINING_INPUT.get()) if h and not h.cut]
             batching = fits[0].ordered(dataset) if fits else ordered_batching(dataset)
-            slices = None
+            slices = known = None
             if (
                 batching is not None
                 and _splittable(dataset)
                 and _dealing_known(dataset, num_workers)
             ):
                 slices = epoch_slices(batching, num_replicas_in_sync)
+            if slices is not None:
+                known = KnownCut(
+                    frozenset(batch_sizes_of(batching)), num_replicas_in_sync, num_workers
+                )
             cutting = _FIT_CUT.get()
             if cutting is not None and not cutting.cut:
                 cutting.cut = True
-                if slices is not None:
-                    cut_sizes = frozenset(batch_sizes_of(batching))
-                    cutting.known = KnownCut(cut_sizes, num_replicas_in_sync, num_workers)
+                cutting.known = known
             if not _splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
@@ -470,6 +493,8 @@ def fix_even_split() -> None:
                 training.cut = True
                 sizes, examples = training.batches(dataset)
                 guard = _empty_replica_guard(sizes, num_replicas_in_sync, num_workers, examples)
+            if known is not None and known.even and guard is None:
+                return upstream_fn  # every batch divides: upstream cuts B / N each, in order
 
             def rebatch_fn(dataset, worker_index):
                 if guard is not None:
