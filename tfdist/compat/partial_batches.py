@@ -448,11 +448,12 @@ def fix_even_split() -> None:
     What it costs: where the batches' sizes and order are known before the first step
     (``fit``'s arrays; a ``batch`` followed only by prefetch, cache or options, its
     input's cardinality known) and the slices are dealt as above (one worker, or DATA
-    sharding), the cut is tf.data's own ``rebatch`` kernel given every slice's size for
+    sharding), a pipeline whose batches all divide by ``N`` keeps upstream's cut, and
+    otherwise the cut is tf.data's own ``rebatch`` kernel given every slice's size for
     one pass (``epoch_slices``), and this worker's slices are kept by a ``shard`` (the
     auto-sharding that would follow is switched off for this dataset: it rewrites
-    that kernel into its legacy ``ceil`` cut): upstream's cost (measured in
-    tools/bench_partial_batch_cost.py). Elsewhere it is ``split_balanced`` (a gather,
+    that kernel into its legacy ``ceil`` cut), the kernel upstream cuts with itself
+    where it knows the batch size. Elsewhere it is ``split_balanced`` (a gather,
     an unbatch and a slice per replica, in the input pipeline: dearer than the kernel).
 
     A training batch that still leaves a replica empty (1 example on 2 replicas) would
