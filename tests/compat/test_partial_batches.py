@@ -524,7 +524,8 @@ def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
     whose order or sizes are not (a ``map`` or ``shuffle`` after the batch) by
     ``split_balanced``; both give 4 x 4, 4 x 4, then 3 + 2 + 2 + 2 (tf.distribute's
     auto-sharding would rewrite the kernel into its 3 + 3 + 3 + 0 cut), each example
-    once, in order. A pipeline that reorders its batches is not taken for ordered."""
+    once, in order; 184 at 128 (a last batch that divides) 4 x 32, then 4 x 14. A
+    pipeline that reorders its batches is not taken for ordered."""
     code = f"""
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
@@ -537,7 +538,15 @@ def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
             "kernel": base.cache().prefetch(2),
             "split": base.map(lambda b: b),
         }}
+        # A last batch that divides (56 of 128): upstream's fixed shares would cut it
+        # 32 + 24 + 0 + 0 where its auto-sharding leaves its kernel alone (policy OFF).
+        off = tf.data.Options()
+        off.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        divides = tf.data.Dataset.range(184).batch(128).with_options(off)
+        steps = strategy.experimental_distribute_dataset(divides)
+        local = strategy.experimental_local_results
         out = {{"replicas": strategy.num_replicas_in_sync, "ordered": {{}}}}
+        out["divides"] = [[len(p) for p in local(step)] for step in steps]
         for name, ds in pipelines.items():
             steps = strategy.experimental_distribute_dataset(ds)
             local = strategy.experimental_local_results
@@ -551,6 +560,7 @@ def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
     assert out["replicas"] == 4
     assert out["ordered"] == {"kernel": [16, 41, False], "split": None, "shuffled": None}
     assert out["slices"] == [4] * 8 + [3, 2, 2, 2]
+    assert out["divides"] == [[32] * 4, [14] * 4]
     for name in ("kernel", "split"):
         sizes = [[len(part) for part in step] for step in out[name]]
         assert sizes == [[4] * 4, [4] * 4, [3, 2, 2, 2]], (name, sizes)

@@ -448,8 +448,8 @@ def fix_even_split() -> None:
     What it costs: where the batches' sizes and order are known before the first step
     (``fit``'s arrays; a ``batch`` followed only by prefetch, cache or options, its
     input's cardinality known) and the slices are dealt as above (one worker, or DATA
-    sharding), a pipeline whose batches all divide by ``N`` keeps upstream's cut, and
-    otherwise the cut is tf.data's own ``rebatch`` kernel given every slice's size for
+    sharding), a pipeline whose batches all have one size that divides by ``N`` keeps
+    upstream's cut, and otherwise the cut is tf.data's own ``rebatch`` kernel given every slice's size for
     one pass (``epoch_slices``), and this worker's slices are kept by a ``shard`` (the
     auto-sharding that would follow is switched off for this dataset: it rewrites
     that kernel into its legacy ``ceil`` cut), the kernel upstream cuts with itself
@@ -494,8 +494,10 @@ def fix_even_split() -> None:
                 training.cut = True
                 sizes, examples = training.batches(dataset)
                 guard = _empty_replica_guard(sizes, num_replicas_in_sync, num_workers, examples)
-            if known is not None and known.even and guard is None:
-                return upstream_fn  # every batch divides: upstream cuts B / N each, in order
+            if known is not None and known.even and len(known.sizes) == 1 and guard is None:
+                # One batch size, dividing by N: upstream cuts B / N each, in order. (With a
+                # partial batch, even one that divides, its fixed shares may give 56 + 0.)
+                return upstream_fn
 
             def rebatch_fn(dataset, worker_index):
                 if guard is not None:
