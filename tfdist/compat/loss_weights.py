@@ -68,10 +68,10 @@ _FITS: collections.defaultdict[int, list] = collections.defaultdict(list)
 _TRAINED_WITH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _known_cut(context):
-    """How the training data of the fit whose train function is traced here was cut, when
-    its sizes and the dealing of its slices are known; else None."""
-    fits = _FITS.get(id(context.strategy))
+def _known_cut(strategy):
+    """How the training data of the fit running now under ``strategy`` was cut, when its
+    sizes and the dealing of its slices are known; else None."""
+    fits = _FITS.get(id(strategy))
     return fits[-1].known if fits else None
 
 
@@ -155,7 +155,7 @@ def fix_loss_weights() -> None:
             values = ops.convert_to_tensor(values, dtype=dtype)
             if reduction not in _MEAN_REDUCTIONS or tuple(values.shape) in ((), (0,)):
                 return loss
-            cut = _known_cut(context)
+            cut = _known_cut(context.strategy)
             if (
                 cut is not None
                 and sample_weight is None
@@ -217,8 +217,7 @@ def _make_train_function(original):
     otherwise than when the last was made (its shares were traced for that cut)."""
 
     def make_train_function(self, force=False):
-        fits = _FITS.get(id(self.distribute_strategy))
-        known = fits[-1].known if fits else None
+        known = _known_cut(self.distribute_strategy)
         if self.train_function is not None and _TRAINED_WITH.get(self) != known:
             force = True
         result = original(self, force)
