@@ -50,12 +50,28 @@ def test_a_barrier_on_the_chief_only_fails_clearly_within_its_timeout(backend, t
 @pytest.mark.multiworker
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend):
-    """Worker 1 reaches the barrier 3 s after the chief (timeout 30 s): both return."""
-    proc = launch_cli("-n", "2", str(SCRIPTS / "barrier_job.py"), "late", KERAS_BACKEND=backend)
+    """Worker 1 reaches the barrier 3 s after the chief (timeout 30 s): both return.
+
+    Then the chief exits first and worker 1 reads a key the chief wrote, 2 s later, from the
+    coordination service that lives in the chief's process: the chief must still be there,
+    waiting at exit (TensorFlow: tfdist's exit barrier; jax: its own shutdown barrier).
+    On TensorFlow worker 1 then stays 7 s more, past TFDIST_SHUTDOWN_TIMEOUT=4: the chief
+    leaves without it, saying so, and both exit 0."""
+    tensorflow = backend == "tensorflow"
+    linger = {"TFDIST_SHUTDOWN_TIMEOUT": "4", "BARRIER_JOB_LINGER_S": "7"} if tensorflow else {}
+    proc = launch_cli(
+        "-n", "2", str(SCRIPTS / "barrier_job.py"), "late", KERAS_BACKEND=backend, **linger
+    )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-4000:]
     assert "ERROR" not in out, out[-3000:]
     assert "[w0] PASSED 0" in out and "[w1] PASSED 1" in out, out[-3000:]
+    assert "[w1] READ yes" in out, out[-3000:]
+    if tensorflow:  # the workers' stderr: the chief's one line, no other worker's
+        left = [line for line in proc.stderr.splitlines() if "leaving without them" in line]
+        assert len(left) == 1, proc.stderr[-4000:]
+        assert left[0].startswith("[w0] tfdist: worker 0: not every worker finished within 4 s")
+        assert "[w1] LINGERED 1" in out
 
 
 @pytest.mark.multiworker

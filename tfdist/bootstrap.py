@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from tfdist import startup
-from tfdist.core import config
+from tfdist.core import config, exit_hold
 
 __all__ = ["main"]
 
@@ -54,7 +54,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     startup.install()
     try:
         _run(module, target, args)
-    except Exception as err:
+    except SystemExit as stop:
+        exit_hold.script_ended(clean=stop.code in (None, 0, config.RESTART_EXIT_CODE))
+        raise
+    except BaseException as err:
+        exit_hold.script_ended(clean=False)
+        if not isinstance(err, Exception):
+            raise
         if config.debug() or not _is_lost_peer(err):
             raise
         # A peer died or never came: the launcher names it; one line is enough here. A

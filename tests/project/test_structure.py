@@ -35,7 +35,7 @@ CORE_LAYERS = [
     {"validate", "position", "quiet", "upstream", "engines", "startup_watch"},
     {"config", "storage", "process", "cross_replica"},
     {"cluster", "versions", "full_epochs", "shard_policy", "watchdog"},
-    {"atomic", "fix_registry"},
+    {"atomic", "fix_registry", "exit_hold"},
 ]
 
 
@@ -192,11 +192,28 @@ _STATEFUL_CALLS = {
 }
 
 
+def _mutable_dataclasses(tree: ast.Module) -> set[str]:
+    """Names of the module's ``@dataclass`` classes that are not frozen."""
+    found = set()
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for deco in node.decorator_list:
+            func = deco.func if isinstance(deco, ast.Call) else deco
+            frozen = isinstance(deco, ast.Call) and any(
+                k.arg == "frozen" and getattr(k.value, "value", False) for k in deco.keywords
+            )
+            if _dotted(func).rpartition(".")[2] == "dataclass" and not frozen:
+                found.add(node.name)
+    return found
+
+
 def _module_state() -> set[str]:
     found = set()
     for name, path in _modules().items():
         tree = ast.parse(path.read_text())
         rebound = {n for node in ast.walk(tree) if isinstance(node, ast.Global) for n in node.names}
+        mutable = _mutable_dataclasses(tree)  # a module-level instance of one is state too
         for node in tree.body:
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 target = node.targets[0] if isinstance(node, ast.Assign) else node.target
@@ -204,7 +221,7 @@ def _module_state() -> set[str]:
                 if not isinstance(target, ast.Name):
                     continue
                 call = _dotted(value.func).rpartition(".")[2] if isinstance(value, ast.Call) else ""
-                if call in _STATEFUL_CALLS or target.id in rebound:
+                if call in _STATEFUL_CALLS or call in mutable or target.id in rebound:
                     found.add(f"{name}.{target.id}")
     return found
 

@@ -5,22 +5,42 @@ with an error that says what happened, within its timeout, never hang.
 until the chief has written the file ``CHIEF_DONE`` after its barrier ended (60 s at most).
 
 ``barrier_job.py late``: worker 1 reaches a barrier 3 s after the chief, well within its
-30 s timeout: both must pass it, nobody times out."""
+30 s timeout: both must pass it, nobody times out. Then the chief writes a key and exits
+while worker 1 reads that key from the coordination service 2 s later (the chief must
+still be there, holding at exit), and with ``BARRIER_JOB_LINGER_S`` stays that long more."""
 
 import os
 import sys
 import time
 
 import tfdist
+from tfdist import backends
+from tfdist.backends import StoreGone
 
 if sys.argv[1:] == ["late"]:
-    if tfdist.worker_index() == 1:
+    me = tfdist.worker_index()
+    if me == 1:
         time.sleep(3)  # a slow peer: still loading, say
     try:
         tfdist.barrier("late peer", timeout=30)
-        print("PASSED", tfdist.worker_index(), flush=True)
+        print("PASSED", me, flush=True)
     except RuntimeError as err:
-        print(f"ERROR {tfdist.worker_index()}: {err}", flush=True)
+        print(f"ERROR {me}: {err}", flush=True)
+        sys.exit(0)
+    # The chief leaves first; worker 1 still uses the coordination service 2 s later.
+    store = backends.get()
+    if me == 0:
+        store.key_value_set("barrier_job/chief left", "yes")
+        sys.exit(0)
+    time.sleep(2)
+    try:
+        print("READ", store.key_value_get("barrier_job/chief left", 10), flush=True)
+    except StoreGone as err:
+        print(f"ERROR {me}: the store is gone: {err}", flush=True)
+    linger = float(os.environ.get("BARRIER_JOB_LINGER_S", "0"))
+    if linger:  # past TFDIST_SHUTDOWN_TIMEOUT: the chief must leave without this worker
+        time.sleep(linger)
+        print("LINGERED", me, flush=True)
     sys.exit(0)
 
 chief_done = sys.argv[1]

@@ -28,7 +28,7 @@ from tfdist.backends.tf_plan import (
     plan,
     slurm_cluster_resolver,
 )
-from tfdist.core import cluster, config, fix_registry, process, upstream, validate
+from tfdist.core import cluster, config, exit_hold, fix_registry, process, upstream, validate
 from tfdist.core.config import Communication, ConfigError, MultiWorkerTimeouts
 
 __all__ = [
@@ -276,6 +276,7 @@ def barrier(name: str, timeout: float) -> None:
     """Waits until every worker reaches barrier ``name``; nothing to wait for on one worker."""
     if not upstream.tf_in_multi_worker_mode(current()):
         return
+    exit_hold.arm_tensorflow()
     try:
         upstream.tf_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
     except tf.errors.OpError as err:
@@ -370,6 +371,7 @@ def gather_rows(row, explicit=None):
 def key_value_set(key: str, value: str) -> bool:
     """Publishes ``key=value`` in the coordination service's store; False when another
     worker set ``key`` first. Raises StoreGone when the service is gone."""
+    exit_hold.arm_tensorflow()
     try:
         upstream.tf_key_value_set(key, value)
     except tf.errors.AlreadyExistsError:
@@ -382,6 +384,7 @@ def key_value_set(key: str, value: str) -> bool:
 def key_value_get(key: str, timeout: float) -> str | None:
     """The value of ``key`` in the coordination service's store, or None when it is not set
     within ``timeout`` seconds. Raises StoreGone when the service is gone."""
+    exit_hold.arm_tensorflow()
     try:
         return upstream.tf_key_value_get(key, round(timeout * 1000))
     except tf.errors.DeadlineExceededError:

@@ -36,7 +36,7 @@ import itertools
 import json
 import random
 
-from tfdist.core import config, upstream
+from tfdist.core import config, exit_hold, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random", "fix_batches_copied"]
@@ -67,6 +67,7 @@ def agree_python_random(chief: bool, timeout: float = config.SEED_AGREEMENT_TIME
     import tensorflow as tf
 
     key = f"tfdist/tf_inputs/python_random/{next(_AGREEMENTS)}"
+    exit_hold.arm_tensorflow()  # the chief must not leave before the others have read it
     if chief:
         version, internal, gauss_next = random.getstate()
         upstream.tf_key_value_set(key, json.dumps([version, list(internal), gauss_next]))

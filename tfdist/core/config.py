@@ -372,8 +372,9 @@ class MultiWorkerTimeouts:
         heartbeat: a worker that sends no heartbeat for this long is declared dead and
             the others' collectives fail with an error naming it
             (``TFDIST_HEARTBEAT_TIMEOUT``, default 10).
-        shutdown: at exit, how long a worker waits for the others
-            (``TFDIST_SHUTDOWN_TIMEOUT``, default 60).
+        shutdown: at a clean exit, how long a worker waits for the others
+            (``TFDIST_SHUTDOWN_TIMEOUT``, default 60; TensorFlow: once tfdist used the
+            coordination service, see ``tfdist.core.exit_hold``).
         collective: limit for each collective op, or None for none
             (``TFDIST_COLLECTIVE_TIMEOUT``, default None). TensorFlow spends one thread
             per in-flight collective on it, so keep it off unless debugging. The JAX

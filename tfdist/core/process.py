@@ -106,6 +106,13 @@ OUTSIDE_STATE = {
     "interpreter's life; reset() cannot take them off, so it must not forget them",
     "tfdist.startup._setting_up": "a per-thread re-entry guard while set-up runs (set-up "
     "itself initialises TensorFlow's context)",
+    "tfdist.core.exit_hold._HOLD": "an atexit registration for the interpreter's life "
+    "(the exit barrier, once the job used the coordination service) and how the script "
+    "ended; reset() cannot unregister it",
+    "tfdist.check.loop._LOOP": "what the checked script's custom loop did, recorded for "
+    "`tfdist check`'s report at exit; a checked run is one process running one script",
+    "tfdist.check.jax_loop._LOOP": "what the checked script's JAX loop did, recorded for "
+    "`tfdist check`'s report at exit; a checked run is one process running one script",
     "tfdist.core.watchdog._dog": "the process's one watchdog thread, running; reset() "
     "cannot stop a thread",
     "tfdist.batchnorm._warned": "a once-per-process warning latch, as Python's own "
