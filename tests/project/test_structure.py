@@ -35,7 +35,7 @@ CORE_LAYERS = [
     {"validate", "position", "quiet", "upstream", "engines", "startup_watch"},
     {"config", "storage", "process", "cross_replica"},
     {"cluster", "versions", "full_epochs", "shard_policy", "watchdog"},
-    {"atomic", "fix_registry", "exit_hold"},
+    {"atomic", "fix_registry", "exit_hold", "batch_order"},
 ]
 
 

@@ -125,7 +125,7 @@ def fix_loss_weights() -> None:
     and order are known before training (arrays; a ``tf.data`` ``batch`` of known
     cardinality followed only by prefetch, cache or options) costs nothing more than
     upstream. The even-split fix cuts that data with tf.data's rebatch kernel and
-    records how (``partial_batches.KnownCut``): when every batch divides by ``N`` the
+    records how (``tfdist.core.batch_order.KnownCut``): when every batch divides by ``N`` the
     loss is upstream's, untouched; otherwise each replica reads the global batch ``B``
     from its own slice's size (slice sizes differ between batch sizes: 64 -> 128, 45 or
     44 -> 89) and scales by ``n_r * N / B``, with no communication. A masked or

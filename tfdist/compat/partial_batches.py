@@ -27,12 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import inspect
-import logging
 import math
 
 from tfdist.core import upstream
+from tfdist.core.batch_order import (
+    KnownCut,
+    batch_sizes,
+    batch_sizes_of,
+    dataset_batching,
+    dealing_known,
+    epoch_slices,
+    ordered_batching,
+    rebatch_in_order,
+)
 from tfdist.core.fix_registry import Fix, on_keras_backend, on_tensorflow_backend, patch, targets
 
 __all__ = [
@@ -89,64 +97,6 @@ def split_balanced(dataset, pieces: int):
     return dataset.map(spread).unbatch().map(trim)
 
 
-@dataclasses.dataclass(frozen=True)
-class KnownCut:
-    """How ``split_balanced`` cuts every global batch of a dataset whose batch sizes are
-    known before training, and which slice each replica gets: what a replica needs to
-    know the global batch of a step from its own slice, without asking the others.
-
-    Example:
-        >>> cut = KnownCut(frozenset({16, 9}), replicas=2, workers=1)
-        >>> cut.even, cut.telling, cut.slice_size(9, 0), cut.slice_size(9, 1)
-        (False, True, 5, 4)
-    """
-
-    sizes: frozenset[int]  # every global batch size (full batches and the last one)
-    replicas: int
-    workers: int
-
-    def slice_size(self, batch: int, index: int) -> int:
-        """Slice ``index``'s size in a global batch of ``batch`` (the larger first)."""
-        return batch // self.replicas + (1 if index < batch % self.replicas else 0)
-
-    def slice_index(self, replica: int) -> int:
-        """The slice replica ``replica`` (its id in the sync group) gets: its own on one
-        worker; over workers tf.distribute's DATA sharding deals slice ``i`` to worker
-        ``i % workers``, and each worker's slices to its replicas in order."""
-        worker, local = divmod(replica, self.replicas // self.workers)
-        return local * self.workers + worker
-
-    @property
-    def even(self) -> bool:
-        """Every batch divides by the replicas: every slice of every batch is equal."""
-        return all(size % self.replicas == 0 for size in self.sizes)
-
-    @property
-    def telling(self) -> bool:
-        """Each slice's size tells which batch size it was cut from, for every slice."""
-        return all(
-            len({self.slice_size(size, i) for size in self.sizes}) == len(self.sizes)
-            for i in range(self.replicas)
-        )
-
-
-def _dealing_known(dataset, workers: int) -> bool:
-    """Whether tf.distribute deals the cut's slices to workers as ``KnownCut`` says: one
-    worker, or sharding by DATA (set, or AUTO on a pipeline that reads no file)."""
-    import tensorflow as tf
-
-    from tfdist.core import shard_policy
-
-    if workers == 1:
-        return True
-    policy = dataset.options().experimental_distribute.auto_shard_policy
-    if policy == tf.data.experimental.AutoShardPolicy.DATA:
-        return True
-    return policy == tf.data.experimental.AutoShardPolicy.AUTO and (
-        shard_policy.reads_files(dataset) is False
-    )
-
-
 def _splittable(dataset) -> bool:
     """Every component a dense tensor with a leading (batch) dimension."""
     import tensorflow as tf
@@ -169,143 +119,6 @@ def leaves_a_replica_empty(batch: int, replicas: int) -> bool:
     return batch < replicas
 
 
-def batch_sizes(dataset) -> set[int] | None:
-    """Every batch size ``dataset`` yields (its full batches and its last one), read from
-    the pipeline without reading data; None when it cannot tell (a ``filter``, an
-    unknown or infinite input, a batch size only the data knows).
-
-    Example:
-        >>> import tensorflow as tf
-        >>> sorted(batch_sizes(tf.data.Dataset.range(5).batch(2).prefetch(1)))  # doctest: +SKIP
-        [1, 2]
-    """
-    batching = _dataset_batching(dataset)
-    return None if batching is None else batch_sizes_of(batching)
-
-
-def batch_sizes_of(batching: tuple[int, int, bool]) -> set[int]:
-    """Every batch size of ``count`` examples batched by ``size`` (``drop``: full only).
-
-    Example:
-        >>> sorted(batch_sizes_of((4, 7, False)))
-        [3, 4]
-    """
-    size, count, drop = batching
-    last = count % size
-    if count < size:
-        return {last} if last and not drop else set()
-    return {size} | ({last} if last and not drop else set())
-
-
-def _dataset_batching(dataset) -> tuple[int, int, bool] | None:
-    """(batch size, examples batched, drop_remainder) of the ``batch`` that makes
-    ``dataset``'s elements, read from the pipeline; None when it cannot tell."""
-    node = dataset
-    while True:
-        batching = upstream.tf_dataset_batching(node)
-        inputs = upstream.tf_dataset_inputs(node)
-        if batching is not None and len(inputs) == 1:
-            size, drop = batching
-            count = int(inputs[0].cardinality())
-            if count < 0:  # tf.data.INFINITE_CARDINALITY or UNKNOWN_CARDINALITY
-                return None
-            return size, count, drop
-        # Walk back only through ops that keep the number (and so the sizes) of elements.
-        if len(inputs) != 1 or int(inputs[0].cardinality()) != int(node.cardinality()):
-            return None
-        node = inputs[0]
-
-
-# Ops between a ``batch`` and the pipeline's end that keep its elements and their order
-# (a ``map`` may change a batch's size, a ``shuffle`` moves the last batch).
-_ORDER_KEEPING = frozenset(
-    {"_PrefetchDataset", "CacheDataset", "_OptionsDataset", "_AssertCardinalityDataset"}
-)
-# The longest per-epoch list of slice sizes handed to tf.data's rebatch (8 MiB of int64).
-_MAX_SLICES = 1 << 20
-
-
-def ordered_batching(dataset) -> tuple[int, int, bool] | None:
-    """(batch size, examples batched, drop_remainder) of the ``batch`` whose elements
-    ``dataset`` yields as they are, in their order (only prefetch, cache, options or a
-    cardinality assertion after it); None otherwise.
-
-    Example:
-        >>> import tensorflow as tf
-        >>> ordered_batching(tf.data.Dataset.range(7).batch(4).prefetch(1))  # doctest: +SKIP
-        (4, 7, False)
-    """
-    if dataset.options().deterministic is False:
-        return None
-    node = dataset
-    while True:
-        batching = upstream.tf_dataset_batching(node)
-        inputs = upstream.tf_dataset_inputs(node)
-        if batching is not None and len(inputs) == 1:
-            count = int(inputs[0].cardinality())
-            return None if count < 0 else (batching[0], count, batching[1])
-        if type(node).__name__ not in _ORDER_KEEPING or len(inputs) != 1:
-            return None
-        node = inputs[0]
-
-
-def epoch_slices(batching: tuple[int, int, bool], replicas: int) -> list[int] | None:
-    """The size of every slice of one pass over the data, in order, as ``split_balanced``
-    cuts it (for tf.data's ``rebatch``, which cycles through them); None when too long.
-
-    Example:
-        >>> epoch_slices((4, 7, False), 2)
-        [2, 2, 2, 1]
-    """
-    size, count, drop = batching
-    full, last = divmod(count, size)
-    if last == 0 or drop:  # every batch alike: one batch's slices, cycled
-        batches = [size] if full else []
-    else:
-        batches = [size] * full + [last]
-    if not batches or len(batches) * replicas > _MAX_SLICES:
-        return None
-    return [
-        b // replicas + (1 if i < b % replicas else 0) for b in batches for i in range(replicas)
-    ]
-
-
-def _rebatch_in_order(dataset, slices: list[int], workers: int, worker: int, per_worker: int):
-    """``dataset`` cut into ``slices`` (one pass's slice sizes, ``epoch_slices``) by
-    tf.data's rebatch kernel, at upstream's cost, and this worker's share of them kept
-    as DATA sharding keeps it (slice ``i`` to worker ``i % workers``). tf.distribute's
-    auto-sharding is switched off for the result: it would rewrite the rebatch into its
-    legacy ``ceil`` cut (9 on 4 replicas -> 3 + 3 + 3 + 0) and shard again."""
-    import tensorflow as tf
-
-    cut = dataset.rebatch(slices)
-    if workers > 1:
-        cut = cut.shard(workers, worker)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-    with _quiet_policy_change():
-        cut = cut.with_options(options)
-    return cut.prefetch(per_worker)
-
-
-class _PolicyChangeFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Changing the value of option auto_shard")
-
-
-@contextlib.contextmanager
-def _quiet_policy_change():
-    """Without tf.data's warning that the auto-shard policy changes (DATA, set for the
-    pipeline, to OFF for the cut that shards itself): the sharding stays DATA's."""
-    absl_logger = logging.getLogger("absl")
-    quiet = _PolicyChangeFilter()
-    absl_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        absl_logger.removeFilter(quiet)
-
-
 class _TrainingInput:
     """``fit``'s training data, until tf.distribute cuts it (the first cut of that call)."""
 
@@ -325,7 +138,7 @@ class _TrainingInput:
         """The batch sizes and number of examples of the training data, ``dataset``."""
         if self.sizes is not None:
             return self.sizes, self.examples
-        batching = _dataset_batching(dataset)
+        batching = dataset_batching(dataset)
         return batch_sizes(dataset), None if batching is None else batching[1]
 
     def ordered(self, dataset) -> tuple[int, int, bool] | None:
@@ -474,7 +287,7 @@ def fix_even_split() -> None:
             if (
                 batching is not None
                 and _splittable(dataset)
-                and _dealing_known(dataset, num_workers)
+                and dealing_known(dataset, num_workers)
             ):
                 slices = epoch_slices(batching, num_replicas_in_sync)
             if slices is not None:
@@ -503,7 +316,7 @@ def fix_even_split() -> None:
                 if guard is not None:
                     dataset = dataset.map(guard)
                 if slices is not None:
-                    return _rebatch_in_order(dataset, slices, num_workers, worker_index, per_worker)
+                    return rebatch_in_order(dataset, slices, num_workers, worker_index, per_worker)
                 return split_balanced(dataset, num_replicas_in_sync).prefetch(per_worker)
 
             return rebatch_fn
