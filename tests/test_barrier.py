@@ -54,7 +54,8 @@ def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend)
 
     Then the chief exits first and worker 1 reads a key the chief wrote, 2 s later, from the
     coordination service that lives in the chief's process: the chief must still be there,
-    waiting at exit (TensorFlow: tfdist's exit barrier; jax: its own shutdown barrier).
+    waiting at exit (TensorFlow: until worker 1 says it leaves; jax: its own shutdown
+    barrier).
     On TensorFlow worker 1 then stays 7 s more, past TFDIST_SHUTDOWN_TIMEOUT=4: the chief
     leaves without it, saying so, and both exit 0."""
     tensorflow = backend == "tensorflow"
@@ -70,7 +71,7 @@ def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend)
     if tensorflow:  # the workers' stderr: the chief's one line, no other worker's
         left = [line for line in proc.stderr.splitlines() if "leaving without them" in line]
         assert len(left) == 1, proc.stderr[-4000:]
-        assert left[0].startswith("[w0] tfdist: worker 0: not every worker finished within 4 s")
+        assert left[0].startswith("[w0] tfdist: worker 0: worker 1 did not finish within 4 s")
         assert "[w1] LINGERED 1" in out
 
 

@@ -1,10 +1,12 @@
-"""tfdist.core.exit_hold: a clean exit waits (bounded) for the other workers, a failed one
-does not; the multi-worker behaviour is in tests/test_barrier.py (a late peer)."""
+"""tfdist.core.exit_hold: the other workers say they leave and never wait; the chief, at a
+clean exit, waits (bounded) until each has said so or is gone. The multi-worker behaviour
+is in tests/test_barrier.py (a late peer)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 
 import pytest
@@ -14,63 +16,114 @@ from tfdist.core import exit_hold
 
 
 @pytest.fixture
-def hold(monkeypatch):
+def registered(monkeypatch):
     """A fresh hold whose atexit registrations are recorded, not made."""
-    registered = []
+    calls = []
     monkeypatch.setattr(exit_hold, "_HOLD", exit_hold._Hold())
-    monkeypatch.setattr(exit_hold.atexit, "register", registered.append)
+    monkeypatch.setattr(exit_hold.atexit, "register", calls.append)
     for name in ("last_exc", "last_value"):
         monkeypatch.delattr(sys, name, raising=False)
-    return registered
+    return calls
 
 
-def test_a_clean_exit_waits_once_armed_and_only_then(hold):
-    waits = []
-    exit_hold.hold()  # never armed: nothing to wait for
-    assert waits == [] and not exit_hold.armed()
-    exit_hold.arm(waits.append, timeout=12, who="worker 1")
-    exit_hold.arm(lambda s: pytest.fail("a second arm replaced the first"), timeout=1)
-    assert hold == [exit_hold.hold] and exit_hold.armed()  # registered once
+class Peers(exit_hold._Peers):
+    """Workers that say they leave after ``late`` polls each, or never (None); ``dead``
+    ones no longer answer."""
+
+    def __init__(self, rank, others, timeout=60.0, late=None, dead=(), tell=None):
+        super().__init__(rank, others, timeout)
+        self.late, self.dead, self.told, self._tell = dict(late or {}), set(dead), [], tell
+        self.polls = {r: 0 for r in others}
+
+    def tell(self, clean):
+        self.told.append(clean)
+        if self._tell:
+            self._tell()
+
+    def arrived(self, rank, seconds):
+        self.polls[rank] += 1
+        late = self.late.get(rank, 0)
+        if late is None or self.polls[rank] <= late:
+            time.sleep(min(seconds, 0.02))
+            return False
+        return True
+
+    def alive(self, rank):
+        return rank not in self.dead
+
+
+def test_an_exit_does_nothing_until_armed_and_arms_once(registered):
+    exit_hold.hold()  # never armed: nothing to do
+    assert not exit_hold.armed()
+    first = Peers(0, (1,))
+    exit_hold.arm(first)
+    exit_hold.arm(Peers(0, (1, 2)))
+    assert registered == [exit_hold.hold] and exit_hold._HOLD.peers is first
+
+
+@pytest.mark.parametrize("clean", [True, False])
+def test_a_worker_says_it_leaves_and_never_waits(registered, clean):
+    peers = Peers(1, (0,), late={0: None})  # the chief would never say it leaves
+    exit_hold.arm(peers)
+    exit_hold.script_ended(clean=clean)
     exit_hold.hold()
-    assert waits == [12.0]
+    assert peers.told == [clean] and peers.polls == {0: 0}
+
+
+def test_a_worker_whose_word_hangs_leaves_anyway(registered, monkeypatch):
+    monkeypatch.setattr(exit_hold, "TELL_S", 0.05)
+    release = threading.Event()
+    exit_hold.arm(Peers(1, (0,), tell=release.wait))
+    exit_hold.hold()  # returns although the word is still on its way
+    assert not release.is_set()
+    release.set()
+
+
+def test_the_chief_waits_for_every_worker_to_leave_or_be_gone(registered, capsys):
+    peers = Peers(0, (1, 2, 3), late={1: 3, 2: None}, dead={2})
+    exit_hold.arm(peers)
+    exit_hold.hold()
+    assert peers.polls == {1: 4, 2: 1, 3: 1}  # 1 said so late, 2 is gone, 3 said so at once
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("how", ["script_ended", "uncaught"])
-def test_a_failed_script_leaves_without_waiting(hold, monkeypatch, how):
-    exit_hold.arm(lambda s: pytest.fail("a failed script waited for its peers"), timeout=5)
+def test_a_failed_chief_leaves_without_waiting(registered, monkeypatch, how):
+    peers = Peers(0, (1,), late={1: None})
+    exit_hold.arm(peers)
     if how == "script_ended":
         exit_hold.script_ended(clean=False)
     else:  # what Python records before atexit hooks run
         monkeypatch.setattr(sys, "last_value", ValueError("boom"), raising=False)
     exit_hold.hold()
+    assert peers.polls == {1: 0} and peers.told == []
 
 
-def test_a_failed_wait_is_quiet_unless_it_timed_out(hold, capsys):
-    def gone(seconds):
-        raise RuntimeError("Failed to send RPC to coordination service")
+def test_the_chief_leaves_at_the_timeout_naming_whom_it_waited_for(registered, capsys):
+    exit_hold.arm(Peers(0, (1, 2), timeout=0.2, late={1: None, 2: None}))
+    exit_hold.hold()
+    err = capsys.readouterr().err
+    assert "tfdist: worker 0: workers 1, 2 did not finish within 0 s of this one" in err
+    assert "(TFDIST_SHUTDOWN_TIMEOUT); leaving without them" in err
 
-    exit_hold.arm(gone, timeout=30, who="worker 1")
-    exit_hold.hold()  # the chief left after the barrier: the work is done, nothing to say
+
+def test_a_long_wait_says_whom_it_waits_for(registered, monkeypatch, capsys):
+    monkeypatch.setattr(exit_hold, "PROGRESS_AFTER_S", 0.01)
+    exit_hold.arm(Peers(0, (1,), late={1: 5}))
+    exit_hold.hold()
+    err = capsys.readouterr().err
+    assert "worker 0 finished; waiting up to 60 s for worker 1 to finish" in err
+    assert "leaving without" not in err
+
+
+def test_a_failed_service_ends_the_wait_quietly(registered, capsys):
+    class Gone(Peers):
+        def arrived(self, rank, seconds):
+            raise RuntimeError("Failed to send RPC to coordination service")
+
+    exit_hold.arm(Gone(0, (1,)))
+    exit_hold.hold()
     assert capsys.readouterr().err == ""
-    exit_hold._HOLD.timeout = 0.5
-
-    def timed_out(seconds):
-        time.sleep(seconds)
-        raise RuntimeError("Barrier timed out")
-
-    exit_hold._HOLD.wait = timed_out
-    exit_hold.hold()
-    err = capsys.readouterr().err
-    assert "worker 1: not every worker finished within 0 s of this one" in err
-    assert "TFDIST_SHUTDOWN_TIMEOUT" in err and "leaving without them" in err
-
-
-def test_a_long_wait_says_what_it_waits_for(hold, monkeypatch, capsys):
-    monkeypatch.setattr(exit_hold, "PROGRESS_AFTER_S", 0.05)
-    exit_hold.arm(lambda s: time.sleep(0.5), timeout=60, who="worker 0")
-    exit_hold.hold()
-    err = capsys.readouterr().err
-    assert "worker 0 finished; waiting up to 60 s for the other workers" in err
 
 
 @pytest.mark.parametrize(
@@ -78,11 +131,14 @@ def test_a_long_wait_says_what_it_waits_for(hold, monkeypatch, capsys):
     [("pass", True), ("sys.exit(0)", True), ("sys.exit(75)", True),
      ("sys.exit(3)", False), ("raise ValueError('boom')", False)],
 )  # fmt: skip
-def test_bootstrap_tells_the_hold_how_the_script_ended(hold, tmp_path, monkeypatch, ending, clean):
+def test_bootstrap_tells_the_hold_how_the_script_ended(
+    registered, tmp_path, monkeypatch, ending, clean
+):
     script = tmp_path / "train.py"
     script.write_text(f"import sys\n{ending}\n")
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises((SystemExit, ValueError)) if ending != "pass" else contextlib.nullcontext():
+    raises = pytest.raises((SystemExit, ValueError))
+    with raises if ending != "pass" else contextlib.nullcontext():
         bootstrap.main([str(script)])
     assert exit_hold._HOLD.script_failed is (not clean)

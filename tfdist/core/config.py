@@ -10,7 +10,7 @@ variable                       default     meaning
 ``TFDIST_CPU_DEVICES``         unset       split the CPU into N logical devices
 ``TFDIST_REGISTER_TIMEOUT``    300         s for every worker to start and register
 ``TFDIST_HEARTBEAT_TIMEOUT``   10          s without a heartbeat before a worker is dead
-``TFDIST_SHUTDOWN_TIMEOUT``    60          s a worker waits for the others at exit
+``TFDIST_SHUTDOWN_TIMEOUT``    60          s the chief waits for the others at exit
 ``TFDIST_COLLECTIVE_TIMEOUT``  none / 45   TensorFlow: s limit per collective op (off by
                                            default). JAX, several processes: s without
                                            a finished batch before ``tfdist.watchdog``
@@ -372,9 +372,9 @@ class MultiWorkerTimeouts:
         heartbeat: a worker that sends no heartbeat for this long is declared dead and
             the others' collectives fail with an error naming it
             (``TFDIST_HEARTBEAT_TIMEOUT``, default 10).
-        shutdown: at a clean exit, how long a worker waits for the others
+        shutdown: at a clean exit, how long the chief waits for the others to finish
             (``TFDIST_SHUTDOWN_TIMEOUT``, default 60; TensorFlow: once tfdist used the
-            coordination service, see ``tfdist.core.exit_hold``).
+            coordination service, see ``tfdist.core.exit_hold``; JAX: every process).
         collective: limit for each collective op, or None for none
             (``TFDIST_COLLECTIVE_TIMEOUT``, default None). TensorFlow spends one thread
             per in-flight collective on it, so keep it off unless debugging. The JAX

@@ -1,29 +1,29 @@
-"""At a clean exit, the workers of a multi-worker TensorFlow job leave together.
+"""The chief of a multi-worker TensorFlow job leaves after the other workers, not before.
 
 TensorFlow's coordination service (barriers, the key-value store) runs inside the chief's
-process, and TensorFlow's Python never runs the service's shutdown barrier: a chief that
-leaves right after a barrier takes the service with it while the other workers' answers
-are still on their way, and they fail with "Failed to send RPC to coordination service"
-(seen on worker 1 in ``tfdist.save``'s last barrier, the chief having saved and exited).
+process (rank 0), and TensorFlow's Python never runs the service's shutdown barrier: a
+chief that leaves right after a barrier takes the service with it while the other
+workers' answers are still on their way, and they fail with "Failed to send RPC to
+coordination service" (seen on worker 1 in ``tfdist.save``'s last barrier: the chief had
+saved and exited).
 
-So once tfdist has used the service in this process (``arm``: a barrier, a key-value
-read or write), a clean exit waits at one more barrier, ``tfdist/exit``, for at most
-``TFDIST_SHUTDOWN_TIMEOUT`` seconds (default 60): the chief leaves only when every
-worker has finished its own calls. The wait is bounded and says so:
+So once tfdist has used the service in this process (``arm_tensorflow``: a barrier, a
+key-value read or write), its exit does one more thing:
 
-* a process whose script failed (an uncaught exception, or ``sys.exit`` with a code
-  other than 0 or the restart code, as ``tfdist.bootstrap`` reports through
-  ``script_ended``) leaves at once: its peers learn of it from the launcher or the
-  heartbeats, and nobody waits for it longer than the heartbeat timeout;
-* after ``PROGRESS_AFTER_S`` a line says whom it waits for and until when; at the
-  timeout one line says it leaves without them;
-* a failed wait (a peer already declared dead, the chief gone after the barrier) ends
-  it quietly: the script's work is done either way.
+* every other worker, at any exit, writes ``tfdist/exit/<rank>`` (at most ``TELL_S``
+  seconds, in a thread: a service already gone changes nothing) and leaves: it never
+  waits, as upstream;
+* the chief, at a clean exit, waits until every other worker has written its key or is
+  gone (its process no longer answers), at most ``TFDIST_SHUTDOWN_TIMEOUT`` seconds
+  (default 60); after ``PROGRESS_AFTER_S`` a line names whom it waits for, and at the
+  timeout one line says it leaves without them. A chief whose script failed (an uncaught
+  exception, or ``sys.exit`` with a code other than 0 or the restart code, as
+  ``tfdist.bootstrap`` reports through ``script_ended``) leaves at once.
 
 JAX needs none of this: ``jax.distributed`` runs its own shutdown barrier at exit.
 
 Example:
-    >>> arm(lambda seconds: None, timeout=60)   # what the TensorFlow backend does
+    >>> arm(_Peers(rank=1, others=(0,)))   # what the TensorFlow backend does, on worker 1
 """
 
 from __future__ import annotations
@@ -32,48 +32,51 @@ import atexit
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = [
-    "PROGRESS_AFTER_S",
-    "EXIT_BARRIER",
-    "arm",
-    "arm_tensorflow",
-    "armed",
-    "script_ended",
-    "hold",
-]
+__all__ = ["PROGRESS_AFTER_S", "TELL_S", "arm", "arm_tensorflow", "armed", "script_ended", "hold"]
 
-PROGRESS_AFTER_S = 5.0  # a wait shorter than this says nothing
-EXIT_BARRIER = "tfdist/exit"
+PROGRESS_AFTER_S = 5.0  # the chief's wait says nothing before this
+TELL_S = 2.0  # the longest a worker spends saying it leaves
+_POLL_S = 1.0  # the chief looks for the next key, then at that worker's process, this often
+
+
+class _Peers:
+    """The other workers as the exit sees them. The TensorFlow backend's subclass talks to
+    the coordination service; this base (for tests) has nobody to wait for."""
+
+    def __init__(self, rank: int, others: tuple[int, ...], timeout: float = 60.0):
+        self.rank, self.others, self.timeout = rank, others, float(timeout)
+
+    def tell(self, clean: bool) -> None:
+        """Says that this worker leaves (a non-chief, at any exit)."""
+
+    def arrived(self, rank: int, seconds: float) -> bool:
+        """Whether worker ``rank`` said it leaves, waiting up to ``seconds``."""
+        return True
+
+    def alive(self, rank: int) -> bool:
+        """Whether worker ``rank``'s process still answers."""
+        return False
 
 
 @dataclass
 class _Hold:
-    wait: Callable[[float], None] | None = None  # waits at the exit barrier, or raises
-    timeout: float = 60.0
-    who: str = "this worker"
+    peers: _Peers | None = None
     script_failed: bool = False
 
 
 _HOLD = _Hold()
 
 
-def arm(wait: Callable[[float], None], *, timeout: float, who: str = "this worker") -> None:
-    """Makes a clean exit of this process wait (``wait(timeout)``) for the other workers.
+def arm(peers: _Peers) -> None:
+    """Makes this process's exit tell the chief it leaves, or (the chief) wait for the rest.
 
     Idempotent: the first call registers the ``atexit`` hook; later calls change nothing.
-
-    Args:
-        wait: blocks until every worker reaches the exit barrier, raising when it cannot
-            (timeout, a peer gone).
-        timeout: seconds the exit waits at most.
-        who: this process, as messages name it ("worker 1").
     """
-    if _HOLD.wait is not None:
+    if _HOLD.peers is not None:
         return
-    _HOLD.wait, _HOLD.timeout, _HOLD.who = wait, float(timeout), who
+    _HOLD.peers = peers
     # atexit runs last-registered first: this hook, registered when the job first used
     # the service, runs after hooks registered later (an async checkpoint's close).
     atexit.register(hold)
@@ -84,60 +87,125 @@ def arm_tensorflow() -> None:
     coordination service (barriers, the key-value store), which lives in the chief."""
     if armed():
         return
-    from tfdist.core import cluster, config, process, upstream
+    from tfdist.core import cluster, config, process
 
+    info = cluster.cluster_from_env()
     timeouts = process.state().multi_worker_timeouts or config.MultiWorkerTimeouts.from_env()
+    others = tuple(r for r in range(info.num_workers) if r != info.rank)
+    arm(_TensorFlowPeers(info, others, timeouts.shutdown))
 
-    def wait(seconds: float) -> None:
-        upstream.tf_wait_at_barrier(EXIT_BARRIER, int(seconds * 1000))
 
-    arm(wait, timeout=timeouts.shutdown, who=f"worker {cluster.cluster_from_env().rank}")
+class _TensorFlowPeers(_Peers):
+    def __init__(self, info, others: tuple[int, ...], timeout: float):
+        super().__init__(info.rank, others, timeout)
+        self.chiefs = len(info.cluster.get("chief", ()))
+
+    def _task(self, rank: int) -> str:
+        if rank < self.chiefs:
+            return f"/job:chief/replica:0/task:{rank}"
+        return f"/job:worker/replica:0/task:{rank - self.chiefs}"
+
+    def tell(self, clean: bool) -> None:
+        from tfdist.core import upstream
+
+        upstream.tf_key_value_set(f"tfdist/exit/{self.rank}", "clean" if clean else "failed")
+
+    def arrived(self, rank: int, seconds: float) -> bool:
+        import tensorflow as tf
+
+        from tfdist.core import upstream
+
+        try:
+            upstream.tf_key_value_get(f"tfdist/exit/{rank}", max(1, int(seconds * 1000)))
+        except tf.errors.DeadlineExceededError:
+            return False
+        return True
+
+    def alive(self, rank: int) -> bool:
+        import tensorflow as tf
+
+        from tfdist.core import upstream
+
+        try:
+            upstream.tf_check_peer_health(self._task(rank), int(_POLL_S * 1000))
+        except tf.errors.UnavailableError:
+            return False  # nothing listens there any more
+        except tf.errors.OpError:
+            return True  # slow to answer, or restarted: keep waiting, within the timeout
+        return True
 
 
 def armed() -> bool:
-    """Whether a clean exit of this process waits for the other workers."""
-    return _HOLD.wait is not None
+    """Whether this process's exit tells the chief, or (the chief) waits for the others."""
+    return _HOLD.peers is not None
 
 
 def script_ended(*, clean: bool) -> None:
-    """Records how the script ended: a failed one leaves without waiting for its peers."""
+    """Records how the script ended: a failed chief leaves without waiting for its peers."""
     _HOLD.script_failed = not clean
 
 
-def _failed_uncaught() -> bool:
-    # Python records an uncaught exception here before running atexit hooks.
-    return (
-        getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
-    )
+def _failed() -> bool:
+    # Python records an uncaught exception in sys.last_exc (3.12+) or sys.last_value
+    # before it runs the atexit hooks.
+    uncaught = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return _HOLD.script_failed or uncaught is not None
 
 
 def hold() -> None:
-    """The ``atexit`` hook: waits at the exit barrier when the script ended cleanly."""
-    wait = _HOLD.wait
-    if wait is None or _HOLD.script_failed or _failed_uncaught():
+    """The ``atexit`` hook: a worker says it leaves; the chief waits for the others."""
+    peers = _HOLD.peers
+    if peers is None or not peers.others:
         return
-    done = threading.Event()
-    start = time.monotonic()
+    if peers.rank != 0:
+        teller = threading.Thread(
+            target=_quietly, args=(peers.tell, not _failed()), name="tfdist-exit", daemon=True
+        )
+        teller.start()
+        teller.join(TELL_S)
+        return
+    if not _failed():
+        _wait_for(peers)
 
-    def progress() -> None:
-        if not done.wait(PROGRESS_AFTER_S):
-            print(
-                f"tfdist: {_HOLD.who} finished; waiting up to {_HOLD.timeout:.0f} s for the "
-                "other workers to finish theirs (TFDIST_SHUTDOWN_TIMEOUT)",
-                file=sys.stderr,
-                flush=True,
-            )
 
-    threading.Thread(target=progress, name="tfdist-exit-progress", daemon=True).start()
+def _quietly(call, *args) -> None:
     try:
-        wait(_HOLD.timeout)
-    except Exception:  # the work is done: a failed wait only ends the wait
-        if time.monotonic() - start >= _HOLD.timeout - 1.0:
-            print(
-                f"tfdist: {_HOLD.who}: not every worker finished within {_HOLD.timeout:.0f} s "
-                "of this one (TFDIST_SHUTDOWN_TIMEOUT); leaving without them",
-                file=sys.stderr,
-                flush=True,
+        call(*args)
+    except Exception:  # the service is gone already: nobody is left to tell
+        pass
+
+
+def _wait_for(peers: _Peers) -> None:
+    """The chief's wait: until every other worker said it leaves or is gone, or the timeout."""
+    start = time.monotonic()
+    pending = list(peers.others)
+    announced = False
+    while pending:
+        left = peers.timeout - (time.monotonic() - start)
+        if left <= 0:
+            _say(
+                f"tfdist: worker {peers.rank}: {_workers(pending)} did not finish within "
+                f"{peers.timeout:.0f} s of this one (TFDIST_SHUTDOWN_TIMEOUT); leaving "
+                "without them"
             )
-    finally:
-        done.set()
+            return
+        if not announced and time.monotonic() - start >= PROGRESS_AFTER_S:
+            _say(
+                f"tfdist: worker {peers.rank} finished; waiting up to {peers.timeout:.0f} s "
+                f"for {_workers(pending)} to finish (TFDIST_SHUTDOWN_TIMEOUT)"
+            )
+            announced = True
+        rank = pending[0]
+        try:
+            if peers.arrived(rank, min(_POLL_S, left)) or not peers.alive(rank):
+                pending.pop(0)
+        except Exception:  # the service itself failed: there is nothing to wait with
+            return
+
+
+def _workers(ranks: list[int]) -> str:
+    return ("worker " if len(ranks) == 1 else "workers ") + ", ".join(map(str, ranks))
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -78,6 +78,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
 )
 from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __all__
     tf_can_reduce_across_replicas_here,
+    tf_check_peer_health,
     tf_collective_extended_class,
     tf_collective_options,
     tf_collectives_configured,
@@ -177,6 +178,7 @@ __all__ = [
     "keras_jax_distribution_lib",
     "keras_jax_epoch_iterator_class",
     "tf_wait_at_barrier",
+    "tf_check_peer_health",
     "jax_wait_at_barrier",
     "orbax_tensorstore_utils",
     "orbax_gcs_utils",

@@ -234,6 +234,15 @@ def tf_wait_at_barrier(name: str, timeout_ms: int) -> None:
     tf_context().wait_at_barrier(name, timeout_ms)
 
 
+def tf_check_peer_health(task: str, timeout_ms: int) -> None:
+    """Probes task ``task`` (``/job:worker/replica:0/task:1``) of a multi-worker job.
+
+    Raises ``tf.errors.UnavailableError`` when nothing answers there (the process is
+    gone), another ``tf.errors.OpError`` when it answers late or is a restarted process.
+    """
+    tf_context().check_collective_ops_peer_health(task, timeout_in_ms=timeout_ms)
+
+
 def tf_can_reduce_across_replicas_here() -> bool:
     """Whether code of a replica function runs in that function's own graph, where a
     cross-replica all-reduce may be issued; False inside a ``tf.cond`` or ``while`` branch
