@@ -265,19 +265,37 @@ def archive_weights(path: Path) -> dict:
     return out
 
 
-def finish(proc: subprocess.Popen, lines: list[str], timeout: float = RUN_TIMEOUT_S) -> dict:
-    """Waits for a driver (its output collected into ``lines``); its result line."""
+def finish(
+    proc: subprocess.Popen, lines: list[str], ray_dir: str, timeout: float = RUN_TIMEOUT_S
+) -> dict:
+    """Waits for a driver (its output collected into ``lines``); its result line. A
+    failure shows the ends of the Ray workers' own logs too (gone after the module)."""
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=30)
-        pytest.fail(f"the Ray driver ran past {timeout} s:\n{''.join(lines)[-6000:]}")
+        pytest.fail(
+            f"the Ray driver ran past {timeout} s:\n{''.join(lines)[-6000:]}{worker_logs(ray_dir)}"
+        )
     text = "".join(lines)
-    assert proc.returncode == 0, f"the Ray driver exited {proc.returncode}:\n{text[-6000:]}"
+    assert proc.returncode == 0, (
+        f"the Ray driver exited {proc.returncode}:\n{text[-6000:]}{worker_logs(ray_dir)}"
+    )
     results = [line for line in text.splitlines() if line.startswith('{"metrics"')]
     assert results, f"no result line:\n{text[-6000:]}"
     return json.loads(results[-1])
+
+
+def worker_logs(ray_dir: str, tail: int = 15) -> str:
+    """The last lines of each Ray worker's stderr log that says more than nothing: why an
+    actor died ("Check failed", a signal, a traceback) is there, not in the driver's."""
+    parts = []
+    for path in sorted(Path(ray_dir).glob("session_*/logs/worker-*.err")):
+        text = path.read_text(errors="replace").strip().splitlines()
+        if text:
+            parts.append(f"--- {path.name}:\n" + "\n".join(text[-tail:]))
+    return "\n\nRay workers' logs:\n" + "\n".join(parts) if parts else ""
 
 
 def collect(proc: subprocess.Popen) -> list[str]:
@@ -315,7 +333,7 @@ def assert_two_workers_equal(reference: dict, result: dict, lines: list[str]) ->
 def test_tensorflow_trainer_equals_one_device(ray_cluster, ray_train, one_device, tmp_path):
     proc = ray_cluster.driver(ray_train, str(tmp_path))
     lines = collect(proc)
-    assert_two_workers_equal(one_device, finish(proc, lines), lines)
+    assert_two_workers_equal(one_device, finish(proc, lines, ray_cluster.ray_dir), lines)
 
 
 def test_a_nan_in_the_last_checkpoint_fails_that_tests_check(
@@ -327,7 +345,7 @@ def test_a_nan_in_the_last_checkpoint_fails_that_tests_check(
     the workers' lines pass first (the check compares the weights after them)."""
     driver = ray_cluster.driver(SCRIPTS / "ray_faults.py", str(ray_train), "nan", str(tmp_path))
     lines = collect(driver)
-    result = finish(driver, lines)
+    result = finish(driver, lines, ray_cluster.ray_dir)
     with pytest.raises(equivalence.NotEquivalent, match=r"1 non-finite value\(s\) in the result"):
         assert_two_workers_equal(one_device, result, lines)
 
@@ -353,7 +371,7 @@ def test_worker_killed_mid_training_resumes_exactly(ray_cluster, ray_train, one_
     chief = [w["pid"] for w in first if w["worker"] == 0 and w["step"] == 0]
     assert len(chief) == 1, first
     os.kill(chief[0], signal.SIGKILL)
-    result = finish(proc, lines)
+    result = finish(proc, lines, ray_cluster.ray_dir)
 
     workers = worker_lines(lines)
     started = sorted((w["worker"], w["workers"], w["replicas"]) for w in workers if w["step"] == 0)
@@ -376,4 +394,4 @@ def test_jax_trainer_equals_one_process(ray_cluster, ray_train_jax, tmp_path):
     proc = ray_cluster.driver(ray_train_jax, str(tmp_path / "ray"))
     lines = collect(proc)
     one_process = reference(ray_train_jax, tmp_path / "one_process")
-    assert_two_workers_equal(one_process, finish(proc, lines), lines)
+    assert_two_workers_equal(one_process, finish(proc, lines, ray_cluster.ray_dir), lines)
