@@ -246,9 +246,12 @@ def slurm_conf(root: Path, node: str, cpus: int, memory_mb: int, user: str) -> s
     return "\n".join(
         [
             "ClusterName=tfdist-test",
-            # Job ids (and so tfdist's SLURM ports, 20000 + id) below the ephemeral range,
-            # and different from one cluster to the next.
-            f"FirstJobId={random.randrange(100, 10000)}",
+            # Job ids whose tfdist SLURM ports (20000 + id % 625 * 64, 64 per job) stay
+            # below Linux's ephemeral range (32768 up), where any outgoing connection may
+            # hold one (seen: "Failed to add port ... 0.0.0.0:46368"): id % 625 from 1 to
+            # 100, and 98 jobs more still end below 32768 (a module runs about 30).
+            # Different from one cluster to the next.
+            f"FirstJobId={625 * random.randrange(1, 16) + random.randrange(1, 101)}",
             "SlurmctldHost=localhost",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
