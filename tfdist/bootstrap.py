@@ -59,9 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise
     except BaseException as err:
         exit_hold.script_ended(clean=False)
-        if not isinstance(err, Exception):
-            raise
-        if config.debug() or not _is_lost_peer(err):
+        if not isinstance(err, Exception) or config.debug() or not _is_lost_peer(err):
             raise
         # A peer died or never came: the launcher names it; one line is enough here. A
         # peer that simply finished while this worker was in a collective it never joined

@@ -138,8 +138,10 @@ class _TrainingInput:
         """The batch sizes and number of examples of the training data, ``dataset``."""
         if self.sizes is not None:
             return self.sizes, self.examples
-        batching = dataset_batching(dataset)
-        return batch_sizes(dataset), None if batching is None else batching[1]
+        batching = dataset_batching(dataset)  # one walk of the pipeline for both
+        if batching is None:
+            return None, None
+        return batch_sizes_of(batching), batching[1]
 
     def ordered(self, dataset) -> tuple[int, int, bool] | None:
         """The training data's batching, when its batches come in order (``ordered_batching``)."""
