@@ -20,7 +20,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from tfdist import startup
+from tfdist import startup, unscoped
 from tfdist.core import config, exit_hold
 
 __all__ = ["main"]
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"python -m tfdist.bootstrap: cannot open file {target!r}", file=sys.stderr)
         raise SystemExit(2)
     startup.install()
+    unscoped.enable()
     try:
         _run(module, target, args)
     except SystemExit as stop:

@@ -36,7 +36,7 @@ import logging
 import sys
 import threading
 
-from tfdist import backends
+from tfdist import backends, unscoped
 from tfdist.check import hook as check_hook
 from tfdist.core import cluster, config, process, quiet, upstream, versions
 
@@ -144,6 +144,7 @@ def _on_keras_import(_module) -> None:
     versions.check("keras")
     compat.apply_all()
     check_hook.on_keras_import(_module)
+    unscoped.on_keras_import(_module)
 
 
 def _wrap_ensure(original):
@@ -329,3 +330,4 @@ def _on_keras_import_jax(_keras) -> None:
         # process, so unseeded scripts still build the same initial weights everywhere.
         upstream.keras_jax_distribution_lib().initialize_rng()
     check_hook.on_keras_import(_keras)
+    unscoped.on_keras_import(_keras)

@@ -26,7 +26,7 @@ LAYERS = [
     {"distribute"},
     {"saving", "data"},
     {"compat", "checkpoint"},  # compat: the Fix records (chief-only writes use saving)
-    {"callbacks", "loops", "examples"},
+    {"callbacks", "loops", "examples", "unscoped"},
     {"startup", "bootstrap", "info", "check"},
     {"cli", "__main__", "__init__"},
 ]

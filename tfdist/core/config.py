@@ -29,6 +29,10 @@ variable                       default     meaning
                                            outbound connections (loopback only)
 ``TFDIST_LAUNCH_PYTHON``       launcher's  the interpreter ``tfdist launch`` starts its
                                            workers with (a path, or a name on PATH)
+``TFDIST_UNSCOPED_MODELS``     job         under ``tfdist launch`` / ``python -m
+                                           tfdist.bootstrap``: ``job`` trains models built
+                                           outside any scope on the job's strategy;
+                                           ``local``: one replica per process, as upstream
 ``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
 =============================  ==========  ================================================
 
@@ -79,6 +83,9 @@ __all__ = [
     "keras_backend",
     "restart_count",
     "shared_network",
+    "UNSCOPED_MODELS_ENV",
+    "UNSCOPED_MODELS_CHOICES",
+    "unscoped_models",
 ]
 
 
@@ -119,6 +126,10 @@ LAUNCH_PYTHON_ENV = "TFDIST_LAUNCH_PYTHON"
 ALLREDUCE_ENV = "TFDIST_ALLREDUCE"
 BYTES_PER_PACK_ENV = "TFDIST_BYTES_PER_PACK"
 DEBUG_ENV = "TFDIST_DEBUG"
+UNSCOPED_MODELS_ENV = "TFDIST_UNSCOPED_MODELS"
+# job: a model built outside any scope trains on the job's strategy or distribution (every
+# replica of every worker); local: on one replica of its own process, as plain Keras does.
+UNSCOPED_MODELS_CHOICES = ("job", "local")
 # auto/ring/nccl: tf.distribute.experimental.CommunicationImplementation (both strategies);
 # the last two: MirroredStrategy's other cross_device_ops (one process only).
 ALLREDUCE_IMPLEMENTATIONS = ("auto", "ring", "nccl", "hierarchical_copy", "reduce_to_one")
@@ -221,6 +232,32 @@ def private_egress(arg: bool | None = None, *, environ: Mapping[str, str] | None
         "(loopback only)."
     )
     return _env_flag(environ, PRIVATE_EGRESS_ENV, True, hint)
+
+
+def unscoped_models(arg: str | None = None, *, environ: Mapping[str, str] | None = None) -> str:
+    """Where a script's models built outside any scope train, under ``tfdist launch`` and
+    ``python -m tfdist.bootstrap``: ``arg``, else ``TFDIST_UNSCOPED_MODELS``, else ``job``.
+
+    Example:
+        >>> unscoped_models(environ={"TFDIST_UNSCOPED_MODELS": "local"})
+        'local'
+    """
+    hint = (
+        "Use job (train on every replica of the job) or local (one replica per process, "
+        "as plain Keras)."
+    )
+    if arg is not None:
+        text = validate.instance(arg, str, "unscoped_models", "tfdist", "job or local")
+        if text not in UNSCOPED_MODELS_CHOICES:
+            raise ConfigError(f"unscoped_models must be job or local. Received: {arg!r}. {hint}")
+        return text
+    text = _env_text(_env(environ), UNSCOPED_MODELS_ENV).lower() or "job"
+    if text not in UNSCOPED_MODELS_CHOICES:
+        raise ConfigError(
+            f"{UNSCOPED_MODELS_ENV} must be job or local. Received: "
+            f"{UNSCOPED_MODELS_ENV}={text!r}. {hint}"
+        )
+    return text
 
 
 def launch_python(arg: str | None = None, *, environ: Mapping[str, str] | None = None) -> str:

@@ -56,6 +56,11 @@ class ProcessState:
         version_warnings: packages already warned about as outside the verified range.
         chief_values: values shared from the chief so far (names their keys in call
             order, as ``barriers`` does for unnamed barriers).
+        unscoped_models: ``job`` when models built outside any scope train on the job
+            (``tfdist.unscoped.enable``, under bootstrap), ``local`` or None otherwise.
+        unscoped_default: what the first unscoped model made the process default (one
+            line), or None before it.
+        unscoped_strategy: the strategy set as TensorFlow's process default, or None.
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)
@@ -73,6 +78,9 @@ class ProcessState:
     barriers: int = 0
     version_warnings: set[str] = field(default_factory=set)
     chief_values: int = 0
+    unscoped_models: str | None = None
+    unscoped_default: str | None = None
+    unscoped_strategy: Any = None
 
 
 _STATE = ProcessState()

@@ -46,6 +46,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_jax_distribution_lib,
     keras_jax_epoch_iterator_class,
     keras_jax_trainer_class,
+    keras_layer_class,
     keras_loss_module,
     keras_loss_scale_optimizer_class,
     keras_model_class,
@@ -70,6 +71,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_set_initial_epoch,
     keras_shareable_adapter_classes,
     keras_symbolic_build,
+    keras_tf_optimizer_class,
     keras_tf_optimizer_module,
     keras_tf_trainer_module,
     keras_trainer_class,
@@ -92,6 +94,7 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_dataset_graph_def,
     tf_dataset_inputs,
     tf_dataset_variant,
+    tf_distribute_lib,
     tf_distributed_dataset,
     tf_distributed_dataset_class,
     tf_extended_num_workers,
@@ -104,6 +107,7 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_multi_device_iterator_module,
     tf_per_replica_component_spec,
     tf_per_replica_spec_class,
+    tf_process_default_scope,
     tf_set_communication_options,
     tf_static_batch_size,
     tf_wait_at_barrier,
@@ -187,6 +191,10 @@ __all__ = [
     "keras_trainer_class",
     "keras_jax_trainer_class",
     "keras_distribution_class",
+    "keras_layer_class",
+    "keras_tf_optimizer_class",
+    "tf_distribute_lib",
+    "tf_process_default_scope",
 ]
 
 
@@ -234,6 +242,11 @@ REQUIRED = {
         # tf_multi_device_iterators_end_promptly (tfdist.compat.epoch_start)
         "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__",
         "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
+        # tfdist.unscoped: the process default strategy, and a script's own strategy beside it
+        "tensorflow.python.distribute.distribute_lib:"
+        "_require_cross_replica_or_default_context_extended",
+        "tensorflow.python.distribute.distribute_lib:StrategyBase.scope",
+        "tensorflow.python.framework.ops:Graph._global_distribute_strategy_scope",
     ],
     "keras": [
         "keras.src.saving.saving_api:save_model",
@@ -268,6 +281,8 @@ REQUIRED = {
         "BaseOptimizer._overwrite_model_variables_with_average_value",
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._get_file_path",
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model",
+        "keras.src.layers.layer:Layer.__init__",
+        "keras.src.backend.tensorflow.optimizer:TFOptimizer.__init__",
     ],
 }
 

@@ -325,3 +325,18 @@ def keras_shareable_adapter_classes() -> tuple:
     whole global batches from ``get_jax_iterator``, which a process can cut its share from."""
     module = keras_data_adapters_module()
     return (module.ArrayDataAdapter, module.PyDatasetAdapter, module.GeneratorDataAdapter)
+
+
+def keras_layer_class():
+    """Keras's ``Layer``: ``tfdist.unscoped`` wraps its ``__init__``, the first thing a
+    script's model does, to give a model built outside any scope the job's strategy."""
+    from keras.src.layers.layer import Layer
+
+    return Layer
+
+
+def keras_tf_optimizer_class():
+    """Keras's TensorFlow optimizer base: it binds the strategy current at construction."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    return TFOptimizer

@@ -265,3 +265,20 @@ def tf_maybe_merge_call(fn, strategy, *args) -> None:
     from tensorflow.python.distribute import merge_call_interim
 
     merge_call_interim.maybe_merge_call(fn, strategy, *args)
+
+
+def tf_distribute_lib():
+    """tf.distribute's ``distribute_lib`` module: ``tfdist.unscoped`` wraps its check
+    ``_require_cross_replica_or_default_context_extended``, through which a script's own
+    strategy refuses to run while another strategy is the process default."""
+    from tensorflow.python.distribute import distribute_lib
+
+    return distribute_lib
+
+
+def tf_process_default_scope():
+    """The scope ``tf.distribute.experimental_set_strategy`` opened on the global graph, or
+    None: whether (and with which strategy) a process default is set."""
+    from tensorflow.python.framework import ops
+
+    return getattr(ops.get_default_graph(), "_global_distribute_strategy_scope", None)
