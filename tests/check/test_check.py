@@ -165,6 +165,79 @@ def _causes(*runs, reference=None, rerun=None):
     return judged, found
 
 
+def test_a_topology_that_trained_fewer_replicas_than_it_has_is_not_distributed_never_equal():
+    # Equal weights (each process trained one device's model alone), 1 replica of 2.
+    judged, found = _causes(
+        _run("2 devices", 0.0, 0.5, replicas=1),
+        _run("2 workers", 0.0, 0.5, ranks=2, replicas=(2, 1)),
+    )
+    assert [v.status for v in judged] == ["equal", "not-distributed", "not-distributed"]
+    assert [c.cause for c in found] == ["not_distributed", "not_distributed"]
+    assert "trained on 1 replica(s) of 2" in found[1].evidence  # the worst process counts
+    result = report.Report("s.py", "tensorflow", 3, 1e-5, judged, found)
+    assert result.exit_code == 1
+    text = report.render(result)
+    assert "2 devices    NOT DISTRIBUTED: its model trained on 1 replica(s), not 2" in text
+    assert "equal" not in text.split("likely causes")[0].split("reference")[1]
+    # Trained on every replica: equal, and the line says on how many.
+    judged, _ = _causes(_run("2 workers", 0.0, 0.5, ranks=2, replicas=2))
+    assert judged[1].status == "equal"
+    assert "; 2 replicas, 2 processes" in report.render(
+        report.Report("s.py", "tf", 3, 1e-5, judged)
+    )
+    assert (
+        report.as_json(report.Report("s.py", "tf", 3, 1e-5, judged))["topologies"][1]["replicas"]
+        == 2
+    )
+
+
+def test_a_comparison_of_no_variable_is_never_equal_and_exits_2():
+    empty = runner.Run(
+        topology.Topology(2, "device"),
+        1.0,
+        "done",
+        0,
+        {0: runner.Rank({"steps": 3, "history": {}, "loop": True}, {}, {})},
+    )
+    reference = runner.Run(topology.Topology(1, "device"), 1.0, "done", 0, {0: empty.ranks[0]})
+    judged = verdict.judge(reference, empty, 1e-5)
+    assert judged.status == "nothing" and judged.weights.reason == verdict.NOTHING
+    result = report.Report(
+        "s.py", "tensorflow", 3, 1e-5, [verdict.judge(reference, reference, 1e-5), judged]
+    )
+    assert result.exit_code == 2
+    assert "NOT JUDGED: nothing to compare" in report.render(result)
+
+
+@pytest.mark.slow
+def test_plain_tf_variables_are_reported_as_nothing_to_compare_not_equal(tmp_path):
+    script = str(SCRIPTS / "plain_variables.py")
+    proc = check_cli("--steps", "6", "--topologies", "2 devices", script, cwd=tmp_path, warm=False)
+    assert proc.returncode == 2, _fail(proc)
+    assert "could not judge this script: on 1 device it trained, but the check found nothing" in (
+        proc.stdout
+    )
+    assert "equal" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_an_unchanged_keras_example_is_equal_on_its_replicas_and_not_distributed_when_local(
+    tmp_path,
+):
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "keras_example_convnet.py")
+    proc = check_cli("--steps", "6", script, str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    assert "2 devices    equal (worst" in proc.stdout and "; 2 replicas, 1 process" in proc.stdout
+    assert "; 2 replicas, 2 processes" in proc.stdout
+    argv = ("--steps", "6", "--topologies", "2 workers", "--json", script, str(tmp_path / "o"))
+    proc = check_cli(*argv, cwd=tmp_path, TFDIST_UNSCOPED_MODELS="local")
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert found["topologies"][1]["status"] == "not-distributed"
+    assert (found["topologies"][1]["replicas"], found["topologies"][1]["asked_replicas"]) == (1, 2)
+    assert [c["cause"] for c in found["causes"]] == ["not_distributed"]
+
+
 def test_workers_that_start_from_other_weights_are_named_as_seeded_apart():
     judged, found = _causes(_run("2 devices", 0.0, 0.5), _run("2 workers", 0.3, 0.7, ranks=2))
     assert [v.status for v in judged] == ["equal", "equal", "differs"]

@@ -82,6 +82,8 @@ def check(options: CheckOptions, progress: Callable[[str], None] = lambda _line:
             reference = run(topologies[0])
         if reference.status == "done" and not reference.ranks[0].facts["steps"]:
             reference.status = "no-steps"
+        elif reference.status == "done" and not reference.ranks[0].final:
+            reference.status = "nothing"
         if reference.status != "done":
             result.error = _why_not(reference, options)
             result.verdicts = [verdict.Verdict(reference, reference.status)]
@@ -152,6 +154,13 @@ def _why_not(reference, options: CheckOptions) -> str:
         return (
             f"on 1 device it ended (exit code {reference.returncode}) without calling "
             f"keras.Model.fit or drawing a batch of a distributed dataset: {loops}"
+        )
+    if reference.status == "nothing":
+        return (
+            "on 1 device it trained, but the check found nothing to compare: no Keras "
+            "model or optimizer holding variables (a state of plain tf.Variables or jax "
+            "arrays is not read). Keep the trained state in a Keras model or optimizer "
+            "(keras.Variable / add_weight) to check it"
         )
     if reference.status == "no-steps":
         return (

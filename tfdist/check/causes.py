@@ -1,5 +1,8 @@
 """Likely causes of a difference, each shown with evidence the check gathered itself.
 
+- ``not_distributed``: a topology whose model trained on fewer replicas than it has (a
+  model built outside the job's strategy, or ``TFDIST_UNSCOPED_MODELS=local``): no other
+  cause is looked for in it, since nothing was split.
 - ``failed``: a run that crashed, with the last lines of its output.
 - ``hang``: a run that did not finish its steps within the timeout; where each process
   waited (its stack's innermost line of the script) or how far it got.
@@ -58,7 +61,8 @@ Rerun = Callable[[Topology, str], Run]
 
 def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
     """The causes the evidence supports, most certain first."""
-    causes = [_hang(v) for v in verdicts if v.status == "timeout"]
+    causes = [_not_distributed(v) for v in verdicts if v.status == "not-distributed"]
+    causes += [_hang(v) for v in verdicts if v.status == "timeout"]
     causes += [_failed(v) for v in verdicts if v.status == "failed"]
     causes += _short(verdicts, reference)
     # Other initial weights first: then every other comparison (at another global batch
@@ -74,6 +78,19 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     if not any(c.cause == "unsharded_data" for c in causes):
         causes += _workers(verdicts, reference, tolerance)
     return causes
+
+
+def _not_distributed(verdict: Verdict) -> Cause:
+    """A topology that split nothing: the model trained on fewer replicas than it has."""
+    return Cause(
+        "not_distributed",
+        f"on {verdict.name} the model trained on {verdict.replicas} replica(s) of "
+        f"{verdict.asked}, on {verdict.processes} process(es): each process trained a copy "
+        "of its own, so a comparison would check nothing",
+        "build the model in tfdist.scope() (or the strategy's scope), or leave "
+        "TFDIST_UNSCOPED_MODELS at job so that models built outside any scope train on the "
+        "job; a custom loop runs its step with strategy.run",
+    )
 
 
 def _short(verdicts: list[Verdict], reference: Run) -> list[Cause]:

@@ -135,7 +135,11 @@ def _wrap_fit(original):
         except BaseException as err:
             _write_failure(err)
             raise
-        facts.update(steps_per_epoch=recorder.steps_per_epoch, history=recorder.history)
+        facts.update(
+            steps_per_epoch=recorder.steps_per_epoch,
+            history=recorder.history,
+            replicas=_replicas(self),
+        )
         final = _weights(self)
         write_result(final, recorder.initial, recorder.first or final, facts, recorder.done)
         wait_for_peers()
@@ -314,6 +318,21 @@ def _recorder_class():
                     self.history[key][-1] = float(np.asarray(value))
 
     return Recorder
+
+
+def _replicas(model) -> int | None:
+    """How many replicas ``model`` trained on: its strategy's (TensorFlow), or the batch
+    axis of Keras's distribution (JAX; 1 without one)."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        return int(model.distribute_strategy.num_replicas_in_sync)
+    chosen = keras.distribution.distribution()
+    if chosen is None:
+        return 1
+    mesh = chosen.device_mesh
+    axis = getattr(chosen, "batch_dim_name", None) or mesh.axis_names[0]
+    return int(mesh.shape[list(mesh.axis_names).index(axis)])
 
 
 def _weights(model) -> dict:

@@ -39,7 +39,9 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        if self.error:
+        """0: every topology equal; 1: one differs or was not distributed; 2: the check
+        could not judge (the script could not be run, or nothing could be compared)."""
+        if self.error or any(v.status == "nothing" for v in self.verdicts):
             return 2
         return 0 if all(v.status == "equal" for v in self.verdicts[1:]) else 1
 
@@ -52,6 +54,10 @@ def _line(verdict: Verdict) -> str:
         if facts.get("loop"):
             trend = " (a custom loop: weights compared, no loss recorded)"
         return f"reference: {facts['steps']} steps{trend}"
+    return _judged_line(verdict) + _trained_on(verdict)
+
+
+def _judged_line(verdict: Verdict) -> str:
     if verdict.status == "equal" and verdict.at_global_batch:
         batch = verdict.at_global_batch[0]
         return f"equal at its global batch of {batch} (worst {_worst(verdict)}; see notes)"
@@ -61,12 +67,28 @@ def _line(verdict: Verdict) -> str:
         where = f" on process {verdict.rank}" if len(verdict.run.ranks) > 1 else ""
         step = f" (loss from step {verdict.first_step})" if verdict.first_step else ""
         return f"DIFFERS: {_worst(verdict)}{where}{step}"
+    if verdict.status == "not-distributed":
+        return (
+            f"NOT DISTRIBUTED: its model trained on {verdict.replicas} replica(s), not "
+            f"{verdict.asked}: nothing was split, so nothing was checked (see notes)"
+        )
+    if verdict.status == "nothing" and verdict.weights is not None:
+        return f"NOT JUDGED: {verdict.weights.reason}"
     return {
         "timeout": f"TIMEOUT: not done after {verdict.run.seconds:.0f} s (see hang below)",
         "failed": f"FAILED: exit code {verdict.run.returncode}",
         "no-fit": "NO FIT: ended without calling fit or drawing a batch of its loop",
         "no-steps": "NO STEPS: fit trained no step",
+        "nothing": "NOTHING TO COMPARE: no Keras model or optimizer variable was found",
     }[verdict.status]
+
+
+def _trained_on(verdict: Verdict) -> str:
+    """``; 2 replicas, 2 processes``: what the judged run trained on."""
+    if verdict.replicas is None or verdict.status not in ("equal", "differs"):
+        return ""
+    plural = "es" if verdict.processes != 1 else ""
+    return f"; {verdict.replicas} replicas, {verdict.processes} process{plural}"
 
 
 def _worst(verdict: Verdict) -> str:
@@ -95,7 +117,8 @@ def render(report: Report) -> str:
         )
     lines += [f"  {v.name:<13}{_line(v)}" for v in report.verdicts]
     if report.error:
-        lines.append(f"could not stop this script: {report.error}")
+        judged = report.verdicts and report.verdicts[0].status == "nothing"
+        lines.append(f"could not {'judge' if judged else 'stop'} this script: {report.error}")
     lines.append(f"total {report.seconds:.1f} s")
     if report.causes:
         lines.append("likely causes:" if report.exit_code else "notes:")
@@ -125,6 +148,9 @@ def _verdict_json(verdict: Verdict) -> dict:
         "not_comparable": (weights and weights.reason) or (history and history.reason) or None,
         "first_differing_step": verdict.first_step,
         "at_global_batch": list(verdict.at_global_batch) if verdict.at_global_batch else None,
+        "replicas": verdict.replicas,
+        "asked_replicas": verdict.asked,
+        "processes": verdict.processes,
         "waiting_at": {str(k): v for k, v in verdict.run.waiting_at.items()},
     }
 

@@ -4,6 +4,10 @@ Every process of a run is compared with the reference (process 0 of ``1 device``
 weights after the steps, per variable path, and its logged history (loss and metrics per
 step). Equal means every difference is finite and at most the tolerance.
 
+Two things are never "equal": a run whose model trained on fewer replicas than its
+topology has (``not-distributed``: nothing was split, so nothing was checked), and a
+comparison of no variable at all (``nothing``: the script's state lives outside Keras).
+
 Example:
     >>> v = judge(reference_run, run, tolerance=1e-5)  # doctest: +SKIP
     >>> v.status, v.weights.key, v.weights.value       # doctest: +SKIP
@@ -17,12 +21,13 @@ from dataclasses import dataclass
 from tfdist.check.compare import Difference, compare, first_differing_step, history_arrays
 from tfdist.check.runner import Run
 
-__all__ = ["Verdict", "judge"]
+__all__ = ["NOTHING", "Verdict", "judge", "replicas_trained"]
 
 
 @dataclass
 class Verdict:
-    """``status``: ``equal``, ``differs``, ``timeout``, ``failed`` or ``no-fit``."""
+    """``status``: ``equal``, ``differs``, ``not-distributed``, ``nothing``, ``timeout``,
+    ``failed`` or ``no-fit``."""
 
     run: Run
     status: str
@@ -34,6 +39,13 @@ class Verdict:
     # A global batch that grew with the replicas: (that batch, how this run compares with
     # 1 device re-run at it), e.g. (128, "equal (worst dense/kernel 2.4e-07)").
     at_global_batch: tuple[int, str] | None = None
+    replicas: int | None = None  # the fewest replicas a process's model trained on
+    processes: int = 0
+
+    @property
+    def asked(self) -> int:
+        """The replicas the topology has: its devices, or its processes of one device."""
+        return self.run.topology.count
 
     @property
     def name(self) -> str:
@@ -59,15 +71,31 @@ def _weights_and_history(reference: Run, run: Run):
     return worst_w, worst_h, worst_rank
 
 
+# Why a comparison of no variable is not a verdict.
+NOTHING = (
+    "nothing to compare: no Keras model, optimizer or variable of one was found (a state "
+    "of plain tf.Variables or jax arrays is not read)"
+)
+
+
+def replicas_trained(run: Run) -> int | None:
+    """The fewest replicas any process's model trained on (None: not recorded)."""
+    counts = [r.facts.get("replicas") for r in run.ranks.values()]
+    known = [int(c) for c in counts if c]
+    return min(known) if known else None
+
+
 def judge(reference: Run, run: Run, tolerance: float) -> Verdict:
     """``run`` against ``reference`` (a run that is done)."""
     if run.status != "done":
         return Verdict(run, run.status)
     weights, history, rank = _weights_and_history(reference, run)
+    if not reference.ranks[0].final and not run.ranks[rank].final:
+        weights = Difference(None, float("inf"), NOTHING)
     equal = weights.equal(tolerance) and history.equal(tolerance)
     ref_loss = reference.ranks[0].facts["history"].get("loss", [])
     loss = run.ranks[rank].facts["history"].get("loss", [])
-    return Verdict(
+    verdict = Verdict(
         run,
         "equal" if equal else "differs",
         weights,
@@ -75,4 +103,11 @@ def judge(reference: Run, run: Run, tolerance: float) -> Verdict:
         rank,
         None if equal else first_differing_step(ref_loss, loss, tolerance),
         run.ranks[rank].facts["steps"],
+        replicas=replicas_trained(run),
+        processes=len(run.ranks),
     )
+    if weights.reason == NOTHING:
+        verdict.status, verdict.first_step = "nothing", None
+    elif verdict.replicas is not None and verdict.replicas < verdict.asked:
+        verdict.status, verdict.first_step = "not-distributed", None
+    return verdict

@@ -1,0 +1,119 @@
+"""A script as the Keras examples write it (no tfdist, no strategy) runs distributed unchanged.
+
+tests/scripts/keras_example_convnet.py is run as a user runs it, in fresh interpreters with
+every import a user's process makes: ``python script.py`` (the reference, one device),
+``TFDIST_CPU_DEVICES=2 python -m tfdist.bootstrap script.py`` and ``tfdist launch -n 2
+script.py``. Its model must train on every replica of the job and end within 1e-5 of one
+device's, on both backends; ``TFDIST_UNSCOPED_MODELS=local`` keeps upstream's one replica
+per process; a strategy the script opens itself after an unscoped model still works.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tfdist.core import config
+
+from conftest import REPO, SCRIPTS, child_env
+
+SCRIPT = str(SCRIPTS / "keras_example_convnet.py")
+ANNOUNCED = "tfdist: models this script builds outside any scope train on the job's"
+STEPPED_ASIDE = "tfdist: this script opens a tf.distribute strategy of its own"
+
+
+def test_the_knob_is_job_by_default_and_refuses_other_values_naming_them():
+    assert config.unscoped_models(environ={}) == "job"
+    assert config.unscoped_models(environ={"TFDIST_UNSCOPED_MODELS": "LOCAL"}) == "local"
+    assert config.unscoped_models("local", environ={"TFDIST_UNSCOPED_MODELS": "job"}) == "local"
+    with pytest.raises(config.ConfigError, match=r"TFDIST_UNSCOPED_MODELS='each'"):
+        config.unscoped_models(environ={"TFDIST_UNSCOPED_MODELS": "each"})
+    with pytest.raises(config.ConfigError, match=r"Received: 'all'"):
+        config.unscoped_models("all")
+
+
+def _cold_env(backend: str, **extra: str) -> dict[str, str]:
+    """A user's environment: no warm launcher python, no lean-import finder."""
+    env = child_env(TFDIST_LAUNCH_PYTHON=None, KERAS_BACKEND=backend, **extra)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _run(argv: list[str], out: Path, backend: str, **extra: str) -> tuple[list[dict], str]:
+    """Runs ``argv`` + ``[SCRIPT, OUT]`` cold; every process's record and the stderr."""
+    proc = subprocess.run(
+        [sys.executable, *argv, SCRIPT, str(out), *extra.pop("script_args", ())],
+        cwd=REPO,
+        env=_cold_env(backend, **extra),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    found = [dict(np.load(path)) for path in sorted(out.parent.glob(f"{out.name}-*.npz"))]
+    assert found, proc.stderr[-3000:]
+    return found, proc.stderr
+
+
+def _within(reference: np.ndarray, got: np.ndarray, tolerance: float = 1e-5) -> float:
+    assert reference.shape == got.shape
+    assert np.all(np.isfinite(reference)) and np.all(np.isfinite(got)), "a NaN is never equal"
+    difference = float(np.max(np.abs(reference - got)))
+    assert difference <= tolerance, difference
+    return difference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_device(
+    backend, tmp_path
+):
+    (reference,), _ = _run([], tmp_path / "one", backend)
+    assert reference["replicas"] == 1
+    two_devices, err = _run(
+        ["-m", "tfdist.bootstrap"], tmp_path / "devices", backend, TFDIST_CPU_DEVICES="2"
+    )
+    assert [int(r["replicas"]) for r in two_devices] == [2]
+    assert err.count(ANNOUNCED) == 1, err[-3000:]
+    workers, err = _run(["-m", "tfdist", "launch", "-n", "2"], tmp_path / "workers", backend)
+    assert [int(r["replicas"]) for r in workers] == [2, 2]  # every process trained on 2
+    assert err.count(ANNOUNCED) == 1, err[-3000:]  # the chief says it, once
+    for run in (*two_devices, *workers):
+        _within(reference["weights"], run["weights"])
+        _within(reference["loss"], run["loss"])
+
+
+@pytest.mark.slow
+def test_local_keeps_one_replica_per_process_as_upstream(tmp_path):
+    (reference,), _ = _run([], tmp_path / "one", "tensorflow")
+    workers, err = _run(
+        ["-m", "tfdist", "launch", "-n", "2"],
+        tmp_path / "local",
+        "tensorflow",
+        TFDIST_UNSCOPED_MODELS="local",
+    )
+    assert [int(r["replicas"]) for r in workers] == [1, 1]  # each worker its own copy
+    assert ANNOUNCED not in err
+    for run in workers:  # all the data each: one device's model, twice
+        _within(reference["weights"], run["weights"])
+
+
+@pytest.mark.slow
+def test_a_strategy_the_script_opens_after_an_unscoped_model_takes_over(tmp_path):
+    mine = {"script_args": ["--own-strategy"]}
+    (reference,), _ = _run([], tmp_path / "one", "tensorflow", **mine)
+    (run,), err = _run(
+        ["-m", "tfdist.bootstrap"],
+        tmp_path / "devices",
+        "tensorflow",
+        TFDIST_CPU_DEVICES="2",
+        **mine,
+    )
+    assert (int(run["replicas"]), int(run["own_replicas"])) == (2, 2)
+    assert STEPPED_ASIDE in err
+    _within(reference["weights"], run["weights"])
+    _within(reference["own_weights"], run["own_weights"])
