@@ -14,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
 from tfdist import __version__
-from tfdist.core.config import ConfigError  # a TensorFlow-free leaf
+from tfdist.core.config import (  # a TensorFlow-free leaf
+    UNSCOPED_MODELS_CHOICES,
+    UNSCOPED_MODELS_ENV,
+    ConfigError,
+)
 
 __all__ = ["main", "build_parser", "console_main"]
 
@@ -155,6 +160,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.write_config:  # a config needs no script; its values are checked when used
         return _write_config(args)
     options = _launch_options(args)
+    if args.unscoped_models:  # the workers inherit the launcher's environment
+        os.environ[UNSCOPED_MODELS_ENV] = args.unscoped_models
     if args.firewall == "print":
         return _print_firewall(options)
     return launch.run(options)
@@ -338,6 +345,14 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         "listens on all interfaces: use only on a private network",
     )
     _add_protection_flags(launch)
+    launch.add_argument(
+        "--unscoped-models",
+        choices=UNSCOPED_MODELS_CHOICES,
+        default=None,
+        help="where models the script builds outside any scope train: job (default: every "
+        "replica of the job; the script's batch_size is the global batch) or local (one "
+        "replica per process, as upstream) (also TFDIST_UNSCOPED_MODELS)",
+    )
 
 
 def _add_protection_flags(launch: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ tests/scripts/keras_example_convnet.py is run as a user runs it, in fresh interp
 every import a user's process makes: ``python script.py`` (the reference, one device),
 ``TFDIST_CPU_DEVICES=2 python -m tfdist.bootstrap script.py`` and ``tfdist launch -n 2
 script.py``. Its model must train on every replica of the job and end within 1e-5 of one
-device's, on both backends; ``TFDIST_UNSCOPED_MODELS=local`` keeps upstream's one replica
+device's, on both backends; ``--unscoped-models local`` keeps upstream's one replica
 per process; a strategy the script opens itself after an unscoped model still works.
 """
 
@@ -90,12 +90,8 @@ def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_devic
 @pytest.mark.slow
 def test_local_keeps_one_replica_per_process_as_upstream(tmp_path):
     (reference,), _ = _run([], tmp_path / "one", "tensorflow")
-    workers, err = _run(
-        ["-m", "tfdist", "launch", "-n", "2"],
-        tmp_path / "local",
-        "tensorflow",
-        TFDIST_UNSCOPED_MODELS="local",
-    )
+    argv = ["-m", "tfdist", "launch", "-n", "2", "--unscoped-models", "local"]
+    workers, err = _run(argv, tmp_path / "local", "tensorflow")
     assert [int(r["replicas"]) for r in workers] == [1, 1]  # each worker its own copy
     assert ANNOUNCED not in err
     for run in workers:  # all the data each: one device's model, twice
