@@ -44,6 +44,12 @@ def _with_lean_imports(pythonpath: str | None) -> str:
 
 
 os.environ["PYTHONPATH"] = _with_lean_imports(os.environ.get("PYTHONPATH"))
+# The suite's job scripts (tests/scripts/) build their one-device references outside any
+# scope in the same process as the distributed run they compare: under the default
+# TFDIST_UNSCOPED_MODELS=job those references would train on the job too. They run with
+# upstream's one replica per process; tests/e2e/test_unchanged_scripts.py and the check's
+# unscoped cases set job, as a user's process has it.
+os.environ["TFDIST_UNSCOPED_MODELS"] = "local"
 # `tfdist launch`'s workers fork from this process's warm process too (tests/warm_python).
 os.environ.update(warm_start.LAUNCH_ENV)
 

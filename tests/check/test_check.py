@@ -225,7 +225,8 @@ def test_an_unchanged_keras_example_is_equal_on_its_replicas_and_not_distributed
     tmp_path,
 ):
     script = str(Path(__file__).resolve().parents[1] / "scripts" / "keras_example_convnet.py")
-    proc = check_cli("--steps", "6", script, str(tmp_path / "out"), cwd=tmp_path)
+    job = {"TFDIST_UNSCOPED_MODELS": "job"}  # a user's default (conftest sets local)
+    proc = check_cli("--steps", "6", script, str(tmp_path / "out"), cwd=tmp_path, **job)
     assert proc.returncode == 0, _fail(proc)
     assert "2 devices    equal (worst" in proc.stdout and "; 2 replicas, 1 process" in proc.stdout
     assert "; 2 replicas, 2 processes" in proc.stdout

@@ -38,7 +38,9 @@ def test_the_knob_is_job_by_default_and_refuses_other_values_naming_them():
 
 def _cold_env(backend: str, **extra: str) -> dict[str, str]:
     """A user's environment: no warm launcher python, no lean-import finder."""
-    env = child_env(TFDIST_LAUNCH_PYTHON=None, KERAS_BACKEND=backend, **extra)
+    env = child_env(
+        TFDIST_LAUNCH_PYTHON=None, KERAS_BACKEND=backend, TFDIST_UNSCOPED_MODELS="job", **extra
+    )
     env.pop("PYTHONPATH", None)
     return env
 
@@ -90,6 +92,7 @@ def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_devic
 @pytest.mark.slow
 def test_local_keeps_one_replica_per_process_as_upstream(tmp_path):
     (reference,), _ = _run([], tmp_path / "one", "tensorflow")
+    # The flag wins over the environment's job.
     argv = ["-m", "tfdist", "launch", "-n", "2", "--unscoped-models", "local"]
     workers, err = _run(argv, tmp_path / "local", "tensorflow")
     assert [int(r["replicas"]) for r in workers] == [1, 1]  # each worker its own copy
