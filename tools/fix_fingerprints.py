@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from tfdist import compat, startup
+from tfdist import compat, startup, unscoped
 from tfdist.core import fix_registry, versions
 
 
@@ -28,7 +28,8 @@ def _minor(package: str) -> str:
 def current_records() -> dict[str, dict[str, dict]]:
     """``{entry: {"keras 3.15": {"signature": ..., "code": ...}}}`` for this environment."""
     records: dict[str, dict[str, dict]] = {}
-    for fix in (*compat.FIXES, startup.STARTUP):  # every record fix_registry.apply_fix applies
+    # every record fix_registry.apply_fix applies
+    for fix in (*compat.FIXES, startup.STARTUP, unscoped.HOOK):
         for target in fix.targets:
             found = fix_registry.record(target)
             if found is not None:

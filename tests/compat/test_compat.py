@@ -73,6 +73,7 @@ def test_fixes_are_recorded_per_package():
         "tf_multi_worker_auto_shard",
         "tf_distribute_partial_batch_evenly",
         "tf_multi_device_iterators_end_promptly",
+        "tf_mirrored_collective_keys_apart",
     ]
     assert {fix.package for fix in compat.FIXES} == {"tensorflow", "keras"}
 

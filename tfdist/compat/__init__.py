@@ -44,6 +44,7 @@ from tfdist.compat import (
     batchnorm,
     chief_writes,
     clipping,
+    collective_keys,
     compile_scope,
     epoch_start,
     jax_fixes,
@@ -103,6 +104,7 @@ FIXES: list[Fix] = [
     *compile_scope.FIXES,
     *batchnorm.FIXES,
     *optimizer_build.FIXES,
+    *collective_keys.FIXES,
 ]
 
 

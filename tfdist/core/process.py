@@ -110,6 +110,9 @@ _COUNTER = (
     "name everywhere); it never restarts, so no name is used twice"
 )
 OUTSIDE_STATE = {
+    "tfdist.compat.collective_keys._MADE": "MirroredStrategy objects that made collective "
+    "keys since the interpreter started: TensorFlow's collective runtime remembers their "
+    "keys for the process's life, so the count must never restart",
     "tfdist.startup._installed": "the import hooks sit on sys.meta_path for the "
     "interpreter's life; reset() cannot take them off, so it must not forget them",
     "tfdist.startup._setting_up": "a per-thread re-entry guard while set-up runs (set-up "

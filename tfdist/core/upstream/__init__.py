@@ -82,6 +82,7 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_can_reduce_across_replicas_here,
     tf_check_peer_health,
     tf_collective_extended_class,
+    tf_collective_key_base,
     tf_collective_options,
     tf_collectives_configured,
     tf_collectives_enabled,
@@ -104,10 +105,12 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
     tf_key_value_set,
     tf_mark_server_started,
     tf_maybe_merge_call,
+    tf_mirrored_extended_class,
     tf_multi_device_iterator_module,
     tf_per_replica_component_spec,
     tf_per_replica_spec_class,
     tf_process_default_scope,
+    tf_set_collective_key_base,
     tf_set_communication_options,
     tf_static_batch_size,
     tf_wait_at_barrier,
@@ -195,6 +198,9 @@ __all__ = [
     "keras_tf_optimizer_class",
     "tf_distribute_lib",
     "tf_process_default_scope",
+    "tf_mirrored_extended_class",
+    "tf_collective_key_base",
+    "tf_set_collective_key_base",
 ]
 
 
@@ -247,6 +253,9 @@ REQUIRED = {
         "_require_cross_replica_or_default_context_extended",
         "tensorflow.python.distribute.distribute_lib:StrategyBase.scope",
         "tensorflow.python.framework.ops:Graph._global_distribute_strategy_scope",
+        # tf_mirrored_collective_keys_apart (tfdist.compat.collective_keys)
+        "tensorflow.python.distribute.mirrored_strategy:"
+        "MirroredExtended._make_collective_ops_with_fallbacks",
     ],
     "keras": [
         "keras.src.saving.saving_api:save_model",
@@ -305,6 +314,7 @@ INSTANCE_ATTRIBUTES = {
 # the class or a base): the fixes' guards check them in the source (tfdist.core.fix_registry),
 # since some exist only in a multi-worker job (the test checks them the same way).
 SOURCE_ATTRIBUTES = [
+    "tensorflow.python.distribute.mirrored_strategy:MirroredExtended._collective_key_base",
     "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy",
     "keras.src.backend.tensorflow.trainer:TFEpochIterator._distributed_dataset",
     "keras.src.optimizers.base_optimizer:BaseOptimizer._accumulated_gradients",

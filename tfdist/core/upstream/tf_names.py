@@ -282,3 +282,21 @@ def tf_process_default_scope():
     from tensorflow.python.framework import ops
 
     return getattr(ops.get_default_graph(), "_global_distribute_strategy_scope", None)
+
+
+def tf_mirrored_extended_class():
+    """MirroredStrategy's extended class: ``_make_collective_ops_with_fallbacks`` makes its
+    ``CollectiveKeys`` from ``_collective_key_base`` (tfdist.compat.collective_keys)."""
+    from tensorflow.python.distribute import mirrored_strategy
+
+    return mirrored_strategy.MirroredExtended
+
+
+def tf_collective_key_base(extended) -> int:
+    """The base of a MirroredStrategy's collective group keys (0 unless set)."""
+    return extended._collective_key_base
+
+
+def tf_set_collective_key_base(extended, base: int) -> None:
+    """Sets that base, before the strategy makes its collective keys."""
+    extended._collective_key_base = base
