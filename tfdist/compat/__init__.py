@@ -46,6 +46,7 @@ from tfdist.compat import (
     clipping,
     collective_keys,
     compile_scope,
+    custom_train_step,
     epoch_start,
     jax_fixes,
     jax_inputs,
@@ -105,6 +106,7 @@ FIXES: list[Fix] = [
     *batchnorm.FIXES,
     *optimizer_build.FIXES,
     *collective_keys.FIXES,
+    *custom_train_step.FIXES,
 ]
 
 
