@@ -227,6 +227,9 @@ ALLOWED = {
     "check/hook.py": "tfdist check's hook, run from startup.py's Keras-import hook, installs the"
     " custom-loop watcher of the framework the script trains with (tf.distribute's datasets"
     " or jax.jit)",
+    "unscoped.py": "makes each framework's own process default the job's (tf.distribute's"
+    " default strategy, keras.distribution's global distribution), as startup.py hooks each"
+    " framework's import (TODO: a Backend member for the process default)",
     "info.py": "`tfdist info` (the bug-report template) reports each framework's own build",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",

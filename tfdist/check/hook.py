@@ -321,18 +321,16 @@ def _recorder_class():
 
 
 def _replicas(model) -> int | None:
-    """How many replicas ``model`` trained on: its strategy's (TensorFlow), or the batch
-    axis of Keras's distribution (JAX; 1 without one)."""
+    """How many replicas ``model`` trained on: its strategy's (TensorFlow), or the devices
+    its variables are laid out on (JAX; 1 without a distribution)."""
     import keras
 
     if keras.backend.backend() == "tensorflow":
         return int(model.distribute_strategy.num_replicas_in_sync)
-    chosen = keras.distribution.distribution()
-    if chosen is None:
-        return 1
-    mesh = chosen.device_mesh
-    axis = getattr(chosen, "batch_dim_name", None) or mesh.axis_names[0]
-    return int(mesh.shape[list(mesh.axis_names).index(axis)])
+    # On JAX the devices a model's variables live on: tfdist.scope() sets Keras's
+    # distribution only while the model is built, so fit may run with none set.
+    devices = {d for w in model.weights for d in getattr(w.value.sharding, "device_set", ())}
+    return max(len(devices), 1)
 
 
 def _weights(model) -> dict:
