@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
@@ -83,6 +84,10 @@ def _adopt_first(original):
             _adopt()
         return original(self, *args, **kwargs)
 
+    # Keras reads a layer's constructor arguments from ``cls.__init__`` (its automatic
+    # get_config, with inspect.getfullargspec, which ignores __wrapped__): the wrapper
+    # must show the original's signature, or saving a layer without __init__ fails.
+    __init__.__signature__ = inspect.signature(original)
     return __init__
 
 

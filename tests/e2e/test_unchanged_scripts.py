@@ -84,9 +84,10 @@ def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_devic
     workers, err = _run(["-m", "tfdist", "launch", "-n", "2"], tmp_path / "workers", backend)
     assert [int(r["replicas"]) for r in workers] == [2, 2]  # every process trained on 2
     assert err.count(ANNOUNCED) == 1, err[-3000:]  # the chief says it, once
-    for run in (*two_devices, *workers):
+    for run in (reference, *two_devices, *workers):
         _within(reference["weights"], run["weights"])
         _within(reference["loss"], run["loss"])
+        assert bool(run["reloaded_equal"])  # saved by every process, loaded back
 
 
 @pytest.mark.slow

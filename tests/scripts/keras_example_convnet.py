@@ -3,7 +3,9 @@
 Its shapes are MNIST's (28x28x1, 10 classes), its model the examples' convnet
 (Conv2D, MaxPooling2D, Dense), and its data size (300) leaves a partial last batch at its
 batch_size of 64. ``python keras_example_convnet.py OUT`` writes OUT-<pid>.npz: the
-weights after ``fit``, the replicas the model trained on and its logged loss.
+weights after ``fit``, the replicas the model trained on, its logged loss, and whether the
+model saved by every process to OUT.keras (a custom layer without ``__init__`` in it)
+loads back with the same predictions.
 ``--own-strategy`` then trains a second model in the script's own MirroredStrategy (a
 notebook comparing tfdist with a hand-written strategy) and records it too.
 """
@@ -20,10 +22,18 @@ x = rng.random((300, 28, 28, 1), dtype=np.float32)
 y = rng.integers(0, 10, 300)
 
 
+class Halve(layers.Layer):
+    """A custom layer with no ``__init__`` of its own: Keras configures it automatically."""
+
+    def call(self, inputs):
+        return inputs * 0.5
+
+
 def build():
     model = keras.Sequential(
         [
             keras.Input(shape=(28, 28, 1)),
+            Halve(),
             layers.Conv2D(8, kernel_size=(3, 3), activation="relu"),
             layers.MaxPooling2D(pool_size=(2, 2)),
             layers.Flatten(),
@@ -48,6 +58,10 @@ found = {
     "replicas": replicas(model),
     "loss": np.array(history.history["loss"]),
 }
+model.save(f"{sys.argv[1]}.keras")  # every process, as the examples' last line
+loaded = keras.models.load_model(f"{sys.argv[1]}.keras", custom_objects={"Halve": Halve})
+same = np.allclose(loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0), atol=1e-6)
+found["reloaded_equal"] = same
 if "--own-strategy" in sys.argv:
     import tensorflow as tf
 
