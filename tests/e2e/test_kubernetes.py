@@ -237,6 +237,10 @@ def test_a_fault_in_the_tfjob_fails_that_tests_check_in_every_pod(
     pods = k8s_pods.tfjob_pods(tfjob)
     for pod in pods:
         pod.env["TFDIST_TEST_FAULT"] = fault
+        if fault == "outside_distribution":
+            # A model built outside any scope trains on the job by default
+            # (TFDIST_UNSCOPED_MODELS=job); upstream's one replica per worker is the fault.
+            pod.env["TFDIST_UNSCOPED_MODELS"] = "local"
     cluster, found = run_job(pods, tmp_path, tfjob["spec"]["runPolicy"]["backoffLimit"])
     assert sorted(found) == [0, 1] and [p.restarts for p in pods] == [0, 0], cluster.log_tails()
     for result in found.values():
