@@ -11,7 +11,8 @@ is an order tfdist supports (tests/test_startup.py). A crash stays in its child.
 What a child gets, as from ``subprocess.run([sys.executable, ...])``: its argv (a script,
 ``-m module`` or ``-c code``), environment, working directory, ``sys.path`` (the script's
 folder, then ``PYTHONPATH``), stdin from /dev/null, stdout and stderr captured, a fresh
-process group, its exit code (``-N`` for a signal), atexit handlers and non-daemon threads
+process group, its exit code (``-N`` for a signal), an uncaught exception through
+``sys.excepthook`` with ``sys.last_value`` set, atexit handlers and non-daemon threads
 joined at the end, and fresh seeds for ``random`` and numpy's global generator.
 
 There is one warm process per Keras backend (``KERAS_BACKEND``: TensorFlow's or JAX's,
@@ -163,6 +164,20 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
+def _uncaught(exc: BaseException, traceback) -> None:
+    """What CPython does with an exception that ends ``__main__``: ``sys.last_*`` set
+    (``last_exc`` from 3.12), then ``sys.excepthook`` (a script's own, or the default
+    traceback); atexit handlers run after it, as ``_child`` does next."""
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc
+    try:
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    except BaseException:  # a hook that fails: Python prints both, the hook's error first
+        traceback.print_exc()
+        traceback.print_exception(exc)
+
+
 def _child(request: dict, fds: list[int], sock: socket.socket) -> None:
     """Runs in the forked child: becomes the job, then exits with its code."""
     import posix
@@ -175,8 +190,8 @@ def _child(request: dict, fds: list[int], sock: socket.socket) -> None:
         code = 0
     except SystemExit as exc:
         code = _exit_code(exc)
-    except BaseException:
-        traceback.print_exc()
+    except BaseException as exc:
+        _uncaught(exc, traceback)
     finally:
         try:
             threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads

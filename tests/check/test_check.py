@@ -567,6 +567,18 @@ def test_a_loss_averaged_per_replica_in_a_custom_loop_is_named_and_its_twin_is_e
 
 
 @pytest.mark.slow
+def test_a_loop_that_raises_is_failed_warm_as_cold_never_a_reference(tmp_path):
+    script = str(SCRIPTS / "loss_per_replica.py")
+    argv = ("--steps", "8", "--topologies", "1 device", script, "--raise-after", "4")
+    for warm in (True, False):  # forked from the warm process, and as a user runs it
+        proc = check_cli(*argv, cwd=tmp_path, warm=warm)
+        assert proc.returncode == 2, _fail(proc)
+        assert "on 1 device it failed" in proc.stdout, proc.stdout
+        assert "the script fails after 4 steps" in proc.stdout
+        assert "reference" not in proc.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.jax
 def test_a_correct_script_is_equal_on_jax_devices_and_processes(tmp_path):
     argv = ("--backend", "jax", "--steps", "8", "--json", str(SCRIPTS / "correct.py"))

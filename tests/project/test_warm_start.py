@@ -60,6 +60,37 @@ def test_exit_codes_signals_errors_and_timeouts_are_the_jobs():
     assert _warm(["-c", "print('still here')"]).stdout == "still here\n"
 
 
+ENDINGS = """
+import atexit, os, signal, sys
+how = sys.argv[1]
+def hook(kind, value, tb):
+    print("hook", kind.__name__, value, flush=True)
+sys.excepthook = hook
+atexit.register(lambda: print("atexit 1 last", repr(getattr(sys, "last_value", None)), flush=True))
+atexit.register(lambda: print("atexit 2", flush=True))
+if how == "raise":
+    raise ValueError("from the script")
+if how == "exit":
+    sys.exit(3)
+if how == "sigterm":
+    os.kill(os.getpid(), signal.SIGTERM)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "exit", "sigterm", "return"])
+def test_a_warm_job_ends_as_a_fresh_process_does(how):
+    """Exit code, excepthook, sys.last_value and the atexit order, warm against cold."""
+    warm = _warm(["-c", ENDINGS, how])
+    cold = run_python(ENDINGS.replace("sys.argv[1]", repr(how)), warm=False, check=False)
+    assert (warm.returncode, warm.stdout) == (cold.returncode, cold.stdout)
+    expected = {"raise": 1, "exit": 3, "sigterm": -signal.SIGTERM, "return": 0}[how]
+    assert warm.returncode == expected
+    if how == "raise":
+        assert warm.stdout.splitlines()[0] == "hook ValueError from the script"
+        assert "atexit 2\natexit 1 last ValueError('from the script')" in warm.stdout
+
+
 def test_each_job_sets_up_its_own_devices_and_fixes_like_a_fresh_process():
     code = (
         "import json, keras, numpy as np, tfdist\n"

@@ -2,7 +2,8 @@
 guide whose loss is averaged over each replica's own batch (``tf.reduce_mean`` inside
 ``strategy.run``): the replicas' gradients are summed, so on 2 replicas every update is
 twice one device's. ``--loss global`` is the twin: the loss averaged over the GLOBAL
-batch (``tfdist.loops.average_loss``), equal on every topology. After each epoch of 16
+batch (``tfdist.loops.average_loss``), equal on every topology. ``--raise-after N``
+fails after N steps (a script that crashes mid-loop). After each epoch of 16
 steps the loop evaluates on a test set (a second distributed dataset, whose batches are
 not training steps); it prints its losses and saves the model after the loop.
 """
@@ -18,6 +19,7 @@ import tfdist
 parser = argparse.ArgumentParser()
 parser.add_argument("--loss", choices=("mean", "global"), default="mean")
 parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--raise-after", type=int, default=0, help="fail after N steps")
 args = parser.parse_args()
 
 GLOBAL_BATCH = 32
@@ -68,7 +70,11 @@ def distributed_test_step(batch):
 
 
 for epoch in range(args.epochs):
-    losses = [float(distributed_train_step(batch)) for batch in dist_train]
+    losses = []
+    for batch in dist_train:
+        if args.raise_after and len(losses) == args.raise_after:
+            raise RuntimeError(f"the script fails after {args.raise_after} steps")
+        losses.append(float(distributed_train_step(batch)))
     tested = [float(distributed_test_step(batch)) for batch in dist_test]
     print(f"epoch {epoch}: loss {np.mean(losses):.4f}, test loss {np.mean(tested):.4f}")
 model.save("never-written.keras")  # the check ends the process after its steps
