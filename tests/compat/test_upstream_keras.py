@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import warnings
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
@@ -81,7 +82,6 @@ NOT_RUN = {
     # (Model.save, save_weights, export) is covered by saving_api_test and the callbacks'.
     "models/model_test.py, saving/saving_lib_test.py": "cost; see saving_api_test",
 }
-_JAX_DISTRIBUTION = "backend/jax/distribution_lib_test.py::JaxDistributionLibTest::"
 # Tests that fail without tfdist (Keras 3.15.1 on this CPU-only machine), and why.
 KNOWN_FOR = "3.15.1"
 KNOWN_UPSTREAM_FAILURES = {
@@ -89,33 +89,6 @@ KNOWN_UPSTREAM_FAILURES = {
     "jax": {
         "distribution/distribution_lib_test.py::DataShardingIntegrationTest::"
         "test_distribute_dataset_sharding_behavior": "fails in Keras 3.15.1 itself",
-        **{
-            _JAX_DISTRIBUTION + name: "expects the device setup of Keras's own conftest"
-            for name in (
-                "test_device_conversion",
-                "test_distribute_data_input",
-                "test_distribute_tensor",
-                "test_distribute_tensor_with_jax_layout",
-                "test_e2e_data_parallel_model",
-                "test_e2e_model_parallel_model",
-                "test_e2e_model_parallel_with_output_sharding",
-                "test_get_device_count",
-                "test_initialize_validate_job_and_process",
-                "test_initialize_with_all_job_addresses",
-                "test_initialize_with_coordinator_address",
-                "test_list_devices",
-                "test_processes",
-                "test_to_backend_layout",
-                "test_to_backend_mesh",
-                "test_validation_for_device_mesh",
-                "test_variable_assignment_reuse_layout",
-            )
-        },
-        **{
-            "backend/jax/trainer_test.py::JAXTrainerTest::"
-            f"test_warns_when_model_built_outside_scope_{kind}": "fails in Keras 3.15.1 itself"
-            for kind in ("DataParallel", "ModelParallel")
-        },
     },
 }
 # Fewest tests each run must pass (a selection emptied by a rename fails, not passes).
@@ -192,11 +165,29 @@ def test_upstream_keras_tests_pass_with_every_fix_applied(tmp_path):
 
 def run_compared(cwd: Path, backend: str, fixes: str, scoped: bool = False) -> dict[str, str]:
     """``{test id relative to keras/src: outcome}`` of one run of ``COMPARED[backend]``
-    (``scoped``: of ``SCOPED``, each test inside ``tfdist.scope()`` on 2 logical devices)."""
+    (``scoped``: of ``SCOPED``, each test inside ``tfdist.scope()`` on 2 logical devices).
+
+    On JAX each file runs in a process of its own: Keras's
+    ``MultiProcessInitializeTest.tearDown`` (distribution/distribution_lib_test.py) runs
+    ``os.environ.clear()``, which in one process leaves the next file's jax with one
+    device (``XLA_FLAGS`` gone) and fails all of backend/jax/distribution_lib_test.py in
+    ``setUp``, with and without the fixes."""
     files = SCOPED if scoped else COMPARED[backend]
     missing = [p for p in files if not (KERAS_SRC / p).is_file()]
     assert not missing, f"the keras wheel no longer ships {missing}"
-    report = cwd / f"{backend}-{fixes}{'-scoped' if scoped else ''}.xml"
+    if backend == "jax" and not scoped:
+        outcomes: dict[str, str] = {}
+        for index, path in enumerate(files):
+            outcomes.update(_run_files(cwd, backend, fixes, scoped, [path], f"-{index}"))
+        return outcomes
+    return _run_files(cwd, backend, fixes, scoped, files)
+
+
+def _run_files(
+    cwd: Path, backend: str, fixes: str, scoped: bool, files: list[str], tag: str = ""
+) -> dict[str, str]:
+    """One pytest process over ``files``: ``{test id: outcome}``."""
+    report = cwd / f"{backend}-{fixes}{'-scoped' if scoped else ''}{tag}.xml"
     env = child_env(PYTHONPATH=str(SCRIPTS), KERAS_BACKEND=backend, TFDIST_UPSTREAM_FIXES=fixes)
     if scoped:
         env.update(TFDIST_UPSTREAM_SCOPE="1", TFDIST_CPU_DEVICES="2")
@@ -245,14 +236,21 @@ def test_keras_tests_fail_with_the_fixes_only_where_they_fail_without(tmp_path, 
     assert set(with_fixes) == set(without), sorted(set(with_fixes) ^ set(without))[:10]
     new = sorted(t for t, o in with_fixes.items() if o == "failed" and without[t] != "failed")
     assert not new, f"Keras's own tests that fail only with tfdist's fixes: {new}"
+    skipped = sorted(t for t, o in with_fixes.items() if o == "skipped" and without[t] == "passed")
+    assert not skipped, f"Keras's own tests skipped only with tfdist's fixes: {skipped}"
     failed = {t for t, o in without.items() if o == "failed"}
     known = set(KNOWN_UPSTREAM_FAILURES[backend])
-    if keras.__version__ != KNOWN_FOR:  # another release: its own upstream failures
-        known = failed
-    assert failed == known, (
-        f"upstream failures changed: new {sorted(failed - known)}, "
-        f"now passing {sorted(known - failed)}"
-    )
+    if keras.__version__ != KNOWN_FOR:  # another release: the list is not its own
+        warnings.warn(
+            f"Keras {keras.__version__}: the known upstream failures are Keras {KNOWN_FOR}'s, "
+            f"unverified here; failed without tfdist: {sorted(failed)}",
+            stacklevel=1,
+        )
+    else:
+        assert failed == known, (
+            f"upstream failures changed: new {sorted(failed - known)}, "
+            f"now passing {sorted(known - failed)}"
+        )
     for outcomes in (without, with_fixes):
         passed = sum(o == "passed" for o in outcomes.values())
         assert passed >= MINIMUM_PASSED[backend], (backend, passed)
