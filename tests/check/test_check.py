@@ -191,6 +191,15 @@ def test_a_topology_that_trained_fewer_replicas_than_it_has_is_not_distributed_n
     )
 
 
+def test_every_process_is_compared_and_the_worst_one_is_named():
+    reference = _run("1 device", 0.0, 0.5)
+    workers = _run("2 workers", 0.0, 0.5, ranks=2)
+    workers.ranks[1].final["w"] = np.array([0.9])  # process 1 alone trained otherwise
+    judged = verdict.judge(reference, workers, 1e-5)
+    assert judged.status == "differs" and judged.rank == 1
+    assert judged.weights.value == pytest.approx(0.4)
+
+
 def test_a_comparison_of_no_variable_is_never_equal_and_exits_2():
     empty = runner.Run(
         topology.Topology(2, "device"),

@@ -565,3 +565,28 @@ def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
         sizes = [[len(part) for part in step] for step in out[name]]
         assert sizes == [[4] * 4, [4] * 4, [3, 2, 2, 2]], (name, sizes)
         assert sum(sum(out[name], []), []) == list(range(41)), name
+
+
+def test_the_dealing_is_known_only_where_slices_go_to_workers_in_turn(tmp_path):
+    """``dealing_known``: one worker, DATA sharding, or AUTO on an in-memory pipeline; a
+    pipeline that reads files (known size or not) is sharded by file over workers."""
+    import tensorflow as tf
+
+    from tfdist.core.batch_order import dealing_known
+
+    files = []
+    for index in range(2):
+        path = str(tmp_path / f"part-{index}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for value in range(32):
+                writer.write(tf.io.serialize_tensor(tf.constant(value)).numpy())
+        files.append(path)
+    known_size = tf.data.TFRecordDataset(files).apply(tf.data.experimental.assert_cardinality(64))
+    from_files = known_size.batch(8)
+    assert int(from_files.cardinality()) == 8  # its size is known: still dealt by file
+    assert not dealing_known(from_files, 2)
+    assert dealing_known(from_files, 1)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    assert dealing_known(from_files.with_options(options), 2)
+    assert dealing_known(tf.data.Dataset.range(64).batch(8), 2)
