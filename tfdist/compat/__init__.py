@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from tfdist.compat import (
+    added_losses,
     batchnorm,
     chief_writes,
     clipping,
@@ -107,6 +108,7 @@ FIXES: list[Fix] = [
     *optimizer_build.FIXES,
     *collective_keys.FIXES,
     *custom_train_step.FIXES,
+    *added_losses.FIXES,
 ]
 
 

@@ -110,6 +110,9 @@ _COUNTER = (
     "name everywhere); it never restarts, so no name is used twice"
 )
 OUTSIDE_STATE = {
+    "tfdist.compat.added_losses._SCALED": "per replica thread, the loss tensors Keras "
+    "scaled for the replicas while the step is traced, as tf.distribute's own replica "
+    "contexts are per thread",
     "tfdist.compat.custom_train_step._SCALED": "per replica thread, whether the step's "
     "loss was scaled by Keras since the last optimizer apply, as tf.distribute's own "
     "replica contexts are per thread",

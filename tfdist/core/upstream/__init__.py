@@ -70,6 +70,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_seed_generators,
     keras_set_initial_epoch,
     keras_shareable_adapter_classes,
+    keras_sum_added_loss,
     keras_symbolic_build,
     keras_tf_optimizer_class,
     keras_tf_optimizer_module,
@@ -195,6 +196,7 @@ __all__ = [
     "keras_jax_trainer_class",
     "keras_distribution_class",
     "keras_layer_class",
+    "keras_sum_added_loss",
     "keras_tf_optimizer_class",
     "tf_distribute_lib",
     "tf_process_default_scope",
@@ -291,6 +293,9 @@ REQUIRED = {
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._get_file_path",
         "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model",
         "keras.src.layers.layer:Layer.__init__",
+        # keras_tf_added_loss_scaled_once (tfdist.compat.added_losses)
+        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._aggregate_additional_loss",
+        "keras.src.trainers.trainer:Trainer._aggregate_additional_loss",
         "keras.src.backend.tensorflow.optimizer:TFOptimizer.__init__",
     ],
 }

@@ -340,3 +340,11 @@ def keras_tf_optimizer_class():
     from keras.src.backend.tensorflow.optimizer import TFOptimizer
 
     return TFOptimizer
+
+
+def keras_sum_added_loss(model, loss):
+    """Keras's own sum of an added loss, without the TensorFlow trainer's division by the
+    replicas (``Trainer._aggregate_additional_loss``; tfdist.compat.added_losses)."""
+    from keras.src.trainers.trainer import Trainer
+
+    return Trainer._aggregate_additional_loss(model, loss)
