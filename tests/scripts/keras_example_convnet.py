@@ -10,6 +10,7 @@ loads back with the same predictions.
 notebook comparing tfdist with a hand-written strategy) and records it too.
 """
 
+import os
 import sys
 
 import keras
@@ -58,8 +59,12 @@ found = {
     "replicas": replicas(model),
     "loss": np.array(history.history["loss"]),
 }
-model.save(f"{sys.argv[1]}.keras")  # every process, as the examples' last line
-loaded = keras.models.load_model(f"{sys.argv[1]}.keras", custom_objects={"Halve": Halve})
+# Every process saves, as the examples' last line: to one path when the model trained on
+# the job (tfdist writes it once); to its own when each process trained a copy of its own
+# (TFDIST_UNSCOPED_MODELS=local: two copies saved to one path tear it, as upstream).
+saved = f"{sys.argv[1]}.keras" if found["replicas"] > 1 else f"{sys.argv[1]}-{os.getpid()}.keras"
+model.save(saved)
+loaded = keras.models.load_model(saved, custom_objects={"Halve": Halve})
 same = np.allclose(loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0), atol=1e-6)
 found["reloaded_equal"] = same
 if "--own-strategy" in sys.argv:
@@ -72,4 +77,4 @@ if "--own-strategy" in sys.argv:
     own.fit(x[:256], y[:256], batch_size=64, epochs=2, verbose=0, shuffle=False)
     found["own_weights"] = np.concatenate([w.numpy().ravel() for w in own.weights])
     found["own_replicas"] = own.distribute_strategy.num_replicas_in_sync
-np.savez(f"{sys.argv[1]}-{__import__('os').getpid()}.npz", **found)
+np.savez(f"{sys.argv[1]}-{os.getpid()}.npz", **found)
