@@ -32,7 +32,7 @@ import sys
 from tfdist import backends
 from tfdist.core import cluster, config, fix_registry, process, upstream
 
-__all__ = ["HOOK", "enable", "enabled", "on_keras_import", "describe"]
+__all__ = ["HOOK", "enable", "enabled", "on_keras_import"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +63,6 @@ def on_keras_import(_keras) -> None:
                 "the model.",
                 reason,
             )
-
-
-def describe() -> str:
-    """One line: what the process default is (for ``tfdist info`` and tests)."""
-    st = process.state()
-    if st.unscoped_models != "job":
-        return "one replica per process (as upstream)"
-    if st.unscoped_default is None:
-        return "the job's strategy, once the script builds a model outside any scope"
-    return st.unscoped_default
 
 
 # --------------------------------------------------------------------------- the hook
@@ -141,15 +131,18 @@ def _announce(kind: str, replicas: int) -> str:
     info = cluster.cluster_from_env()
     where = f"{replicas} replicas on {info.num_workers} worker{'s' * (info.num_workers > 1)}"
     text = f"the job's {kind} ({where})"
-    if info.is_chief:
-        print(
-            f"tfdist: models this script builds outside any scope train on {text}; its "
-            f"batch_size is the global batch, split over the replicas "
-            f"({config.UNSCOPED_MODELS_ENV}=local: one replica per process, as upstream)",
-            file=sys.stderr,
-            flush=True,
-        )
+    _tell(
+        f"tfdist: models this script builds outside any scope train on {text}; its "
+        f"batch_size is the global batch, split over the replicas "
+        f"({config.UNSCOPED_MODELS_ENV}=local: one replica per process, as upstream)"
+    )
     return text
+
+
+def _tell(line: str) -> None:
+    """One line on stderr, from the chief only."""
+    if cluster.cluster_from_env().is_chief:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _step_aside_for(extended) -> None:
@@ -164,14 +157,11 @@ def _step_aside_for(extended) -> None:
     tf.distribute.experimental_set_strategy(None)
     process.state().unscoped_strategy = None
     process.state().unscoped_default = "stepped aside for the script's own strategy"
-    if cluster.cluster_from_env().is_chief:
-        print(
-            "tfdist: this script opens a tf.distribute strategy of its own: its models train "
-            "on it, and models it builds outside any scope from now on train on one replica "
-            "per process, as upstream",
-            file=sys.stderr,
-            flush=True,
-        )
+    _tell(
+        "tfdist: this script opens a tf.distribute strategy of its own: its models train "
+        "on it, and models it builds outside any scope from now on train on one replica "
+        "per process, as upstream"
+    )
 
 
 def _step_aside_in_check(original):

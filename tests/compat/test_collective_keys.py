@@ -15,7 +15,7 @@ import pytest
 
 from tfdist.compat import collective_keys
 
-from conftest import SCRIPTS, run_python
+from conftest import SCRIPTS, equivalence, run_python
 
 JOB = str(SCRIPTS / "two_strategies_job.py")
 
@@ -38,9 +38,7 @@ def _loaded(path) -> dict:
 def _equal_to(one: dict, two: dict) -> None:
     for name in ("with_tfdist", "with_own"):
         assert int(two[name + "_replicas"]) == 2
-        assert np.all(np.isfinite(two[name])), "a NaN is never equal"
-        difference = float(np.max(np.abs(one[name] - two[name])))
-        assert difference < 1e-5, (name, difference)
+        equivalence.assert_close(one[name], two[name], 1e-5, name)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 
 from tfdist.compat import custom_train_step
 
-from conftest import REPO, SCRIPTS, child_env
+from conftest import REPO, SCRIPTS, child_env, equivalence
 
 JOB = str(SCRIPTS / "own_train_step_job.py")
 
@@ -41,12 +41,6 @@ def _run(argv: list[str], out: Path, check: bool = True, **env: str):
         assert proc.returncode == 0, proc.stderr[-4000:]
     found = [dict(np.load(p)) for p in sorted(out.parent.glob(f"{out.name}-*.npz"))]
     return proc, found
-
-
-def _difference(a: np.ndarray, b: np.ndarray) -> float:
-    assert a.shape == b.shape
-    assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), "a NaN is never equal"
-    return float(np.max(np.abs(a - b)))
 
 
 def test_only_models_with_their_own_train_step_and_no_call_are_told_apart():
@@ -80,7 +74,7 @@ def test_examples_own_train_steps_equal_one_device(tmp_path):
     for run in (*devices, *workers):
         assert (int(run["ae_replicas"]), int(run["gan_replicas"])) == (2, 2)
         for key in ("ae", "gan", "ae_loss"):
-            assert _difference(one[key], run[key]) < 1e-5, key
+            equivalence.assert_close(one[key], run[key], 1e-5, key)
 
 
 @pytest.mark.slow
@@ -107,5 +101,5 @@ def test_upstream_sums_the_replicas_gradients_of_a_plain_mean_loss(tmp_path):
         TFDIST_CPU_DEVICES="2",
         TFDIST_COMPAT_EXCLUDE=custom_train_step.AVERAGE_NAME,
     )
-    assert _difference(one["ae"], two["ae"]) > 1e-2  # twice one device's steps
-    assert _difference(one["gan"], two["gan"]) < 1e-5  # a Keras loss object: scaled already
+    equivalence.assert_differs(one["ae"], two["ae"], 1e-2, "ae")  # twice one device's steps
+    equivalence.assert_close(one["gan"], two["gan"], 1e-5, "gan")  # a loss object: scaled

@@ -19,7 +19,7 @@ import pytest
 
 from tfdist.core import config
 
-from conftest import REPO, SCRIPTS, child_env
+from conftest import REPO, SCRIPTS, child_env, equivalence
 
 SCRIPT = str(SCRIPTS / "keras_example_convnet.py")
 ANNOUNCED = "tfdist: models this script builds outside any scope train on the job's"
@@ -61,14 +61,6 @@ def _run(argv: list[str], out: Path, backend: str, **extra: str) -> tuple[list[d
     return found, proc.stderr
 
 
-def _within(reference: np.ndarray, got: np.ndarray, tolerance: float = 1e-5) -> float:
-    assert reference.shape == got.shape
-    assert np.all(np.isfinite(reference)) and np.all(np.isfinite(got)), "a NaN is never equal"
-    difference = float(np.max(np.abs(reference - got)))
-    assert difference <= tolerance, difference
-    return difference
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tensorflow", "jax"])
 def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_device(
@@ -85,8 +77,8 @@ def test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_devic
     assert [int(r["replicas"]) for r in workers] == [2, 2]  # every process trained on 2
     assert err.count(ANNOUNCED) == 1, err[-3000:]  # the chief says it, once
     for run in (reference, *two_devices, *workers):
-        _within(reference["weights"], run["weights"])
-        _within(reference["loss"], run["loss"])
+        equivalence.assert_close(reference["weights"], run["weights"], 1e-5, "weights")
+        equivalence.assert_close(reference["loss"], run["loss"], 1e-5, "logged loss")
         assert bool(run["reloaded_equal"])  # saved by every process, loaded back
 
 
@@ -99,7 +91,7 @@ def test_local_keeps_one_replica_per_process_as_upstream(tmp_path):
     assert [int(r["replicas"]) for r in workers] == [1, 1]  # each worker its own copy
     assert ANNOUNCED not in err
     for run in workers:  # all the data each: one device's model, twice
-        _within(reference["weights"], run["weights"])
+        equivalence.assert_close(reference["weights"], run["weights"], 1e-5, "weights")
 
 
 @pytest.mark.slow
@@ -115,5 +107,5 @@ def test_a_strategy_the_script_opens_after_an_unscoped_model_takes_over(tmp_path
     )
     assert (int(run["replicas"]), int(run["own_replicas"])) == (2, 2)
     assert STEPPED_ASIDE in err
-    _within(reference["weights"], run["weights"])
-    _within(reference["own_weights"], run["own_weights"])
+    equivalence.assert_close(reference["weights"], run["weights"], 1e-5, "unscoped")
+    equivalence.assert_close(reference["own_weights"], run["own_weights"], 1e-5, "own")
