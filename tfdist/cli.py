@@ -87,7 +87,9 @@ def _launch_options(args: argparse.Namespace):
             "Usage: tfdist launch -n N script.py [ARGS...] (or -m MODULE [ARGS...])."
         )
     hosts = tuple(h.strip() for h in args.hosts.split(",")) if args.hosts else None
-    nnodes = args.nnodes if args.nnodes is not None else (len(hosts) if hosts else 1)
+    nnodes = _static_nnodes(args)
+    if nnodes is None:
+        nnodes = len(hosts) if hosts else 1
     _check_standalone(args, nnodes)
     return launch.LaunchOptions(
         nproc=_resolve_nproc(args.nproc),
@@ -111,6 +113,98 @@ def _launch_options(args: argparse.Namespace):
         tee=args.tee,
         verbose=args.verbose,
     )
+
+
+def _static_nnodes(args: argparse.Namespace) -> int | None:
+    """``--nnodes N`` of a static job (None: not given); MIN:MAX belongs to elastic jobs."""
+    if args.nnodes is None or _is_elastic(args):
+        return None
+    from tfdist.launch.rendezvous import parse_nnodes
+
+    return parse_nnodes(args.nnodes)[0]
+
+
+def _is_elastic(args: argparse.Namespace) -> bool:
+    """An elastic job: ``--nnodes MIN:MAX`` with MIN < MAX, or a ``--rdzv-endpoint``."""
+    if args.rdzv_endpoint:
+        return True
+    if args.nnodes is None or ":" not in args.nnodes:
+        return False
+    from tfdist.launch.rendezvous import parse_nnodes
+
+    low, high = parse_nnodes(args.nnodes)
+    return low < high
+
+
+def _elastic_options(args: argparse.Namespace):
+    """``(LaunchOptions, ElasticOptions)`` of an elastic job from the parsed flags."""
+    from tfdist import launch
+    from tfdist.launch.elastic import ElasticOptions
+    from tfdist.launch.rendezvous import parse_nnodes
+
+    if args.script is None:
+        raise ConfigError(
+            "launch: missing the script to run. Received: no SCRIPT. "
+            "Usage: tfdist launch -n N script.py [ARGS...] (or -m MODULE [ARGS...])."
+        )
+    if args.hosts or args.node_rank or args.standalone:
+        raise ConfigError(
+            "launch: an elastic job (--nnodes MIN:MAX or --rdzv-endpoint) numbers its nodes "
+            f"itself. Received: hosts={args.hosts!r}, node_rank={args.node_rank}, standalone="
+            f"{args.standalone}. Leave out --hosts, --node-rank and --standalone."
+        )
+    if not args.rdzv_endpoint or not args.rdzv_id:
+        raise ConfigError(
+            "launch: an elastic job needs where its nodes meet and a job id. Received: "
+            f"rdzv_endpoint={args.rdzv_endpoint!r}, rdzv_id={args.rdzv_id!r}. Pass "
+            "--rdzv-endpoint HOST:PORT (an address of one of the nodes) and --rdzv-id NAME."
+        )
+    low, high = parse_nnodes(args.nnodes or "1:1")
+    conf = _rdzv_conf(args.rdzv_conf)
+    elastic = ElasticOptions(
+        min_nodes=low,
+        max_nodes=high,
+        endpoints=tuple(e.strip() for e in args.rdzv_endpoint.split(",")),
+        job=args.rdzv_id,
+        host=args.local_addr,
+        **conf,
+    )
+    options = launch.LaunchOptions(
+        nproc=_resolve_nproc(args.nproc),
+        target=args.script,
+        args=tuple(args.args),
+        module=args.module,
+        devices_per_worker=args.devices_per_worker,
+        max_restarts=args.max_restarts,
+        port=args.port,
+        allow_remote=args.allow_remote,
+        firewall=args.firewall == "apply",
+        fixes=not args.no_fixes,
+        grace=args.grace,
+        finish_timeout=args.finish_timeout,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        verbose=args.verbose,
+    )
+    return options, elastic
+
+
+_RDZV_CONF = {"lease": "lease", "join_timeout": "join_timeout", "last_call_timeout": "last_call"}
+
+
+def _rdzv_conf(text: str | None) -> dict:
+    """``--rdzv-conf lease=5,join_timeout=600,last_call_timeout=3`` -> ElasticOptions fields."""
+    conf = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        try:
+            conf[_RDZV_CONF[key.strip()]] = float(value)
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"launch: rdzv_conf takes {', '.join(_RDZV_CONF)} as KEY=SECONDS. Received: "
+                f"rdzv_conf={text!r}. e.g. --rdzv-conf lease=5,join_timeout=600."
+            ) from None
+    return conf
 
 
 def _nproc_value(text: str):
@@ -159,9 +253,13 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     _configure_launch_log(args.verbose)
     if args.write_config:  # a config needs no script; its values are checked when used
         return _write_config(args)
-    options = _launch_options(args)
     if args.unscoped_models:  # the workers inherit the launcher's environment
         os.environ[UNSCOPED_MODELS_ENV] = args.unscoped_models
+    if _is_elastic(args):
+        from tfdist.launch.elastic import run_elastic
+
+        return run_elastic(*_elastic_options(args))
+    options = _launch_options(args)
     if args.firewall == "print":
         return _print_firewall(options)
     return launch.run(options)
@@ -326,9 +424,9 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
     )
     launch.add_argument(
         "--nnodes",
-        type=int,
-        metavar="M",
-        help="nodes in the job (default: number of --hosts, or 1)",
+        metavar="M|MIN:MAX",
+        help="nodes in the job (default: number of --hosts, or 1); MIN:MAX: an elastic job "
+        "that goes on while at least MIN nodes are there (with --rdzv-endpoint, --rdzv-id)",
     )
     launch.add_argument(
         "--node-rank", type=int, default=0, metavar="I", help="this node's index in --hosts"
@@ -345,6 +443,7 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         "listens on all interfaces: use only on a private network",
     )
     _add_protection_flags(launch)
+    _add_rendezvous_flags(launch)
     launch.add_argument(
         "--unscoped-models",
         choices=UNSCOPED_MODELS_CHOICES,
@@ -352,6 +451,38 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
         help="where models the script builds outside any scope train: job (default: every "
         "replica of the job; the script's batch_size is the global batch) or local (one "
         "replica per process, as upstream) (also TFDIST_UNSCOPED_MODELS)",
+    )
+
+
+def _add_rendezvous_flags(launch: argparse.ArgumentParser) -> None:
+    launch.add_argument(
+        "--rdzv-backend",
+        choices=("c10d",),
+        default="c10d",
+        help="elastic jobs: where the nodes meet: c10d, a store served by the launcher of "
+        "the node that owns --rdzv-endpoint, as torchrun's",
+    )
+    launch.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT[,...]",
+        help="elastic jobs: the rendezvous store's address, on one of the nodes; more "
+        "endpoints (comma-separated) are where it moves when its node is lost",
+    )
+    launch.add_argument(
+        "--rdzv-id", metavar="ID", help="elastic jobs: the job's id, the same on every node"
+    )
+    launch.add_argument(
+        "--rdzv-conf",
+        metavar="K=V,...",
+        help="elastic jobs: lease (s without renewal before a node counts as lost, 5), "
+        "join_timeout (s to wait for MIN nodes, 600), last_call_timeout (s to wait for more "
+        "once MIN are there, 3)",
+    )
+    launch.add_argument(
+        "--local-addr",
+        metavar="HOST",
+        help="elastic jobs: the address other nodes reach this node's workers at (default: "
+        "the one this machine uses towards --rdzv-endpoint)",
     )
 
 

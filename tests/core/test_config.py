@@ -52,6 +52,7 @@ def test_config_error_is_a_value_error():
 
 def test_restart_count_and_slurm_port_base():
     assert config.restart_count({}) == 0
+    assert config.restart_count({"TFDIST_RESTART": "0"}) == 0  # a launcher's first start
     assert config.restart_count({"TFDIST_RESTART": "3"}) == 3
     assert config.slurm_port_base({"SLURM_JOB_ID": "40123"}) == 20000 + 40123 % 625 * 64
     # Jobs sharing a node: neighbouring ids get disjoint windows of 64 ports.

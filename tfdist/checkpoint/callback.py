@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -70,6 +71,25 @@ def _save_freq(value) -> str | int:
             raise ValueError(validate.message(_WHERE, "save_freq", what, value))
         return value
     return validate.integer(value, "save_freq", _WHERE, low=1, what=what)
+
+
+def note_first_step(resumed) -> None:
+    """Under an elastic ``tfdist launch``: tells the node's launcher (the file in
+    ``TFDIST_ELASTIC_EVENTS``) when this start's first step ended and which checkpoint
+    step it resumed from. Only the node's first worker writes; nothing happens elsewhere."""
+    path = os.environ.get(config.ELASTIC_EVENTS_ENV)
+    if not path or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    record = {
+        "start": config.restart_count(),
+        "resumed_step": None if resumed is None else resumed.step,
+        "time": time.time(),
+    }
+    try:
+        with open(path, "a", encoding="utf-8") as events:
+            events.write(json.dumps(record) + "\n")
+    except OSError as err:  # the launcher's line only; training goes on
+        logger.warning("could not note the first step for the launcher: %s", err)
 
 
 class ResumableCheckpoint(keras.callbacks.Callback):
@@ -149,6 +169,7 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         else:
             self._step = int(numpy_value(self.model.optimizer.iterations))
         self._first_epoch = True
+        self._noted_first_step = False
         self._fits += 1
         self._phantom_prone = phantom_prone_variables(self.model)
         self._snapshot = None
@@ -170,6 +191,9 @@ class ResumableCheckpoint(keras.callbacks.Callback):
         self._snapshot = [tf.identity(v.value) for v in self._phantom_prone]
         previous = self._step
         self._step = self._step_at_epoch_begin + self._done(batch) - self._skip
+        if not self._noted_first_step:
+            self._noted_first_step = True
+            note_first_step(self._resume)
         if self._watch is not None and self._watch.should_save(self._step):
             self._preempting = True
             self._save(self._fit_epoch, batch)

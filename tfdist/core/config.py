@@ -23,6 +23,8 @@ variable                       default     meaning
 ``TFDIST_COMPAT_EXCLUDE``      empty       comma-separated fixes not to apply
 ``TFDIST_SLURM_PORT_BASE``     from job    first port of a SLURM step's workers
 ``TFDIST_RESTART``             0           set by ``tfdist launch``: group restarts so far
+``TFDIST_ELASTIC_EVENTS``      unset       set by an elastic ``tfdist launch``: the file
+                                           its workers note their first step in
 ``TFDIST_SHARED_NETWORK``      0           ``1``: ``tfdist launch`` workers use this host's
                                            network instead of a private one
 ``TFDIST_PRIVATE_EGRESS``      1           ``0``: the private network's workers get no
@@ -69,6 +71,7 @@ __all__ = [
     "COMPAT_EXCLUDE_ENV",
     "SLURM_PORT_BASE_ENV",
     "RESTART_ENV",
+    "ELASTIC_EVENTS_ENV",
     "SHARED_NETWORK_ENV",
     "PRIVATE_EGRESS_ENV",
     "private_egress",
@@ -120,6 +123,7 @@ CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
 COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
 SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
+ELASTIC_EVENTS_ENV = "TFDIST_ELASTIC_EVENTS"
 SHARED_NETWORK_ENV = "TFDIST_SHARED_NETWORK"
 PRIVATE_EGRESS_ENV = "TFDIST_PRIVATE_EGRESS"
 LAUNCH_PYTHON_ENV = "TFDIST_LAUNCH_PYTHON"
@@ -186,7 +190,15 @@ def cpu_devices(arg: int | None = None, *, environ: Mapping[str, str] | None = N
 
 
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
-    """How many times ``tfdist launch`` restarted this worker's group (0 at first start)."""
+    """How many times ``tfdist launch`` restarted this worker's group (0 at first start).
+
+    Example:
+        >>> restart_count({"TFDIST_RESTART": "0"}), restart_count({})
+        (0, 0)
+    """
+    text = _env_text(_env(environ), RESTART_ENV)
+    if text in ("", "0"):  # the launcher's first start sets 0
+        return 0
     return _env_int(_env(environ), RESTART_ENV, "tfdist launch sets it; do not set it.") or 0
 
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -49,8 +50,9 @@ class Outcome:
     """How one run of the worker group ended.
 
     Attributes:
-        kind: ``ok``, ``failed``, ``restart`` (a worker exited 75) or ``signalled``
-            (the launcher got SIGINT/SIGTERM).
+        kind: ``ok``, ``failed``, ``restart`` (a worker exited 75), ``signalled``
+            (the launcher got SIGINT/SIGTERM), or for elastic jobs ``reform`` (the round
+            ended) and ``store-lost`` (the rendezvous store stopped answering).
         rank: the worker that decided it (None for ``ok``/``signalled``).
         code: that worker's exit code (negative: killed by that signal).
         codes: every worker's exit code, by rank.
@@ -112,8 +114,15 @@ class GroupSupervisor:
     5. the SIGKILL deadline passed: the survivors get SIGKILL.
     """
 
-    def __init__(self, options: LaunchOptions, workers: list[Worker], signals: LauncherSignals):
+    def __init__(
+        self,
+        options: LaunchOptions,
+        workers: list[Worker],
+        signals: LauncherSignals,
+        ended: Callable[[], tuple[str, str, bool] | None] | None = None,
+    ):
         self.options, self.workers, self.signals = options, workers, signals
+        self.ended = ended
         self.phase = Phase.RUNNING
         self.decided: Outcome | None = None  # the first event that ends the group
         self.outcome: Outcome | None = None  # set in DONE
@@ -138,6 +147,8 @@ class GroupSupervisor:
             self._forward_signal(now, running)
         if self.phase in (Phase.RUNNING, Phase.FINISHING):
             self._check_failures(now, codes, running)
+        if self.phase in (Phase.RUNNING, Phase.FINISHING) and self.ended is not None:
+            self._check_ended(now, running)
         if self.phase in (Phase.RUNNING, Phase.FINISHING):
             self._check_finish(now, running)
         if not running:
@@ -190,6 +201,20 @@ class GroupSupervisor:
         kind = "restart" if code == RESTART_EXIT_CODE else "failed"
         self._stop(Outcome(kind, w.rank, code), now + self.options.stop_grace)
 
+    def _check_ended(self, now: float, running: list[Worker]) -> None:
+        """An elastic job's round is over (``ended`` says why): SIGTERM now, SIGKILL after
+        ``grace`` when every node is alive to save with (``patient``), else ``stop_grace``."""
+        assert self.ended is not None  # step calls this only with ``ended``
+        said = self.ended()
+        if said is None:
+            return
+        kind, why, patient = said
+        wait = self.options.grace if patient else self.options.stop_grace
+        logger.warning("%s: stopping the workers (SIGKILL in %.0f s)", why, wait)
+        for w in running:
+            w.signal(signal.SIGTERM)
+        self._stop(Outcome(kind), now + wait)
+
     def _check_finish(self, now: float, running: list[Worker]) -> None:
         if not running or len(running) == len(self.workers):
             return
@@ -215,11 +240,14 @@ def run_group(
     out: TextIO,
     err: TextIO,
     network: JobNetwork | None = None,
+    *,
+    ended: Callable[[], tuple[str, str, bool] | None] | None = None,
 ) -> Outcome:
     """Starts this node's workers (start number ``restart``), supervises them to the end.
 
     ``network`` (default: a new ``JobNetwork``) puts them in a private network or
-    guards their ports; its namespace is let go when the group ends.
+    guards their ports; its namespace is let go when the group ends. ``ended`` (elastic
+    jobs) is polled while they run: ``(kind, why, patient)`` ends the group.
     """
     network = network or JobNetwork(options)
     addresses = group_addresses(options)
@@ -240,7 +268,7 @@ def run_group(
         for rank, env in zip(options.ranks(), envs, strict=True):
             route = _route(options, logs.get(rank))
             workers.append(Worker(rank, command, env, out, err, lock, enter, route))
-        return GroupSupervisor(options, workers, signals).supervise()
+        return GroupSupervisor(options, workers, signals, ended).supervise()
     finally:
         for worker in workers:
             worker.finish()

@@ -1,0 +1,210 @@
+"""Elastic jobs under ``tfdist launch --nnodes MIN:MAX``: lose a node for good, go on.
+
+Three node launchers on this host's loopback (each ``-n 1``, its own free port, as three
+machines would be), meeting at a rendezvous store the first one hosts. The script is a
+user's (tests/scripts/elastic_job.py: make_or_restore, a checkpoint directory, a fixed
+global batch of 12, BatchNormalization). The test follows the chief's ``STEP n WORKERS w``
+lines and acts mid-epoch:
+
+* one node's launcher is killed -9 (its worker dies with it): the two others re-form and
+  train on; the node started again with the same command joins at once (the round ends
+  with a save at the exact step); the job ends equal to an uninterrupted run on one device
+  at the same global batch (within 1e-5, the world-size resume tests' tolerance);
+* the node hosting the store is killed: the store moves to the next ``--rdzv-endpoint``
+  and the two others finish, equal too;
+* below MIN nodes the launcher waits, says who is missing, then exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tfdist.launch.environment import free_ports
+
+from conftest import REPO, SCRIPTS, child_env, equivalence, warm_start
+
+JOB = SCRIPTS / "elastic_job.py"
+TOLERANCE = 1e-5  # tests/e2e/test_resume_world_size.py's
+RDZV_CONF = "lease=3,last_call_timeout=2,join_timeout=120"
+
+
+class Node:
+    """One node's launcher, its output in a file (a machine of the job)."""
+
+    def __init__(self, tmp: Path, name: str, endpoints: str, env: dict, *extra: str):
+        self.log = tmp / f"{name}.log"
+        argv = [
+            sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3",
+            "--rdzv-endpoint", endpoints, "--rdzv-id", "elastic-test", "--rdzv-conf", RDZV_CONF,
+            "-n", "1", *extra, str(JOB), "--dir", str(tmp / "ckpt"), "--step-seconds", "0.3",
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def wait_for(nodes: list[Node], pattern: str, timeout: float = 240) -> re.Match:
+    """The first match of ``pattern`` in the nodes' output; fails with their tails."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for node in nodes:
+            found = re.search(pattern, node.text())
+            if found:
+                return found
+        if all(node.proc.poll() is not None for node in nodes):
+            break
+        time.sleep(0.2)
+    tails = "\n".join(f"--- {n.log.name}\n{n.text()[-3000:]}" for n in nodes)
+    pytest.fail(f"no {pattern!r} in {timeout} s:\n{tails}")
+
+
+def wait_step(nodes: list[Node], workers: int, at_least: int) -> int:
+    """Waits for the chief to finish a step >= ``at_least`` on ``workers`` workers."""
+    pattern = rf"STEP (\d+) WORKERS {workers}\n"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        steps = [int(s) for n in nodes for s in re.findall(pattern, n.text())]
+        if steps and max(steps) >= at_least:
+            return max(steps)
+        time.sleep(0.2)
+    pytest.fail(f"no step >= {at_least} on {workers} workers: {[n.text()[-2000:] for n in nodes]}")
+
+
+def finish(nodes: list[Node]) -> None:
+    for node in nodes:
+        try:
+            code = node.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            node.end()
+            code = "timeout"
+        assert code == 0, f"{node.log.name} exited {code}:\n{node.text()[-4000:]}"
+
+
+def final_weights(nodes: list[Node]) -> dict:
+    for node in nodes:
+        for line in reversed(node.text().splitlines()):
+            body = line.split("] ", 1)[-1]
+            if body.startswith("{") and '"worker": 0' in body:
+                return json.loads(body)
+    pytest.fail("no chief result line")
+
+
+def starts(tmp: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "ckpt" / "starts.jsonl").read_text().splitlines()]
+
+
+def reference(tmp: Path, env: dict) -> dict:
+    """The uninterrupted run: one process, one device, the same global batch."""
+    proc = subprocess.run(
+        [sys.executable, str(JOB), "--dir", str(tmp / "reference")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["replicas"] == 1 and result["resumed_step"] is None, result
+    return result
+
+
+def environment(backend: str) -> dict:
+    env = child_env(KERAS_BACKEND=backend, TFDIST_UNSCOPED_MODELS="local")
+    warm_start.prepare(env, child_env())
+    return env
+
+
+def start_nodes(tmp: Path, endpoints: str, env: dict) -> list[Node]:
+    """Node 0 first (it hosts the store at the first endpoint), then nodes 1 and 2."""
+    first = Node(tmp, "node0", endpoints, env)
+    wait_for([first], "this node hosts the store")
+    return [first, Node(tmp, "node1", endpoints, env), Node(tmp, "node2", endpoints, env)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+@pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=pytest.mark.jax)])
+def test_a_lost_node_leaves_and_a_returning_node_joins_and_the_job_ends_equal(tmp_path, backend):
+    env = environment(backend)
+    expected = reference(tmp_path, env)
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    nodes = start_nodes(tmp_path, endpoint, env)
+    try:
+        wait_step(nodes, workers=3, at_least=10)
+        nodes[2].kill()  # for good: its launcher and its worker, mid-epoch 1
+        lost = wait_for(nodes[:2], r"re-formed \((.*?)\): 3 node\(s\) \(3 workers\) -> 2 node")
+        assert "stopped renewing its lease" in lost.group(1), lost.group(0)
+        wait_step(nodes[:2], workers=2, at_least=1)
+        nodes[2] = Node(tmp_path, "node2-again", endpoint, env)  # the same command again
+        joined = wait_for(nodes[:2], r"re-formed \((.*?)\): 2 node\(s\) \(2 workers\) -> 3 node")
+        assert "joined" in joined.group(1), joined.group(0)
+        finish(nodes)
+    finally:
+        for node in nodes:
+            node.end()
+    seen = starts(tmp_path)
+    assert [s["workers"] for s in seen] == [3, 2, 3], seen
+    assert seen[0]["resumed_step"] is None and seen[1]["resumed_step"] >= 8, seen
+    assert seen[2]["resumed_step"] > seen[1]["resumed_step"], seen  # saved as it re-formed
+    result = final_weights(nodes)
+    assert result["workers"] == 3 and result["steps"] == expected["steps"], result
+    equivalence.assert_close(expected["weights"], result["weights"], TOLERANCE, backend)
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_the_store_moves_on_when_its_node_is_lost(tmp_path):
+    env = environment("tensorflow")
+    expected = reference(tmp_path, env)
+    endpoints = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
+    nodes = start_nodes(tmp_path, endpoints, env)
+    try:
+        wait_step(nodes, workers=3, at_least=10)
+        nodes[0].kill()  # the store's host, and the chief
+        moved = wait_for(nodes[1:], r"the store at (\S+) is gone; moving to (\S+)")
+        assert moved.groups() == tuple(endpoints.split(",")), moved.group(0)
+        wait_for(nodes[1:], r"-> 2 node\(s\) \(2 workers\)")
+        finish(nodes[1:])
+    finally:
+        for node in nodes:
+            node.end()
+    assert [s["workers"] for s in starts(tmp_path)] == [3, 2]
+    result = final_weights(nodes[1:])
+    equivalence.assert_close(expected["weights"], result["weights"], TOLERANCE, "store moved")
+
+
+@pytest.mark.multiworker
+def test_below_min_nodes_the_launcher_says_who_is_missing_then_fails(tmp_path):
+    env = environment("tensorflow")
+    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
+    conf = "lease=3,last_call_timeout=1,join_timeout=12"
+    argv = [
+        sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3", "--rdzv-endpoint",
+        endpoint, "--rdzv-id", "alone", "--rdzv-conf", conf, "-n", "1", str(JOB), "--dir",
+        str(tmp_path / "ckpt"),
+    ]  # fmt: skip
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "waiting for the job to form: 1 of at least 2 node(s) are here" in proc.stderr
+    assert "no round of at least 2 node(s) formed in 12 s" in proc.stderr, proc.stderr
+    assert not (tmp_path / "ckpt").exists()  # no worker ever started
