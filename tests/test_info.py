@@ -10,6 +10,9 @@ from tfdist.core import engines
 
 from conftest import run_python
 
+# What an elastic tfdist launch gives its workers (tfdist/launch/elastic.py).
+RENDEZVOUS = "c10d store at 127.0.0.1:29400, job 'run42', round 2 of 2 node(s), this node 0"
+
 
 @pytest.mark.devices
 def test_info_json_has_every_bug_report_field():
@@ -22,8 +25,10 @@ def test_info_json_has_every_bug_report_field():
         JOB_COMPLETION_INDEX="0",
         TFDIST_RESTART=None,
         RAY_ADDRESS=None,
+        TFDIST_RENDEZVOUS=RENDEZVOUS,
     )
     report = json.loads(proc.stdout)
+    assert report["rendezvous"] == RENDEZVOUS
     assert report["engine"]["name"] == "trainjob"
     assert report["engine"]["read"]["JOB_COMPLETION_INDEX"] == "0"
     system = report["system"]
@@ -49,6 +54,7 @@ def test_info_text_explains_the_one_cpu_device():
     assert "the CPU is one device; TFDIST_CPU_DEVICES=N splits it" in proc.stdout
     assert "cores" in proc.stdout and "fixes:" in proc.stdout
     assert "\nengine:        " in proc.stdout
+    assert "\nrendezvous:    none (not a worker of an elastic tfdist launch)" in proc.stdout
     assert "  not needed:  keras_jax_initialize_once" in proc.stdout
 
 

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 from tfdist import backends, compat, distribute
 from tfdist.core import engines, versions
+from tfdist.core.config import RENDEZVOUS_ENV
 
 __all__ = ["report", "render", "ENV_PREFIXES"]
 
@@ -162,6 +163,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "strategy": described["strategy"],
         "cluster": described["cluster"],
         "engine": engines.detect(env, ray_initialized=_ray_initialized()).summary(),
+        "rendezvous": env.get(RENDEZVOUS_ENV) or None,
         "fixes": _fixes(),
         "environment": {k: v for k, v in sorted(env.items()) if k.startswith(ENV_PREFIXES)},
         "mnist": _mnist(env),
@@ -208,6 +210,7 @@ def render(r: dict) -> str:
         f"strategy:      {s['kind']}  replicas={s['num_replicas']}  workers={s['num_workers']}",
         f"cluster:       {cluster}",
         f"engine:        {_engine_line(r['engine'])}",
+        f"rendezvous:    {r['rendezvous'] or 'none (not a worker of an elastic tfdist launch)'}",
         *_fix_lines(r["fixes"]),
         f"verified on:   {'; '.join(r['verified'])}",
         f"MNIST:         {'present' if r['mnist']['present'] else 'absent'} in {r['mnist']['data_dir']}",

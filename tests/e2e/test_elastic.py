@@ -135,8 +135,9 @@ def environment(backend: str) -> dict:
 
 
 def start_nodes(tmp: Path, endpoints: str, env: dict) -> list[Node]:
-    """Node 0 first (it hosts the store at the first endpoint), then nodes 1 and 2."""
-    first = Node(tmp, "node0", endpoints, env)
+    """Node 0 first (it hosts the store at the first endpoint; its record goes to
+    ``tmp/logs``), then nodes 1 and 2."""
+    first = Node(tmp, "node0", endpoints, env, "--log-dir", str(tmp / "logs"), "--tee")
     wait_for([first], "this node hosts the store")
     return [first, Node(tmp, "node1", endpoints, env), Node(tmp, "node2", endpoints, env)]
 
@@ -166,6 +167,16 @@ def test_a_lost_node_leaves_and_a_returning_node_joins_and_the_job_ends_equal(tm
     assert [s["workers"] for s in seen] == [3, 2, 3], seen
     assert seen[0]["resumed_step"] is None and seen[1]["resumed_step"] >= 8, seen
     assert seen[2]["resumed_step"] > seen[1]["resumed_step"], seen  # saved as it re-formed
+    assert [re.search(r"round (\d+) of (\d+) node", s["rendezvous"]).groups() for s in seen] == [
+        ("1", "3"),
+        ("2", "2"),
+        ("3", "3"),
+    ], seen
+    record = [json.loads(line) for line in (tmp_path / "logs" / "elastic.jsonl").open()]
+    assert [r["resumed_step"] for r in record] == [s["resumed_step"] for s in seen], record
+    assert [len(r["nodes"]) for r in record] == [3, 2, 3], record
+    assert all(r["seconds_to_first_step"] > 0 for r in record[1:]), record
+    assert f"resumed from step {seen[1]['resumed_step']};" in record[1]["line"], record
     result = final_weights(nodes)
     assert result["workers"] == 3 and result["steps"] == expected["steps"], result
     equivalence.assert_close(expected["weights"], result["weights"], TOLERANCE, backend)

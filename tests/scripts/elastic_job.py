@@ -42,7 +42,8 @@ def build():
         [
             keras.Input((6,)),
             keras.layers.Dense(16, activation="relu"),
-            keras.layers.BatchNormalization(synchronized=True),
+            # synchronized: one statistic over the global batch (JAX computes it so anyway)
+            keras.layers.BatchNormalization(synchronized=keras.backend.backend() == "tensorflow"),
             keras.layers.Dense(3),
         ]
     )
@@ -72,6 +73,7 @@ start = {
     "replicas": tfdist.num_replicas(),
     "resumed_step": None if resumed is None else resumed.step,
     "pid": os.getpid(),
+    "rendezvous": os.environ.get("TFDIST_RENDEZVOUS"),  # what tfdist info shows
 }
 if tfdist.worker_index() == 0:
     with open(os.path.join(args.dir, "starts.jsonl"), "a") as starts:

@@ -25,6 +25,8 @@ variable                       default     meaning
 ``TFDIST_RESTART``             0           set by ``tfdist launch``: group restarts so far
 ``TFDIST_ELASTIC_EVENTS``      unset       set by an elastic ``tfdist launch``: the file
                                            its workers note their first step in
+``TFDIST_RENDEZVOUS``          unset       set by an elastic ``tfdist launch``: the store,
+                                           job id and round the worker belongs to
 ``TFDIST_SHARED_NETWORK``      0           ``1``: ``tfdist launch`` workers use this host's
                                            network instead of a private one
 ``TFDIST_PRIVATE_EGRESS``      1           ``0``: the private network's workers get no
@@ -72,6 +74,7 @@ __all__ = [
     "SLURM_PORT_BASE_ENV",
     "RESTART_ENV",
     "ELASTIC_EVENTS_ENV",
+    "RENDEZVOUS_ENV",
     "SHARED_NETWORK_ENV",
     "PRIVATE_EGRESS_ENV",
     "private_egress",
@@ -124,6 +127,7 @@ COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
 SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
 ELASTIC_EVENTS_ENV = "TFDIST_ELASTIC_EVENTS"
+RENDEZVOUS_ENV = "TFDIST_RENDEZVOUS"
 SHARED_NETWORK_ENV = "TFDIST_SHARED_NETWORK"
 PRIVATE_EGRESS_ENV = "TFDIST_PRIVATE_EGRESS"
 LAUNCH_PYTHON_ENV = "TFDIST_LAUNCH_PYTHON"

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from tfdist.core import validate
-from tfdist.core.config import ELASTIC_EVENTS_ENV, ConfigError
+from tfdist.core.config import ELASTIC_EVENTS_ENV, RENDEZVOUS_ENV, ConfigError
 from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options, is_loopback, split_host
 from tfdist.launch.rendezvous import (
@@ -52,6 +52,7 @@ from tfdist.launch.rendezvous import (
     Member,
     RendezvousError,
     Round,
+    Store,
     StoreUnreachable,
     try_host,
 )
@@ -161,7 +162,7 @@ class _Rendezvous:
 
     def __init__(self, elastic: ElasticOptions, host: str, ports: list[int], say):
         self.elastic, self.host, self.ports, self.say = elastic, host, ports, say
-        self.store = None
+        self.store: Store | None = None
         self.member: Member | None = None
         self._at = 0  # index of the endpoint in use
 
@@ -332,6 +333,8 @@ class _Node:
             kind = outcome.kind
             if kind in ("failed", "restart") and self._ended_elsewhere(member, round_):
                 kind = "reform"  # a lost peer broke our workers' collectives
+            if member.store_lost:
+                kind = "store-lost"
             if kind == "ok":
                 return self._finish(member)
             if kind == "signalled":
@@ -345,7 +348,10 @@ class _Node:
                     member.leave()
                     return exit_code(outcome)
                 self.failures += 1
-            member.join(self._ports())
+            try:
+                member.join(self._ports())
+            except StoreUnreachable:
+                member, last = self._move_on(member), 0
 
     def _ports(self) -> list[int] | None:
         """Fresh free worker ports for the next round (None: ``--port`` fixes them)."""
@@ -356,6 +362,7 @@ class _Node:
 
     def _move_on(self, member: Member) -> Member:
         member.stop_beating()
+        self._ports()
         member = self.rendezvous.move_on()
         member.start_beating()
         return member
@@ -392,10 +399,14 @@ class _Node:
             if why is None:
                 return None
             patient = "joined" in (member.view.get("why") or "") and "error" not in member.view
-            kind = "store-lost" if "stopped answering" in why else "reform"
+            kind = "store-lost" if member.store_lost else "reform"
             return kind, why, patient
 
-        os.environ[ELASTIC_EVENTS_ENV] = self.events  # the workers inherit it
+        os.environ[ELASTIC_EVENTS_ENV] = self.events  # the workers inherit both
+        os.environ[RENDEZVOUS_ENV] = (
+            f"c10d store at {member.endpoint}, job {self.elastic.job!r}, round "
+            f"{round_.number} of {round_.size} node(s), this node {round_.index}"
+        )
         network = JobNetwork(options)
         try:
             outcome = run_group(
@@ -404,6 +415,7 @@ class _Node:
         finally:
             network.close()
             os.environ.pop(ELASTIC_EVENTS_ENV, None)
+            os.environ.pop(RENDEZVOUS_ENV, None)
         self.starts += 1
         return outcome
 

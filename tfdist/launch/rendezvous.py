@@ -153,7 +153,8 @@ class Store:
         self._round = 0
         self._running = False
         self._finished = False
-        self._why, self._ended_at = "", None
+        self._why: str = ""
+        self._ended_at: float | None = None
         self._lost: dict[str, float] = {}  # name -> when it was lost, for progress lines
         self._server: socketserver.ThreadingTCPServer | None = None
         self._ticker: threading.Thread | None = None
@@ -189,7 +190,7 @@ class Store:
     def endpoint(self) -> str:
         assert self._server is not None, "start() first"
         host, port = self._server.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"
 
     def close(self) -> None:
         self._stop.set()
@@ -345,6 +346,7 @@ class Member:
         self.nproc = len(ports)
         self.id = f"{self.name}/{time.time_ns()}"  # a new launcher is a new node
         self.view: dict = {}
+        self.store_lost = False  # the renewals found the store gone
         self._last_answer = time.monotonic()
         self._beating = threading.Event()
         self._beater: threading.Thread | None = None
@@ -428,6 +430,7 @@ class Member:
                     self.view = self.ask("beat")
                 except RendezvousError as err:
                     self.view = {"error": str(err)}
+                    self.store_lost = isinstance(err, StoreUnreachable)
                     return
                 time.sleep(BEAT_S)
 
