@@ -29,6 +29,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.append(str(SCRIPTS))
 import equivalence  # noqa: E402, F401 - re-exported: `from conftest import equivalence`
 import warm_start  # noqa: E402 - tests/warm_start.py: jobs forked after the imports
+from netns_lab import lab  # noqa: E402, F401 - the fixture of the multi-node tests
 
 # Environment every child starts from: quiet TensorFlow, no cluster inherited from the shell.
 _CLEAR = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")

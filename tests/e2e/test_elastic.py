@@ -1,7 +1,8 @@
 """Elastic jobs under ``tfdist launch --nnodes MIN:MAX``: lose a node for good, go on.
 
-Three node launchers on this host's loopback (each ``-n 1``, its own free port, as three
-machines would be), meeting at a rendezvous store the first one hosts. The script is a
+Three node launchers (each ``-n 1``), meeting at a rendezvous store the first one hosts:
+on three hosts of network namespaces (tests/netns_lab.py: a lost host is every process in
+its namespace killed -9), or on this host's loopback, each with its own free ports. The script is a
 user's (tests/scripts/elastic_job.py: make_or_restore, a checkpoint directory, a fixed
 global batch of 12, BatchNormalization). The test follows the chief's ``STEP n WORKERS w``
 lines and acts mid-epoch:
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from netns_lab import ADDRESS
 
 from tfdist.launch.environment import free_ports
 
@@ -38,12 +40,18 @@ RDZV_CONF = "lease=3,last_call_timeout=2,join_timeout=120"
 
 
 class Node:
-    """One node's launcher, its output in a file (a machine of the job)."""
+    """One node's launcher, its output in a file (a machine of the job); ``lab`` and
+    ``host``: it runs in that host's namespace (else on loopback)."""
 
-    def __init__(self, tmp: Path, name: str, endpoints: str, env: dict, *extra: str):
-        self.log = tmp / f"{name}.log"
+    def __init__(
+        self, tmp: Path, name: str, endpoints: str, env: dict, *extra: str, lab=None, host=""
+    ):
+        self.log, self.lab, self.host = tmp / f"{name}.log", lab, host
+        inside = ["ip", "netns", "exec", lab.ns[host]] if lab else []
+        if lab:  # the hosts' addresses are not loopback
+            extra = ("--allow-remote", *extra)
         argv = [
-            sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3",
+            *inside, sys.executable, "-m", "tfdist", "launch", "--nnodes", "2:3",
             "--rdzv-endpoint", endpoints, "--rdzv-id", "elastic-test", "--rdzv-conf", RDZV_CONF,
             "-n", "1", *extra, str(JOB), "--dir", str(tmp / "ckpt"), "--step-seconds", "0.3",
         ]  # fmt: skip
@@ -52,12 +60,18 @@ class Node:
                 argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
+        if lab:
+            lab.procs.append(self.proc)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        """The machine is lost: its launcher and workers get SIGKILL at once."""
+        if self.lab:
+            self.lab.kill_host(self.host)
+        else:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=30)
 
     def end(self) -> None:
@@ -134,29 +148,34 @@ def environment(backend: str) -> dict:
     return env
 
 
-def start_nodes(tmp: Path, endpoints: str, env: dict) -> list[Node]:
+def start_nodes(tmp: Path, endpoints: str, env: dict, lab=None) -> list[Node]:
     """Node 0 first (it hosts the store at the first endpoint; its record goes to
-    ``tmp/logs``), then nodes 1 and 2."""
-    first = Node(tmp, "node0", endpoints, env, "--log-dir", str(tmp / "logs"), "--tee")
+    ``tmp/logs``), then nodes 1 and 2 (on hosts a, b, c of ``lab`` when given)."""
+    where = [{"lab": lab, "host": h} if lab else {} for h in "abc"]
+    first = Node(tmp, "node0", endpoints, env, "--log-dir", str(tmp / "logs"), "--tee", **where[0])
     wait_for([first], "this node hosts the store")
-    return [first, Node(tmp, "node1", endpoints, env), Node(tmp, "node2", endpoints, env)]
+    rest = [Node(tmp, f"node{i}", endpoints, env, **where[i]) for i in (1, 2)]
+    return [first, *rest]
 
 
 @pytest.mark.slow
 @pytest.mark.multiworker
 @pytest.mark.parametrize("backend", ["tensorflow", pytest.param("jax", marks=pytest.mark.jax)])
-def test_a_lost_node_leaves_and_a_returning_node_joins_and_the_job_ends_equal(tmp_path, backend):
-    env = environment(backend)
-    expected = reference(tmp_path, env)
-    endpoint = f"127.0.0.1:{free_ports(1)[0]}"
-    nodes = start_nodes(tmp_path, endpoint, env)
+def test_a_lost_node_leaves_and_a_returning_node_joins_and_the_job_ends_equal(
+    lab, tmp_path, backend
+):
+    env = child_env(KERAS_BACKEND=backend, TFDIST_UNSCOPED_MODELS="local")  # cold: the hosts
+    expected = reference(tmp_path, env)  # are other network namespaces than the warm process's
+    endpoint = f"{ADDRESS['a']}:29400"
+    nodes = start_nodes(tmp_path, endpoint, env, lab)
     try:
         wait_step(nodes, workers=3, at_least=10)
         nodes[2].kill()  # for good: its launcher and its worker, mid-epoch 1
         lost = wait_for(nodes[:2], r"re-formed \((.*?)\): 3 node\(s\) \(3 workers\) -> 2 node")
         assert "stopped renewing its lease" in lost.group(1), lost.group(0)
         wait_step(nodes[:2], workers=2, at_least=1)
-        nodes[2] = Node(tmp_path, "node2-again", endpoint, env)  # the same command again
+        again = {"lab": lab, "host": "c"}  # the same command, on the same host
+        nodes[2] = Node(tmp_path, "node2-again", endpoint, env, **again)
         joined = wait_for(nodes[:2], r"re-formed \((.*?)\): 2 node\(s\) \(2 workers\) -> 3 node")
         assert "joined" in joined.group(1), joined.group(0)
         finish(nodes)
