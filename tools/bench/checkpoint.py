@@ -11,7 +11,7 @@
 The model: an MLP with Adam whose weights and optimizer state total about 50 MB (``--mb``).
 A and B alternate; the first pair is a warm-up.
 
-    python tools/bench_checkpoint.py --pairs 5
+    python -m tools.bench.checkpoint --pairs 5
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ ROWS = {"checkpoint-save": ("save", 1.2), "checkpoint-restore": ("restore", 1.3)
 
 
 def run(name: str, pairs: int = 3, megabytes: float = 50.0) -> dict:
-    """One row for tools/benchmark.py: ``{"ratio", "range", "goal", "met", ...figures}``.
+    """One row for tools/bench/suite.py: ``{"ratio", "range", "goal", "met", ...figures}``.
 
     Example:
         >>> run("checkpoint-restore", pairs=3)["ratio"]  # doctest: +SKIP

@@ -20,10 +20,10 @@ parameters on MNIST-sized synthetic data, global batch 128):
   costs alone (``stack_start``: milliseconds to create a private network with and
   without it, alternated in this process).
 
-    python tools/bench_launcher.py            # 3 pairs each
-    python tools/bench_launcher.py --quick    # 1 pair each, fewer steps
-    python tools/bench_launcher.py --json figures.json
-    python tools/bench_launcher.py --network-only --pairs 5
+    python -m tools.bench.launcher            # 3 pairs each
+    python -m tools.bench.launcher --quick    # 1 pair each, fewer steps
+    python -m tools.bench.launcher --json figures.json
+    python -m tools.bench.launcher --network-only --pairs 5
 """
 
 from __future__ import annotations
@@ -39,18 +39,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tfdist.core.cluster import worker_tf_config
+from tfdist.launch import free_ports
+from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
+
+REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "scripts" / "mw_bench_job.py"
 TIMEOUT = 600  # seconds for one measured run
 STARTUP_GOAL = 1.1
 NETWORK_GOAL = 1.05
-
-if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkout
-    sys.path.insert(0, str(REPO))
-
-from tfdist.core.cluster import worker_tf_config  # noqa: E402
-from tfdist.launch import free_ports  # noqa: E402
-from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork  # noqa: E402
 
 EGRESS_THROUGH = re.compile(r"outbound connections go out through (\S+) \(")
 

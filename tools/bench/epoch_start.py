@@ -7,7 +7,7 @@ the median step, how many distributed iterators Keras created and how long creat
 took, and the time Python's full garbage collections took. ``--load N`` runs N busy loops
 beside the job (a machine that is also doing other work).
 
-    python tools/bench_epoch_start.py --epochs 6 --load 2 --json tools/epoch_start_measured.json
+    python -m tools.bench.epoch_start --epochs 6 --load 2 --json tools/results/epoch_start_measured.json
 
 Each topology runs with tfdist's fix ``tf_multi_device_iterators_end_promptly`` and
 without it (``upstream``), alternated in the same run.
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from benchmark import machine
+from tools.bench.suite import machine
 
 RESULT = "EPOCH_START "
 
@@ -133,7 +133,7 @@ def run_topology(
     env = dict(os.environ, TFDIST_CPU_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2")
     env["TFDIST_COMPAT_EXCLUDE"] = exclude
     code = (
-        "import json, sys; sys.path.insert(0, 'tools'); import bench_epoch_start as b; "
+        "import json, sys; from tools.bench import epoch_start as b; "
         f"print({RESULT!r} + json.dumps(b.job({epochs})))"
     )
     busy = [
@@ -149,7 +149,7 @@ def run_topology(
             capture_output=True,
             text=True,
             timeout=timeout,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
     finally:
         for process in busy:
@@ -202,7 +202,7 @@ def measure(epochs: int = 6, load: int = 0, rounds: int = 1) -> dict:
 
 
 def report(payload: dict) -> str:
-    """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them)."""
+    """The lines docs/benchmarks.md shows (tools/docs/figures.py renders them)."""
     lines = [
         f"{payload['epochs']} epochs of the guides' convnet on MNIST train[:25%], one fit "
         f"call per process, {payload.get('rounds', 1)} process(es) per line, alternated; "

@@ -13,7 +13,7 @@ JAX rows (issue 11): ``tfdist.scope()`` against a hand-written ``keras.distribut
 DataParallel`` on the same 4 logical devices (goal <= 1.01), and that DataParallel
 against one device with no distribution (no goal: what 4 devices cost on one CPU).
 
-    python tools/benchmark.py --scaling [--quick] [--json FILE]
+    python -m tools.bench --scaling [--quick] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "scripts"
 TIMEOUT_S = 600
 CONFIGS = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))  # (workers, devices per worker)

@@ -29,11 +29,11 @@ for, i.e. not hidden behind the backward pass), Python/callback overhead = fit -
 The parent runs the job as ``tfdist launch -n 2`` and with ``TFDIST_CPU_DEVICES=2``,
 alternating, and prints both columns side by side, the exposed communication per step, and
 (with ``--json``) the figures with the machine: CPU, cores, load average, versions, date.
-tools/bench_overlap.py is the experiment that tries to hide it.
+tools/bench/overlap.py is the experiment that tries to hide it.
 
-    python tools/step_breakdown.py               # 3 alternated pairs, the MLP
-    python tools/step_breakdown.py --model resnet --pairs 3 --json breakdown.json
-    python tools/step_breakdown.py --quick       # 1 short pair: checks the figures exist
+    python -m tools.bench.step_breakdown               # 3 alternated pairs, the MLP
+    python -m tools.bench.step_breakdown --model resnet --pairs 3 --json breakdown.json
+    python -m tools.bench.step_breakdown --quick       # 1 short pair: checks the figures exist
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900
 PARTS = ("input", "compute", "allreduce", "step", "fit", "fit_accuracy")
 
@@ -273,7 +272,7 @@ def _env(**extra: str) -> dict:
 
 
 def _run(where: str, child_args: list[str]) -> dict:
-    me = [str(Path(__file__).resolve()), "--child", *child_args]
+    me = ["-m", __spec__.name, "--child", *child_args]
     if where == "workers":
         cmd, env = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me], _env()
     else:

@@ -4,10 +4,10 @@ Each comparison runs A and B alternately in the same process run (A B A B ...) a
 warm-up, so the noise of a shared machine hits both alike, and reports the median ratio
 with its min/max. It prints one table, with the machine on top.
 
-    python tools/benchmark.py                 # full run (tens of minutes on 2 cores)
-    python tools/benchmark.py --quick         # < 3 minutes: fewer pairs, data subsets
-    python tools/benchmark.py --only pipeline --json figures.json
-    python tools/benchmark.py --scaling       # 1/2/4 workers x 1/2 devices, both backends
+    python -m tools.bench                 # full run (tens of minutes on 2 cores)
+    python -m tools.bench --quick         # < 3 minutes: fewer pairs, data subsets
+    python -m tools.bench --only pipeline --json figures.json
+    python -m tools.bench --scaling       # 1/2/4 workers x 1/2 devices, both backends
 
 The test suite checks every row's reporting on sample figures and runs two rows with
 ``--quick`` end to end; no test asserts on a timing.
@@ -26,9 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:  # the per-issue benchmark modules live beside this file
-    sys.path.insert(0, str(TOOLS))
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -198,7 +196,7 @@ def _grouped(values: list[float], size: int) -> list[float]:
 
 
 def _figures_overhead(quick: bool, pairs: int) -> dict:
-    import bench_overhead
+    from tools.bench import overhead as bench_overhead
 
     # A quarter of MNIST per epoch (seconds per side), REPEATS alternated pairs per
     # recorded pair: on a shared machine one side's whole-MNIST epoch took from 21 to 82 s
@@ -228,7 +226,7 @@ PIPELINE_EPOCHS = 10  # each run reads MNIST 10 times: seconds for the fast side
 
 
 def _figures_pipeline(quick: bool, pairs: int) -> dict:
-    import bench_pipeline
+    from tools.bench import pipeline as bench_pipeline
 
     return bench_pipeline.throughput(rounds=pairs, epochs=1 if quick else PIPELINE_EPOCHS)
 
@@ -248,7 +246,7 @@ def _result_pipeline(f: dict, quick: bool) -> Result:
 
 
 def _figures_input_bound(quick: bool, pairs: int) -> dict:
-    import bench_pipeline
+    from tools.bench import pipeline as bench_pipeline
 
     return bench_pipeline.input_bound(
         rounds=1 if quick else pairs, split="train[:20%]" if quick else "train"
@@ -269,7 +267,7 @@ def _result_input_bound(f: dict, quick: bool) -> Result:
 
 
 def _figures_time_to_accuracy(quick: bool, pairs: int) -> dict:
-    import bench_recipes
+    from tools.bench import recipes as bench_recipes
 
     return bench_recipes.benchmark(quick=quick, seeds=list(range(1 if quick else pairs)))
 
@@ -291,7 +289,7 @@ def _result_time_to_accuracy(f: dict, quick: bool) -> Result:
 
 
 def _figures_restart(quick: bool, pairs: int) -> dict:
-    import bench_restart
+    from tools.bench import restart as bench_restart
 
     return bench_restart.run(quick=True) if quick else bench_restart.measure(rounds=pairs)
 
@@ -312,7 +310,7 @@ def _result_restart(f: dict, quick: bool) -> Result:
 
 
 def _figures_launcher(quick: bool, pairs: int) -> dict:
-    import bench_launcher
+    from tools.bench import launcher as bench_launcher
 
     f = bench_launcher.startup(pairs=pairs * (1 if quick else REPEATS))
     return {**f, "repeats": 1 if quick else REPEATS}
@@ -336,7 +334,7 @@ MULTI_WORKER_STEP_GOAL = 1.2  # 2 workers against 2 devices, both with K = 8
 
 
 def _figures_multi_worker_step(quick: bool, pairs: int, steps_per_execution: int = 1) -> dict:
-    import bench_launcher
+    from tools.bench import launcher as bench_launcher
 
     # 320 timed steps: several seconds per run, so one slow second moves it by < 15 %.
     return bench_launcher.per_step(
@@ -364,7 +362,7 @@ def _result_multi_worker_step(f: dict, quick: bool) -> Result:
 def _figures_multi_worker_accumulation(
     quick: bool, pairs: int, steps_per_execution: int = 1
 ) -> dict:
-    import bench_accumulation
+    from tools.bench import accumulation as bench_accumulation
 
     return bench_accumulation.per_micro_step(
         pairs=pairs,
@@ -399,7 +397,7 @@ PARTIAL_BATCH_GOAL = 1.05
 
 
 def _figures_partial_batch_cost(quick: bool, pairs: int) -> dict:
-    import bench_partial_batch_cost as pbc
+    from tools.bench import partial_batch_cost as pbc
 
     if quick:
         return pbc.measure(
@@ -431,7 +429,7 @@ def _result_partial_batch_cost(f: dict, quick: bool) -> Result:
 
 
 def _figures_checkpoint(quick: bool, pairs: int) -> dict:
-    import bench_checkpoint
+    from tools.bench import checkpoint as bench_checkpoint
 
     f = bench_checkpoint.measure(
         pairs=pairs * (1 if quick else REPEATS), megabytes=5.0 if quick else 50.0
@@ -502,7 +500,8 @@ def _in_child(name: str) -> Callable[[bool, int], Result]:
         )
         cmd = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            __spec__.name,
             "--child",
             name,
             "--pairs",
@@ -510,6 +509,7 @@ def _in_child(name: str) -> Callable[[bool, int], Result]:
         ]
         proc = subprocess.run(
             cmd + (["--quick"] if quick else []),
+            cwd=REPO,
             env=env,
             capture_output=True,
             text=True,
@@ -661,7 +661,7 @@ def machine_line(mach: dict) -> str:
 
 
 def _scaling(quick: bool, rounds: int, json_path: str | None) -> int:
-    import bench_scaling
+    from tools.bench import scaling as bench_scaling
 
     mach = machine()
     figures = bench_scaling.scaling(quick=quick, rounds=rounds)

@@ -23,11 +23,11 @@
   still take the interpreter lock from training's.
 
 The model: an MLP whose first kernels are sharded over the ``model`` axis of a 1x4 mesh,
-about ``--mb`` MB of weights and optimizer state. Writes ``tools/sharded_measured.json``
+about ``--mb`` MB of weights and optimizer state. Writes ``tools/results/sharded_measured.json``
 (machine, versions, date, figures) with ``--json``.
 
-    python tools/bench_sharded.py --rounds 5 --mb 60 --every 10 --processes 2 \
-        --idle-core --json tools/sharded_measured.json
+    python -m tools.bench.sharded --rounds 5 --mb 60 --every 10 --processes 2 \
+        --idle-core --json tools/results/sharded_measured.json
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
+REPO = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH = 64
 STEPS = 40  # per measured fit (after one warm-up fit of each kind)
 
@@ -281,10 +283,12 @@ def run_idle_core(rounds: int, megabytes: float, every: int) -> dict:
     if len(os.sched_getaffinity(0)) < 2:
         raise RuntimeError("bench_sharded: --idle-core needs 2 CPUs (training on 0, writer on 1)")
     command = [
-        sys.executable, os.path.abspath(__file__), "--idle-core-worker",
+        sys.executable, "-m", __spec__.name, "--idle-core-worker",
         "--rounds", str(rounds), "--mb", str(megabytes), "--every", str(every),
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False
+    )
     rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not rows:
         raise RuntimeError(
@@ -360,14 +364,14 @@ def measure_processes(processes: int, rounds: int, megabytes: float, every: int)
     directory = tempfile.mkdtemp(prefix="bench-sharded-mp-")
     command = [
         sys.executable, "-m", "tfdist", "launch", "-n", str(processes),
-        "--devices-per-worker", str(4 // processes), os.path.abspath(__file__),
+        "--devices-per-worker", str(4 // processes), "-m", __spec__.name,
         "--memory-worker", directory, "--rounds", str(rounds), "--mb", str(megabytes),
         "--every", str(every),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TFDIST_CPU_DEVICES"}
     try:
         proc = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=900, check=False
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
         )
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -1,7 +1,7 @@
 """What gradient accumulation costs across workers: ms per micro-step, 2 workers vs 2 devices.
 
-The ``multi-worker-accumulation`` row of tools/benchmark.py. The job (this file with
-``--job``) trains tools/bench_launcher.py's MLP (784-256-256-10, 269k parameters) on
+The ``multi-worker-accumulation`` row of tools/bench/suite.py. The job (this file with
+``--job``) trains tools/bench/launcher.py's MLP (784-256-256-10, 269k parameters) on
 MNIST-sized synthetic data with ``SGD(gradient_accumulation_steps=4)``, global batch 128
 per micro-step, under ``tfdist.strategy()``. A: 2 workers (``tfdist launch -n 2``, gRPC
 all-reduce between processes); B: 2 logical CPU devices in one process. Since
@@ -10,8 +10,8 @@ gRPC all-reduce once every 4 micro-steps (goal: A/B <= 1.2; ``multi-worker-step`
 same comparison without accumulation). Runs alternate A B B A ... after a warm-up pair;
 each times whole windows after warm-up windows.
 
-    python tools/bench_accumulation.py --pairs 3
-    python -m tfdist launch -n 2 tools/bench_accumulation.py --job --steps 200
+    python -m tools.bench.accumulation --pairs 3
+    python -m tfdist launch -n 2 tools/bench/accumulation.py --job --steps 200
 """
 
 from __future__ import annotations
@@ -21,13 +21,9 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 
 K = 4  # micro-steps per window
 GOAL = 1.2
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
 
 
 def window_steps(steps: int, warmup: int, steps_per_execution: int = 1) -> tuple[int, int]:
@@ -62,7 +58,7 @@ def per_micro_step(
         >>> per_micro_step(pairs=1, steps=40)["ratio_median"]  # doctest: +SKIP
         1.1
     """
-    import bench_launcher
+    from tools.bench import launcher as bench_launcher
 
     steps, warmup = window_steps(steps, warmup, steps_per_execution)
     args = ["--job", "--steps", str(steps), "--warmup", str(warmup)]
@@ -102,12 +98,12 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
     """This file as the job: under ``tfdist launch -n 2``, or alone on 2 logical CPUs."""
     import subprocess
 
-    me = str(Path(__file__).resolve())
+    me = ["-m", __spec__.name]
     if launch:
-        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", me, *job_args]
+        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me, *job_args]
         env = bench_launcher._env()
     else:
-        cmd = [sys.executable, me, *job_args]
+        cmd = [sys.executable, *me, *job_args]
         env = bench_launcher._env(TFDIST_CPU_DEVICES="2")
     started = time.time()
     proc = subprocess.run(

@@ -22,8 +22,8 @@ communication (variant - compute) and the largest weight difference from ``keras
 the same steps. The parent repeats the launch ``--pairs`` times and prints per variant
 the ratio variant/keras (median and range over launches).
 
-    python tools/bench_overlap.py                       # resnet, 3 launches
-    python tools/bench_overlap.py --pairs 1 --rounds 2 --json overlap.json
+    python -m tools.bench.overlap                       # resnet, 3 launches
+    python -m tools.bench.overlap --pairs 1 --rounds 2 --json overlap.json
 """
 
 from __future__ import annotations
@@ -35,13 +35,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+from tools.bench import step_breakdown as sb
 
-import step_breakdown as sb  # noqa: E402
-
-REPO = TOOLS.parent
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900
 LEARNING_RATE = 0.01
 
@@ -172,7 +168,7 @@ def child(model_name: str, rounds: int, calls: int, global_batch: int, packs: li
 
 
 def _launch(child_args: list[str]) -> dict:
-    me = [str(Path(__file__).resolve()), "--child", *child_args]
+    me = ["-m", __spec__.name, "--child", *child_args]
     cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me]
     proc = subprocess.run(
         cmd, cwd=REPO, env=sb._env(), capture_output=True, text=True, timeout=TIMEOUT_S

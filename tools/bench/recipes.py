@@ -8,10 +8,10 @@ Runs are interleaved in counterbalanced rounds (tutorial, fast; then fast, tutor
 so that a change in the machine's load hits both recipes alike, and the ratio
 fast/tutorial is taken within each round.
 
-    python tools/bench_recipes.py                     # both recipes, seed 0
-    python tools/bench_recipes.py --seeds 0 1 2       # three rounds
-    python tools/bench_recipes.py --quick             # smoke test: 2048 examples, 1 epoch
-    python tools/bench_recipes.py --recipes fast --per-replica-batch 512   # LR scaled 4x
+    python -m tools.bench.recipes                     # both recipes, seed 0
+    python -m tools.bench.recipes --seeds 0 1 2       # three rounds
+    python -m tools.bench.recipes --quick             # smoke test: 2048 examples, 1 epoch
+    python -m tools.bench.recipes --recipes fast --per-replica-batch 512   # LR scaled 4x
 
 Needs MNIST in ``TFDS_DATA_DIR`` (or ``--data-dir``); it never downloads.
 """
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPES = ("tutorial", "fast")
 QUICK_TRAIN, QUICK_TEST = 2048, 1000
@@ -170,10 +171,10 @@ def train_once(
 
 
 def _run_child(args: list[str], *, timeout_s: float, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    cmd = [sys.executable, "-m", __spec__.name, "--child", *args]
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
         )
     except subprocess.TimeoutExpired:  # subprocess.run has killed the child by now
         raise TimeoutError(

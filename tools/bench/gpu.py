@@ -13,13 +13,14 @@ copy one step ahead only when no distribution is set (``JAXEpochIterator._get_it
 under any distribution each batch is copied just before its step. That variant is the
 tfdist model with the same one-batch look-ahead applied to the distributed iterator.
 
-    KERAS_BACKEND=jax python tools/bench_gpu.py --json gpu.json
-    KERAS_BACKEND=jax python tools/bench_gpu.py --batches 128 --rounds 1 --steps 10   # smoke
+    KERAS_BACKEND=jax python -m tools.bench.gpu --json gpu.json
+    KERAS_BACKEND=jax python -m tools.bench.gpu --batches 128 --rounds 1 --steps 10   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -27,13 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import contextlib  # noqa: E402
-
-import tfdist  # noqa: E402  (before jax: device set-up)
+import tfdist  # (before jax: device set-up)
 
 _nothing = contextlib.nullcontext
 

@@ -28,8 +28,8 @@ exactly 1.0, so A's and B's final weights must be equal (reported: the largest
 ``|A - B|`` of any weight in any pair; above ``WEIGHTS_ATOL`` that is a bug, said loudly).
 Each run reports which fixes its process applied, and a run with the wrong ones fails.
 
-    python tools/bench_partial_batch_cost.py --pairs 5 --json tools/partial_batch_cost_measured.json
-    python tools/bench_partial_batch_cost.py --quick   # one short pair, 2 workers, 1 output
+    python -m tools.bench.partial_batch_cost --pairs 5 --json tools/results/partial_batch_cost_measured.json
+    python -m tools.bench.partial_batch_cost --quick   # one short pair, 2 workers, 1 output
 """
 
 from __future__ import annotations
@@ -44,12 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+from tools.bench.suite import machine
 
-from benchmark import machine  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TIMEOUT_S = 900  # one run
 GLOBAL_BATCH = 128
@@ -176,7 +173,7 @@ def run_config(name: str, side: str, model: str, examples: int, epochs: int, wei
     """One fresh run of ``CONFIGS[name]`` on ``side`` ("fixes" or "upstream"); worker 0's
     (or the process's) report, its final weights written to ``weights`` (.npz)."""
     where, outputs = CONFIGS[name]
-    me = [str(Path(__file__).resolve()), "--job", "--model", model, "--outputs", str(outputs)]
+    me = ["-m", __spec__.name, "--job", "--model", model, "--outputs", str(outputs)]
     me += ["--examples", str(examples), "--epochs", str(epochs), "--weights", weights]
     launch = [sys.executable, "-m", "tfdist", "launch", "-n", "2"] if where == "workers" else []
     proc = subprocess.run(
@@ -307,7 +304,7 @@ def summary(f: dict) -> dict:
 
 
 def report(payload: dict) -> str:
-    """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them): a
+    """The lines docs/benchmarks.md shows (tools/docs/figures.py renders them): a
     heading line, then one line per configuration.
 
     Example:

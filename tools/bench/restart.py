@@ -15,8 +15,8 @@ first training step:
 * the same kill with Keras's own ``BackupAndRestore`` (``save_freq`` steps too) as a
   baseline: it restarts the interrupted epoch at batch 0.
 
-    python tools/bench_restart.py              # 5 rounds, ~1M-parameter model
-    python tools/bench_restart.py --quick      # 1 round, small model
+    python -m tools.bench.restart              # 5 rounds, ~1M-parameter model
+    python -m tools.bench.restart --quick      # 1 round, small model
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "scripts" / "ckpt_job.py"
 TIMEOUT = 600  # seconds for one job process
 

@@ -16,7 +16,7 @@ Two figures, each a ratio of runs alternated A B A B (the machine is noisy):
 
 Usage (needs MNIST under TFDS_DATA_DIR)::
 
-    TFDS_DATA_DIR=/path/to/tensorflow_datasets python tools/bench_pipeline.py
+    TFDS_DATA_DIR=/path/to/tensorflow_datasets python -m tools.bench.pipeline
 
 As a module: ``from tools.bench_pipeline import run; figures = run()``.
 """

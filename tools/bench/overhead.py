@@ -5,7 +5,7 @@ MirroredStrategy, ``map -> cache -> shuffle -> batch -> prefetch`` pipeline).
 Both run in one process on the same logical devices, one epoch each, alternately
 (A B A B ...); the figure is the ratio of epoch times (goal <= 1.01).
 
-    TFDIST_CPU_DEVICES=2 python tools/bench_overhead.py --pairs 5
+    TFDIST_CPU_DEVICES=2 python -m tools.bench.overhead --pairs 5
 """
 
 from __future__ import annotations

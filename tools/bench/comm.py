@@ -6,8 +6,8 @@ B ..., the order inside a pair alternating, after one unrecorded warm-up pair), 
 2 workers (``tfdist launch -n 2``) or as 2 logical devices in one process. It reports the
 median ms/step ratio variant/default with its range: below 1 means the option helps.
 
-    python tools/bench_comm.py                    # every variant, 3 pairs
-    python tools/bench_comm.py --pairs 1 --only pack-64k --json figures.json
+    python -m tools.bench.comm                    # every variant, 3 pairs
+    python -m tools.bench.comm --pairs 1 --only pack-64k --json figures.json
 """
 
 from __future__ import annotations
@@ -18,11 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-
-import bench_launcher  # noqa: E402
+from tools.bench import launcher as bench_launcher
 
 # name -> (where, job flags). "workers": tfdist launch -n 2; "devices": 2 logical devices.
 VARIANTS = {
@@ -30,7 +26,7 @@ VARIANTS = {
     "pack-64k": ("workers", ["--bytes-per-pack", str(64 * 1024)]),
     "pack-256k": ("workers", ["--bytes-per-pack", str(256 * 1024)]),
     # On a GPU machine add ("nccl", ["--implementation", "nccl"]). steps_per_execution
-    # and jit_compile are not variants (see tools/step_breakdown.py); mw_bench_job.py
+    # and jit_compile are not variants (see tools/bench/step_breakdown.py); mw_bench_job.py
     # still takes their flags.
 }
 
