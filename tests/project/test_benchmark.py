@@ -29,8 +29,8 @@ def test_unknown_row_is_an_error_naming_the_choices():
 
 
 def _summary(a: list[float], b: list[float]) -> dict:
-    """bench_launcher's own summary of alternated runs (what its rows return)."""
-    return tool_module("bench.launcher")._summary(a, b)
+    """The harness's summary of alternated runs (what the launcher's rows return)."""
+    return tool_module("bench.harness").summary(a, b)
 
 
 def _sample_figures() -> dict:

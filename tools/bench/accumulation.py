@@ -22,6 +22,8 @@ import math
 import sys
 import time
 
+from tools.bench import harness
+
 K = 4  # micro-steps per window
 GOAL = 1.2
 
@@ -79,8 +81,8 @@ def per_micro_step(
     def one_process(job_args):
         return _run_self(bench_launcher, job_args, launch=False)
 
-    a, b = bench_launcher._alternate(measure(launched), measure(one_process), pairs)
-    result = bench_launcher._summary(a, b)
+    a, b = harness.alternate(measure(launched), measure(one_process), pairs)
+    result = harness.summary(a, b)
     result.update(
         unit="ms/micro-step",
         steps=steps,
@@ -101,10 +103,10 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
     me = ["-m", __spec__.name]
     if launch:
         cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me, *job_args]
-        env = bench_launcher._env()
+        env = harness.child_env()
     else:
         cmd = [sys.executable, *me, *job_args]
-        env = bench_launcher._env(TFDIST_CPU_DEVICES="2")
+        env = harness.child_env(TFDIST_CPU_DEVICES="2")
     started = time.time()
     proc = subprocess.run(
         cmd,
@@ -118,7 +120,7 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
         raise RuntimeError(
             f"bench_accumulation: {cmd[1:5]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, bench_launcher._report(proc.stdout)
+    return started, harness.worker0_json(proc.stdout, "bench_accumulation")
 
 
 def job(steps: int, warmup: int, global_batch: int = 128, steps_per_execution: int = 1) -> None:

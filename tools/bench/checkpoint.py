@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from tools.bench import harness
+
 
 def _model(width: int):
     import keras
@@ -110,14 +112,9 @@ def measure(pairs: int = 3, megabytes: float = 50.0) -> dict:
 
 
 def _alternate(a, b, pairs: int) -> dict:
-    a(), b()  # warm-up: traced functions, file cache
-    a_values, b_values = [], []
-    for i in range(pairs):
-        first, second = (a, b) if i % 2 == 0 else (b, a)
-        one, two = first(), second()
-        a_values.append(one if i % 2 == 0 else two)
-        b_values.append(two if i % 2 == 0 else one)
-    ratios = [x / y for x, y in zip(a_values, b_values, strict=True)]
+    """``pairs`` alternated A/B pairs after a warm-up pair (traced functions, file cache)."""
+    a_values, b_values = harness.alternate(a, b, pairs)
+    ratios = harness.ratios(a_values, b_values)
     return {
         "a_s": a_values,
         "b_s": b_values,

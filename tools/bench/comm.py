@@ -13,11 +13,10 @@ median ms/step ratio variant/default with its range: below 1 means the option he
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
+from tools.bench import harness
 from tools.bench import launcher as bench_launcher
 
 # name -> (where, job flags). "workers": tfdist launch -n 2; "devices": 2 logical devices.
@@ -32,7 +31,7 @@ VARIANTS = {
 
 
 def _runner(where: str, base: list[str], flags: list[str]):
-    run = bench_launcher._launcher if where == "workers" else bench_launcher._one_process
+    run = bench_launcher.launched if where == "workers" else bench_launcher.one_process
 
     def once() -> float:
         _, report = run([*base, *flags])
@@ -52,8 +51,8 @@ def measure(name: str, *, pairs: int = 3, steps: int = 64, model: str = "mlp") -
         raise ValueError(f"bench_comm: unknown variant. Received: name={name!r}; {list(VARIANTS)}")
     where, flags = VARIANTS[name]
     base = ["--steps", str(steps), "--warmup", "16", "--model", model]
-    a, b = bench_launcher._alternate(_runner(where, base, flags), _runner(where, base, []), pairs)
-    result = bench_launcher._summary(a, b)
+    a, b = harness.alternate(_runner(where, base, flags), _runner(where, base, []), pairs)
+    result = harness.summary(a, b)
     result.update(name=name, where=where, flags=flags, model=model, unit="ms/step")
     return result
 
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from tools.bench.suite import machine
+from tools.bench.harness import in_turn, machine, write_json
 
 RESULT = "EPOCH_START "
 
@@ -167,9 +167,7 @@ def measure(epochs: int = 6, load: int = 0, rounds: int = 1) -> dict:
     rows: dict[str, dict] = {}
     for round_index in range(rounds):
         for devices in (1, 2):
-            order = list(VARIANTS.items())
-            if round_index % 2:  # neither side always runs second
-                order.reverse()
+            order = in_turn(list(VARIANTS.items()), round_index)  # neither side always second
             for variant, exclude in order:
                 result = run_topology(devices, epochs, load, exclude=exclude)
                 later = result["epochs"][1:]
@@ -239,9 +237,7 @@ def main(argv=None) -> int:
     payload = measure(args.epochs, args.load, args.rounds)
     print(report(payload))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import tfdist  # (before jax: device set-up)
+from tools.bench import harness
 
 _nothing = contextlib.nullcontext
 
@@ -132,7 +131,7 @@ def measure(batches, rounds: int, steps: int) -> dict:
                 _epoch_ms(keras, m, x[: batch * 3], y[: batch * 3], batch)
         times = {v: [] for v in VARIANTS}
         for r in range(rounds):
-            for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            for v in harness.in_turn(VARIANTS, r):
                 with _LookAhead() if v == "tfdist_ahead" else _nothing():
                     times[v].append(_epoch_ms(keras, models[v], x, y, batch))
         ms = {v: statistics.median(t) for v, t in times.items()}
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args.batches, args.rounds, args.steps)
     print(format_table(figures))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

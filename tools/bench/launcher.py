@@ -29,21 +29,19 @@ parameters on MNIST-sized synthetic data, global batch 128):
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from tfdist.core.cluster import worker_tf_config
 from tfdist.launch import free_ports
 from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
+from tools.bench import harness
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = harness.REPO
 JOB = REPO / "tests" / "scripts" / "mw_bench_job.py"
 TIMEOUT = 600  # seconds for one measured run
 STARTUP_GOAL = 1.1
@@ -52,29 +50,7 @@ NETWORK_GOAL = 1.05
 EGRESS_THROUGH = re.compile(r"outbound connections go out through (\S+) \(")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
-    }
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def _report(text: str) -> dict:
-    """The JSON line worker 0 printed (``[w0] {...}`` under the launcher)."""
-    for line in reversed(text.splitlines()):
-        start = line.find("{")
-        if start >= 0 and line[:start].strip() in ("", "[w0]"):
-            try:
-                return json.loads(line[start:])
-            except ValueError:
-                continue
-    raise RuntimeError(f"bench_launcher: the job printed no report:\n{text[-3000:]}")
-
-
-def _launcher(job_args: list[str], *flags: str) -> tuple[float, dict]:
+def launched(job_args: list[str], *flags: str) -> tuple[float, dict]:
     started, report, _ = _launch(job_args, *flags)
     return started, report
 
@@ -98,7 +74,7 @@ def _launch(job_args: list[str], *flags: str) -> tuple[float, dict, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "tfdist", "launch", "-n", "2", *flags, str(JOB), *job_args],
         cwd=REPO,
-        env=_env(),
+        env=harness.child_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -107,7 +83,7 @@ def _launch(job_args: list[str], *flags: str) -> tuple[float, dict, str]:
         raise RuntimeError(
             f"bench_launcher: tfdist launch exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, _report(proc.stdout), proc.stderr
+    return started, harness.worker0_json(proc.stdout, "bench_launcher"), proc.stderr
 
 
 def _by_hand(job_args: list[str]) -> tuple[float, dict]:
@@ -117,7 +93,7 @@ def _by_hand(job_args: list[str]) -> tuple[float, dict]:
         subprocess.Popen(
             [sys.executable, str(JOB), *job_args],
             cwd=REPO,
-            env=_env(TF_CONFIG=worker_tf_config(addresses, index)),
+            env=harness.child_env(TF_CONFIG=worker_tf_config(addresses, index)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -132,15 +108,15 @@ def _by_hand(job_args: list[str]) -> tuple[float, dict]:
     for proc, (_, err) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"bench_launcher: a worker exited {proc.returncode}:\n{err[-3000:]}")
-    return started, _report(outputs[0][0])
+    return started, harness.worker0_json(outputs[0][0], "bench_launcher")
 
 
-def _one_process(job_args: list[str]) -> tuple[float, dict]:
+def one_process(job_args: list[str]) -> tuple[float, dict]:
     started = time.time()
     proc = subprocess.run(
         [sys.executable, str(JOB), *job_args],
         cwd=REPO,
-        env=_env(TFDIST_CPU_DEVICES="2"),
+        env=harness.child_env(TFDIST_CPU_DEVICES="2"),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -149,35 +125,7 @@ def _one_process(job_args: list[str]) -> tuple[float, dict]:
         raise RuntimeError(
             f"bench_launcher: the job exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, _report(proc.stdout)
-
-
-def _alternate(a: Callable[[], float], b: Callable[[], float], pairs: int) -> tuple[list, list]:
-    """``pairs`` A/B pairs after one unrecorded warm-up pair (disk caches, compilation)."""
-    a(), b()
-    a_values, b_values = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            a_values.append(a())
-            b_values.append(b())
-        else:
-            b_values.append(b())
-            a_values.append(a())
-    return a_values, b_values
-
-
-def _summary(a: list[float], b: list[float]) -> dict:
-    ratios = [x / y for x, y in zip(a, b, strict=True)]
-    return {
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "ratios": ratios,
-        "a": a,
-        "b": b,
-        "a_median": statistics.median(a),
-        "b_median": statistics.median(b),
-    }
+    return started, harness.worker0_json(proc.stdout, "bench_launcher")
 
 
 def startup(*, pairs: int = 3) -> dict:
@@ -196,7 +144,7 @@ def startup(*, pairs: int = 3) -> dict:
 
         return once
 
-    result = _summary(*_alternate(measure(_launcher), measure(_by_hand), pairs))
+    result = harness.summary(*harness.alternate(measure(launched), measure(_by_hand), pairs))
     result.update(unit="s", goal=f"<= {STARTUP_GOAL}", met=result["ratio_median"] <= STARTUP_GOAL)
     return result
 
@@ -220,7 +168,7 @@ def network(*, pairs: int = 3) -> dict:
 
         return once
 
-    result = _summary(*_alternate(measure(), measure("--shared-network"), pairs))
+    result = harness.summary(*harness.alternate(measure(), measure("--shared-network"), pairs))
     result.update(unit="s", goal=f"<= {NETWORK_GOAL}", met=result["ratio_median"] <= NETWORK_GOAL)
     result.update(egress=", ".join(sorted(set(egress))), stack_start=stack_start())
     return result
@@ -249,7 +197,7 @@ def stack_start(*, repeats: int = 10) -> dict:
         return once
 
     try:
-        without, with_stack = _alternate(create(False), create(True), repeats)
+        without, with_stack = harness.alternate(create(False), create(True), repeats)
     except NamespaceUnavailable as err:
         return {"error": str(err)}
     return {
@@ -288,7 +236,9 @@ def per_step(
 
         return once
 
-    result = _summary(*_alternate(measure(_launcher, 2), measure(_one_process, 2), pairs))
+    result = harness.summary(
+        *harness.alternate(measure(launched, 2), measure(one_process, 2), pairs)
+    )
     result.update(
         unit="ms/step", steps=steps, warmup=warmup, steps_per_execution=steps_per_execution
     )
@@ -344,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = {"network": network(pairs=args.pairs or 3)}
         _print_network(figures["network"])
         if args.json:
-            Path(args.json).write_text(json.dumps(figures, indent=2))
+            harness.write_json(args.json, figures)
         return 0
     figures = run(quick=args.quick, pairs=args.pairs)
     s, p = figures["startup"], figures["per_step"]
@@ -361,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print_network(figures["network"])
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

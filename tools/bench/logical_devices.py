@@ -33,11 +33,9 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-from tools.bench.suite import machine
+from tools.bench.harness import REPO, in_turn, machine, write_json
 
-REPO = Path(__file__).resolve().parents[2]
 RESULT = "LOGICAL "
 TIMEOUT_S = 900
 # name -> (devices, share of the global batch per step, times the step is counted, env, loop)
@@ -174,7 +172,7 @@ def measure(batch: int = 256, rounds: int = 3, steps: int = 60, warmup: int = 10
     """Every configuration once per round, the order reversed in every other round."""
     values: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for index in range(rounds):
-        order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))
+        order = in_turn(list(CONFIGS), index)
         for name in order:
             values[name].append(run_config(name, batch, steps, warmup))
     return {
@@ -224,7 +222,7 @@ def main(argv=None) -> int:
         payload = measure(args.batch, args.rounds)
     print(report(payload))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 
+from tools.bench import harness
+
 
 def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: int = 64) -> dict:
     """Epoch times of both sides, alternated; returns figures and per-pair ratios.
@@ -83,7 +85,7 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
     a_times, b_times = [], []
     for i in range(pairs):
         order = [(model_a, train_a, a_times), (model_b, train_b, b_times)]
-        for model, data, out in order if i % 2 == 0 else order[::-1]:
+        for model, data, out in harness.in_turn(order, i):
             out.append(epoch(model, data))
     ratios = [a / b for a, b in zip(a_times, b_times, strict=True)]
     return {

@@ -44,9 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tools.bench.suite import machine
-
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench.harness import REPO, child_env, in_turn, machine, write_json
 
 TIMEOUT_S = 900  # one run
 GLOBAL_BATCH = 128
@@ -161,9 +159,9 @@ def build(keras, model: str, outputs: int):
 
 
 def _env(side: str, where: str) -> dict:
-    drop = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "TFDIST_COMPAT_EXCLUDE")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **SIDES[side])
+    env = child_env()
+    env.pop("TFDIST_COMPAT_EXCLUDE", None)
+    env.update(SIDES[side])
     if where == "devices":
         env["TFDIST_CPU_DEVICES"] = "2"
     return env
@@ -259,7 +257,7 @@ def measure(
                 once(configs[0], side, -1)
         for i in range(pairs):
             for name in configs:
-                order = ("fixes", "upstream") if i % 2 == 0 else ("upstream", "fixes")
+                order = in_turn(("fixes", "upstream"), i)
                 got = {side: once(name, side, i) for side in order}
                 (a, a_weights), (b, b_weights) = got["fixes"], got["upstream"]
                 f = figures[name]
@@ -380,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     print(report(payload))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     if not all(f["weights_equal"] for f in payload["configs"].values()):
         print(
             "bench_partial_batch_cost: A's and B's weights differ on full batches: a bug",

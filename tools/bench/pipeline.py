@@ -218,16 +218,10 @@ def run(*, rounds: int = 3, train_rounds: int = 3) -> dict:
         >>> figures["throughput_warm"]["pipeline_vs_naive"] >= 7  # doctest: +SKIP
         True
     """
-    import os
-    import platform
+    from tools.bench import harness
 
     return {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "gpus": len(tf.config.list_physical_devices("GPU")),
-            "platform": platform.platform(),
-            "tensorflow": tf.__version__,
-        },
+        "machine": harness.machine(),
         "throughput_warm": throughput(rounds=rounds),
         "throughput_cold": throughput(rounds=rounds, cold=True),
         "input_bound": input_bound(rounds=train_rounds),

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tools.bench import suite as benchmark
+from tools.bench import harness
 
 GOAL_ACCURACY = 0.993
 GOAL_TIME_RATIO = 0.5
@@ -61,7 +61,7 @@ def measure(seeds: list[int], tutorial_seeds: list[int], epochs: int | None = No
         for seed in tutorial_seeds:
             m = train("tutorial", seed, extra, Path(scratch) / f"tutorial-{seed}")
             runs.append(_row("tutorial", seed, "1 device", m))
-    return {"machine": benchmark.machine(), "epochs": epochs, **summarise(runs), "runs": runs}
+    return {"machine": harness.machine(), "epochs": epochs, **summarise(runs), "runs": runs}
 
 
 def _row(recipe: str, seed: int, topology: str, metrics: dict) -> dict:
@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     payload = measure(args.seeds, args.tutorial_seeds, args.epochs)
-    print(benchmark.machine_line(payload["machine"]))
+    print(harness.machine_line(payload["machine"]))
     print("\n".join(table(payload)))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+        harness.write_json(args.json, payload)
     return 0
 
 

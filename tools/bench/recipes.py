@@ -19,20 +19,19 @@ Needs MNIST in ``TFDS_DATA_DIR`` (or ``--data-dir``); it never downloads.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
+
+from tools.bench import harness
 
 logger = logging.getLogger(__name__)
-REPO = Path(__file__).resolve().parents[2]
+REPO = harness.REPO
 
 RECIPES = ("tutorial", "fast")
 QUICK_TRAIN, QUICK_TEST = 2048, 1000
@@ -201,7 +200,7 @@ def run_order(recipes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     """
     order = []
     for i in range(rounds):
-        names = list(recipes) if i % 2 == 0 else list(reversed(recipes))
+        names = harness.in_turn(list(recipes), i)
         order.extend((i, name) for name in names)
     return order
 
@@ -323,9 +322,7 @@ def benchmark(
         "runs": runs,
         "summary": summarize(runs),
         "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "tensorflow": importlib.metadata.version("tensorflow"),
+            **harness.machine(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
@@ -397,9 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(per round: {s['ratios_by_round']})"
         )
     m = result["machine"]
-    print(
-        f"machine: {m['cpus']} CPUs, {m['platform']}, TF {m['tensorflow']}, load {m['loadavg_before']} -> {m['loadavg_after']}"
-    )
+    print(f"{harness.machine_line(m)}; load {m['loadavg_before']} -> {m['loadavg_after']}")
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -32,15 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench import harness
+
+REPO = harness.REPO
 JOB = REPO / "tests" / "scripts" / "ckpt_job.py"
 TIMEOUT = 600  # seconds for one job process
 
 
 def _env(devices: int | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["PYTHONUNBUFFERED"] = "1"
+    env = harness.child_env()
     if devices:
         env["TFDIST_CPU_DEVICES"] = str(devices)
     return env

@@ -35,18 +35,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench import harness
+
+REPO = harness.REPO
 GLOBAL_BATCH = 64
 STEPS = 40  # per measured fit (after one warm-up fit of each kind)
 
@@ -396,27 +396,6 @@ def measure_processes(processes: int, rounds: int, megabytes: float, every: int)
     }
 
 
-def machine() -> dict:
-    import importlib.metadata as md
-
-    cpu = platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {p: md.version(p) for p in ("jax", "keras", "orbax-checkpoint")}
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        **versions,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-
-
 def report(result: dict) -> str:
     """The figures of ``result`` (what ``--json`` writes), one line each."""
     m, f = result["machine"], result["figures"]
@@ -496,16 +475,17 @@ def main(argv=None) -> int:
     if args.processes:  # first: it starts its own processes, before this one holds devices
         processes = measure_processes(args.processes, args.rounds, args.mb, args.every)
     os.environ.setdefault("TFDIST_CPU_DEVICES", "4")
-    result = {"machine": machine(), "figures": measure(args.rounds, args.mb, args.every)}
+    result = {
+        "machine": harness.machine("orbax-checkpoint"),
+        "figures": measure(args.rounds, args.mb, args.every),
+    }
     if args.processes:
         result["figures"]["processes"] = processes
     if args.idle_core:
         result["figures"]["idle_core"] = run_idle_core(args.rounds, args.mb, args.every)
     print(report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        harness.write_json(args.json, result)
     return 0
 
 

@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tools.bench import harness
+from tools.bench.harness import REPO, alternate, machine, machine_line, timed, write_json
 
 
 @dataclass(frozen=True)
@@ -61,81 +60,6 @@ class Result:
         return statistics.median(self.ratios)
 
 
-def alternate(
-    measure_a: Callable[[], float], measure_b: Callable[[], float], pairs: int, *, warmup: int = 1
-):
-    """Runs ``warmup`` unrecorded pairs, then ``pairs`` recorded A-then-B pairs.
-
-    Returns (a_values, b_values); the order inside a pair alternates so that neither side
-    always runs second (caches, clocks).
-    """
-    for _ in range(warmup):
-        measure_a()
-        measure_b()
-    a_values, b_values = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            a_values.append(measure_a())
-            b_values.append(measure_b())
-        else:
-            b_values.append(measure_b())
-            a_values.append(measure_a())
-    return a_values, b_values
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Wall seconds of one call."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def machine() -> dict:
-    """CPU, cores, GPUs and versions, for the top of the table."""
-    import importlib.metadata as md
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpus = []
-    try:
-        import subprocess
-
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        gpus = (
-            [g.strip() for g in out.stdout.splitlines() if g.strip()] if out.returncode == 0 else []
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-
-    def version(dist):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return None
-
-    return {
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "gpus": gpus,
-        "python": platform.python_version(),
-        "tensorflow": version("tensorflow"),
-        "keras": version("keras"),
-        "tfdist": version("tfdist"),
-    }
-
-
 def _cli_row(quick: bool, pairs: int) -> Result:
     """``tfdist --help`` against ``python -c pass``: the CLI must not import TensorFlow."""
     import subprocess
@@ -150,10 +74,10 @@ def _cli_row(quick: bool, pairs: int) -> Result:
         run([sys.executable, "-c", "pass"]),
         max(pairs, 5),
     )
-    ratios = [x / y for x, y in zip(a, b, strict=True)]
-    med = statistics.median(ratios)
+    rs = harness.ratios(a, b)
+    med = statistics.median(rs)
     return Result(
-        ratios,
+        rs,
         met=med < 5,
         a_values=a,
         b_values=b,
@@ -168,10 +92,6 @@ def _cli_row(quick: bool, pairs: int) -> Result:
 # beside this file) and returns its dict; ``result(figures, quick)`` turns that dict into
 # the row's Result. The child process runs both; tests/project/test_benchmark.py checks every
 # ``result`` on sample figures without measuring (the measuring takes minutes).
-
-
-def _ratios(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b, strict=True)]
 
 
 # Rows whose one measurement lasts about a second (a process start, one save) record, per
@@ -232,7 +152,9 @@ def _figures_pipeline(quick: bool, pairs: int) -> dict:
 
 
 def _result_pipeline(f: dict, quick: bool) -> Result:
-    ratios = _ratios(f["naive_wall_s"], f["pipeline_wall_s"])  # = throughput A / throughput B
+    ratios = harness.ratios(
+        f["naive_wall_s"], f["pipeline_wall_s"]
+    )  # = throughput A / throughput B
     return Result(
         ratios,
         unit="throughput ratio",
@@ -295,7 +217,7 @@ def _figures_restart(quick: bool, pairs: int) -> dict:
 
 
 def _result_restart(f: dict, quick: bool) -> Result:
-    ratios = _ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
+    ratios = harness.ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
     work_ok = f["batches_applied_twice"] == 0 and f["steps_recomputed_goal_met"]
     return Result(
         ratios,
@@ -652,14 +574,6 @@ def format_table(mach: dict, rows: list[tuple[Comparison, Result | None, str | N
     return "\n".join(lines)
 
 
-def machine_line(mach: dict) -> str:
-    """The line on top of every table."""
-    return (
-        f"machine: {mach['cpu']}, {mach['cores']} cores, GPUs: {', '.join(mach['gpus']) or 'none'}; "
-        f"python {mach['python']}, tensorflow {mach['tensorflow']}, keras {mach['keras']}; {mach['date']}"
-    )
-
-
 def _scaling(quick: bool, rounds: int, json_path: str | None) -> int:
     from tools.bench import scaling as bench_scaling
 
@@ -667,9 +581,7 @@ def _scaling(quick: bool, rounds: int, json_path: str | None) -> int:
     figures = bench_scaling.scaling(quick=quick, rounds=rounds)
     print(bench_scaling.format_table(figures, machine_line(mach)))
     if json_path:
-        Path(json_path).write_text(
-            json.dumps({"machine": mach, "quick": quick, **figures}, indent=2)
-        )
+        write_json(json_path, {"quick": quick, **figures}, mach=mach)
     return 0
 
 
@@ -745,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                 for comp, res, error in rows
             ],
         }
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+        write_json(args.json, payload)
     return 1 if any(res is None for _, res, _ in rows) else 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib.metadata as md
 import re
 import sys
 import tempfile
@@ -39,14 +38,10 @@ TF_CHATTER = re.compile(r"^INFO:tensorflow:(Collective all_reduce|Using Mirrored
 
 
 def machine() -> dict:
-    """CPU, cores, GPUs, versions and date (``tools/bench/suite.py``'s), plus jax's."""
-    from tools.bench import suite as benchmark
+    """CPU, cores, GPUs, versions and date (the benchmarks' stamp), GPUs as one string."""
+    from tools.bench import harness
 
-    stamp = benchmark.machine()
-    try:
-        stamp["jax"] = md.version("jax")
-    except md.PackageNotFoundError:
-        stamp["jax"] = None
+    stamp = harness.machine()
     stamp["gpus"] = ", ".join(stamp["gpus"]) or "none"
     return stamp
 
