@@ -191,6 +191,54 @@ def job(steps: int, warmup: int, global_batch: int = 128, steps_per_execution: i
         print(json.dumps(report), flush=True)
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_multi_worker_accumulation(
+    quick: bool, pairs: int, steps_per_execution: int = 1
+) -> dict:
+    return per_micro_step(
+        pairs=pairs,
+        steps=24 if quick else 420,
+        warmup=4 if quick else 20,
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def _result_multi_worker_accumulation(f: dict, quick: bool) -> harness.Result:
+    return harness.Result(
+        f["ratios"],
+        met=None if quick else f["ratio_median"] <= f["goal_ratio"],
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/micro-step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per micro-step with "
+        f"gradient_accumulation_steps={f['accumulation_steps']} (one all-reduce per window), "
+        f"steps_per_execution={f.get('steps_per_execution', 1)}, "
+        f"{f['steps'] - f['warmup']} timed micro-steps per run",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "multi-worker-accumulation",
+        "2 workers, gradient_accumulation_steps=4, ms/micro-step",
+        "2 logical devices in one process, the same",
+        "<= 1.2",
+        _figures_multi_worker_accumulation,
+        _result_multi_worker_accumulation,
+    ),
+    harness.Row(
+        "multi-worker-accumulation-k8",
+        "2 workers, gradient_accumulation_steps=4, steps_per_execution=8, ms/micro-step",
+        "2 logical devices in one process, the same",
+        "<= 1.2",
+        harness.executions(_figures_multi_worker_accumulation),
+        _result_multi_worker_accumulation,
+    ),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", action="store_true", help="be the measured job")

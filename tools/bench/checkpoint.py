@@ -150,6 +150,51 @@ def run(name: str, pairs: int = 3, megabytes: float = 50.0) -> dict:
     }
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_checkpoint(quick: bool, pairs: int) -> dict:
+    f = measure(pairs=pairs * (1 if quick else harness.REPEATS), megabytes=5.0 if quick else 50.0)
+    return {**f, "repeats": 1 if quick else harness.REPEATS}
+
+
+def _result_checkpoint(part: str, f: dict, quick: bool) -> harness.Result:
+    row = f[part]
+    goal = {"save": 1.2, "restore": 1.3}[part]
+    repeats = f.get("repeats", 1)
+    ratios = harness.grouped(row["ratios"], repeats)
+    return harness.Result(
+        ratios,
+        met=None if quick else statistics.median(ratios) <= goal,
+        a_values=row["a_s"],
+        b_values=row["b_s"],
+        notes=f"{f['state_mb']} MB of weights and Adam state, a {f['file_mb']} MB archive; "
+        f"medians {statistics.median(row['a_s']):.3f} s vs {statistics.median(row['b_s']):.3f} s"
+        + (f"; the training step alone {f['step_s']:.3f} s" if part == "save" else "")
+        + f"; each ratio the median of {repeats} alternated pair(s)",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "checkpoint-save",
+        "one-step fit + tfdist.callbacks.checkpoint (50 MB)",
+        "the same with keras.callbacks.ModelCheckpoint (.keras)",
+        "<= 1.2",
+        _figures_checkpoint,
+        lambda f, q: _result_checkpoint("save", f, q),
+    ),
+    harness.Row(
+        "checkpoint-restore",
+        "tfdist.make_or_restore (checked, resume state)",
+        "keras.models.load_model of the same file",
+        "<= 1.3",
+        _figures_checkpoint,
+        lambda f, q: _result_checkpoint("restore", f, q),
+    ),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,3 +190,69 @@ def write_json(path: str | Path, payload: dict, *, mach: dict | None = None) -> 
         stamped, indent=2, default=lambda o: o.item() if hasattr(o, "item") else str(o)
     )
     Path(path).write_text(text + "\n")
+
+
+@dataclass
+class Result:
+    """Figures of one comparison. ``ratios`` holds one A/B ratio per pair."""
+
+    ratios: list[float]
+    unit: str = "ratio"
+    met: bool | None = None
+    a_values: list[float] = field(default_factory=list)
+    b_values: list[float] = field(default_factory=list)
+    value_unit: str = "s"
+    notes: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of ``python -m tools.bench``'s table, declared by the module that measures it.
+
+    ``figures(quick, pairs)`` measures (in a fresh interpreter with ``env`` added: TensorFlow
+    fixes its devices per process) and returns a dict; ``result(figures, quick)`` turns that
+    dict into the row's Result (tests/project/test_benchmark.py checks every ``result`` on
+    sample figures without measuring).
+    """
+
+    name: str
+    a: str
+    b: str
+    goal: str
+    figures: Callable[[bool, int], dict]
+    result: Callable[[dict, bool], Result]
+    env: dict = field(default_factory=dict)
+
+
+# Rows whose one measurement lasts about a second (a process start, one save) record, per
+# pair, the median of REPEATS alternated pairs: one scheduler hiccup then moves the
+# median of three, not the pair itself.
+REPEATS = 3
+
+
+def grouped(values: list[float], size: int) -> list[float]:
+    """Medians of consecutive groups of ``size`` values (one per recorded pair).
+
+    Example:
+        >>> grouped([1.0, 5.0, 2.0, 3.0, 3.0, 9.0], 3)
+        [2.0, 3.0]
+    """
+    if size < 1 or len(values) % size:
+        raise ValueError(
+            f"grouped: {len(values)} values do not split into groups of {size}. Received: "
+            f"size={size}. Measure a multiple of size values."
+        )
+    return [statistics.median(values[i : i + size]) for i in range(0, len(values), size)]
+
+
+# compile(steps_per_execution=K) of the "-k8" rows: one host round-trip per K steps.
+EXECUTION_STEPS = 8
+
+
+def executions(figures: Callable[..., dict]) -> Callable[[bool, int], dict]:
+    """``figures`` measured with ``steps_per_execution=EXECUTION_STEPS``."""
+    return lambda quick, pairs: figures(quick, pairs, steps_per_execution=EXECUTION_STEPS)

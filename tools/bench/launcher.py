@@ -281,6 +281,81 @@ def _print_network(n: dict) -> None:
     )
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_launcher(quick: bool, pairs: int) -> dict:
+    f = startup(pairs=pairs * (1 if quick else harness.REPEATS))
+    return {**f, "repeats": 1 if quick else harness.REPEATS}
+
+
+def _result_launcher(f: dict, quick: bool) -> harness.Result:
+    repeats = f.get("repeats", 1)
+    return harness.Result(
+        harness.grouped(f["ratios"], repeats),
+        met=f["ratio_median"] <= 1.1,
+        a_values=f["a"],
+        b_values=f["b"],
+        notes=f"launch to first step: {f['a_median']:.2f} s vs {f['b_median']:.2f} s; each "
+        f"ratio the median of {repeats} alternated pair(s)",
+    )
+
+
+MULTI_WORKER_STEP_GOAL = 1.2  # 2 workers against 2 devices, both with K = 8
+
+
+def _figures_multi_worker_step(quick: bool, pairs: int, steps_per_execution: int = 1) -> dict:
+    # 320 timed steps: several seconds per run, so one slow second moves it by < 15 %.
+    return per_step(
+        pairs=pairs,
+        steps=32 if quick else 320,
+        warmup=8 if quick else 24,
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def _result_multi_worker_step(f: dict, quick: bool) -> harness.Result:
+    spe = f.get("steps_per_execution", 1)
+    goal = MULTI_WORKER_STEP_GOAL if spe > 1 else None
+    return harness.Result(
+        f["ratios"],
+        met=None if quick or goal is None else f["ratio_median"] <= goal,
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per step (gRPC all-reduce "
+        f"between processes against in-process all-reduce), steps_per_execution={spe}",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "launcher",
+        "`tfdist launch -n 2` to first step",
+        "two processes with hand-written TF_CONFIG",
+        "<= 1.1",
+        _figures_launcher,
+        _result_launcher,
+    ),
+    harness.Row(
+        "multi-worker-step",
+        "2 workers, ms/step",
+        "2 logical devices in one process",
+        "none (the cost of gRPC)",
+        _figures_multi_worker_step,
+        _result_multi_worker_step,
+    ),
+    harness.Row(
+        "multi-worker-step-k8",
+        "2 workers, steps_per_execution=8, ms/step",
+        "2 logical devices in one process, the same",
+        f"<= {MULTI_WORKER_STEP_GOAL}",
+        harness.executions(_figures_multi_worker_step),
+        _result_multi_worker_step,
+    ),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one pair each, fewer steps")

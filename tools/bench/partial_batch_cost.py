@@ -44,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tools.bench import harness
 from tools.bench.harness import REPO, child_env, in_turn, machine, write_json
 
 TIMEOUT_S = 900  # one run
@@ -344,6 +345,56 @@ def report(payload: dict) -> str:
             f"{sum(r > 1 for r in f['ratios'])} of {len(f['ratios'])} pairs; {same}"
         )
     return "\n".join(lines)
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+# The partial-batch fixes on full batches: 2 workers (the gRPC scalar all-reduce), 1 output.
+PARTIAL_BATCH_CONFIG = "2 workers, 1 output"
+PARTIAL_BATCH_GOAL = 1.05
+
+
+def _figures_partial_batch_cost(quick: bool, pairs: int) -> dict:
+    if quick:
+        return measure(
+            pairs=pairs,
+            examples=10 * GLOBAL_BATCH,
+            epochs=2,
+            configs=(PARTIAL_BATCH_CONFIG,),
+            warmup=False,
+        )
+    return measure(pairs=pairs, configs=(PARTIAL_BATCH_CONFIG,))
+
+
+def _result_partial_batch_cost(f: dict, quick: bool) -> harness.Result:
+    row = f["configs"][PARTIAL_BATCH_CONFIG]
+    a, b = statistics.median(row["a_ms"]), statistics.median(row["b_ms"])
+    same = row["weights_equal"]
+    met = None if quick else statistics.median(row["ratios"]) <= PARTIAL_BATCH_GOAL
+    return harness.Result(
+        row["ratios"],
+        met=met if same else False,  # weights that differ on full batches: a bug, quick or not
+        a_values=row["a_ms"],
+        b_values=row["b_ms"],
+        value_unit="ms/step",
+        notes=f"{a:.1f} ms vs {b:.1f} ms per step ({a - b:+.1f} ms), "
+        f"the median of {row['timed_steps']} full steps per run; largest |A - B| of the final "
+        f"weights {row['max_abs_weight_diff']:.3g}"
+        + ("" if same else " (**A and B trained differently on full batches: a bug**)"),
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "partial-batch-cost",
+        "2 workers, the partial-batch fixes on, ms/step on full batches",
+        "the same with the three fixes off (upstream)",
+        f"<= {PARTIAL_BATCH_GOAL}, weights A = B",
+        _figures_partial_batch_cost,
+        _result_partial_batch_cost,
+    )
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,6 +241,40 @@ def run(*, quick: bool = False) -> dict:
     return measure()
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_restart(quick: bool, pairs: int) -> dict:
+    return run(quick=True) if quick else measure(rounds=pairs)
+
+
+def _result_restart(f: dict, quick: bool) -> harness.Result:
+    ratios = harness.ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
+    work_ok = f["batches_applied_twice"] == 0 and f["steps_recomputed_goal_met"]
+    return harness.Result(
+        ratios,
+        met=statistics.median(ratios) <= 1.2 and work_ok,
+        a_values=f["resumed_to_first_step_s"],
+        b_values=f["fresh_to_first_step_s"],
+        notes=f"after kill -9 at step {f['killed_after_step']} (save_freq "
+        f"{f['save_freq']}): {f['steps_recomputed']} step(s) recomputed, "
+        f"{f['batches_applied_twice']} batch(es) applied twice, {f['batches_skipped']} "
+        f"skipped; restore + first step adds {f['restart_extra_s']} s in-process",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "restart",
+        "relaunch after kill -9 to first resumed step",
+        "fresh start to first step",
+        "<= 1.2, 0 batches twice",
+        _figures_restart,
+        _result_restart,
+    )
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, small model")
