@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "--combine-runs",
         nargs="+",
         metavar="RUN_JSON",
-        help="write these benchmark.py --json runs to tools/results/benchmark_runs.json, and the "
+        help="write these python -m tools.bench --json runs to tools/results/benchmark_runs.json, and the "
         "last one to tools/results/benchmark_measured.json",
     )
     args = parser.parse_args(argv)
