@@ -136,9 +136,13 @@ def launch_cli(*argv: str, timeout: float = 300, **env) -> subprocess.CompletedP
 
 
 def tool_module(name: str):
-    """A module of tools/ (tools import their siblings, so tools/ is on the path meanwhile)."""
+    """A module of tools/: ``"bench.launcher"`` is tools.bench.launcher. fix_table and
+    fix_fingerprints run as scripts and import their sibling generated_block, so for a name
+    without a dot tools/ is on the path meanwhile."""
     import importlib
 
+    if "." in name:
+        return importlib.import_module(f"tools.{name}")
     tools = str(REPO / "tools")
     sys.path.insert(0, tools)
     try:

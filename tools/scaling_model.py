@@ -7,10 +7,10 @@ algorithm of NCCL and of TensorFlow's collective ops): each of P ranks sends and
 gradients pays each step's per-hop latency once. Efficiency is the throughput on P devices
 over P times the throughput on one, at the same per-replica batch: step(1) / step(P).
 
-    python tools/scaling_model.py                        # the checks and the 8-512 GPU table
-    python tools/scaling_model.py --json                 # the same figures as JSON
-    python tools/scaling_model.py --measured rows.json   # this machine's rows from a file
-    python tools/scaling_model.py --gpu tools/gpu_measured.json  # + the measured-GPU table
+    python -m tools.scaling_model                        # the checks and the 8-512 GPU table
+    python -m tools.scaling_model --json                 # the same figures as JSON
+    python -m tools.scaling_model --measured rows.json   # this machine's rows from a file
+    python -m tools.scaling_model --gpu tools/results/gpu_measured.json  # + the measured-GPU table
 
 Every bandwidth, latency and compute figure below carries its source. Limits: the ring is
 the only algorithm (NCCL switches to trees for small messages at scale, so the ring
@@ -29,14 +29,10 @@ from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python tools/scaling_model.py` from a checkout
-    sys.path.insert(0, str(REPO))
+from tfdist.core import validate  # (light: no TensorFlow)
 
-from tfdist.core import validate  # noqa: E402  (light: no TensorFlow)
-
-MEASURED = Path(__file__).resolve().parent / "scaling_measured.json"
-GPU_MEASURED = Path(__file__).resolve().parent / "gpu_measured.json"
+MEASURED = Path(__file__).resolve().parent / "results" / "scaling_measured.json"
+GPU_MEASURED = Path(__file__).resolve().parent / "results" / "gpu_measured.json"
 NCCL_TUNING = "NCCL src/graph/tuning.cc hwLat, Ring/Simple"
 
 
@@ -406,7 +402,7 @@ def machine_check(data: dict) -> dict:
 
 
 def load_measured(path: str | Path = MEASURED) -> dict:
-    """This machine's measured rows (``tools/scaling_measured.json`` or a file like it).
+    """This machine's measured rows (``tools/results/scaling_measured.json`` or a file like it).
 
     Example:
         >>> load_measured()["job"]["params"]  # doctest: +SKIP
@@ -500,11 +496,11 @@ def scaling_table(gpus_per_node: int = 8, models=TABLE_MODELS) -> list[dict]:
     return rows
 
 
-# --- a workload measured on one GPU (tools/bench_gpu.py) -------------------------------
+# --- a workload measured on one GPU (tools/bench/gpu.py) -------------------------------
 
 
 def gpu_workload(data: dict, variant: str = "none") -> Workload:
-    """The convnet as measured by tools/bench_gpu.py: a least-squares line through its rows.
+    """The convnet as measured by tools/bench/gpu.py: a least-squares line through its rows.
 
     ms/step = overhead + batch x per-example, fitted over the measured global batches
     (Keras ``fit`` on one device, so the overhead includes its per-step dispatch).
@@ -516,7 +512,9 @@ def gpu_workload(data: dict, variant: str = "none") -> Workload:
         >>> round(w.us_per_example, 3), round(w.overhead_ms, 3)
         (5.0, 1.0)
     """
-    validate.instance(data, dict, "data", "gpu_workload", "a dict (tools/gpu_measured.json)")
+    validate.instance(
+        data, dict, "data", "gpu_workload", "a dict (tools/results/gpu_measured.json)"
+    )
     points = [(r["global_batch"], r["ms"][variant]) for r in data["rows"]]
     if len({b for b, _ in points}) < 2:
         raise ValueError(validate.message(
@@ -534,7 +532,7 @@ def gpu_workload(data: dict, variant: str = "none") -> Workload:
         name=f"MNIST fast convnet, Keras fit on {data['device_kind']} (measured)",
         us_per_example=slope * 1000,
         overhead_ms=max(0.0, mean_t - slope * mean_b),
-        source=f"{data.get('source', 'tools/bench_gpu.py')}, {data['date']}: "
+        source=f"{data.get('source', 'tools/bench/gpu.py')}, {data['date']}: "
         + ", ".join(f"{t:.2f} ms at {b}" for b, t in points),
     )
 
@@ -671,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measured", metavar="FILE", default=str(MEASURED),
                         help="this machine's rows (default: %(default)s)")  # fmt: skip
     parser.add_argument("--gpu", metavar="FILE", default=None,
-                        help="rows measured on one GPU by tools/bench_gpu.py (e.g. "
+                        help="rows measured on one GPU by tools/bench/gpu.py (e.g. "
                         f"{GPU_MEASURED.name}): adds their fitted 8-512 GPU table")  # fmt: skip
     args = parser.parse_args(argv)
     data = load_measured(args.measured)

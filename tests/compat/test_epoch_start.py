@@ -4,7 +4,7 @@
 Upstream, Keras's ``fit`` drops each epoch's multi-device iterator at the next epoch's first
 step, and tf.data's destructor waits there for the autotuning threads of the host pipeline's
 iterator and of each per-device one (seconds to tens of seconds; the wait is measured by
-tools/bench_epoch_start.py, never asserted here). The job records whether each of those
+tools/bench/epoch_start.py, never asserted here). The job records whether each of those
 datasets autotunes.
 """
 

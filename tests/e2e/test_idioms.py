@@ -7,16 +7,17 @@ devices and as 2 workers / 2 processes under ``tfdist launch``, on TensorFlow an
 Every cell must give what one device gives, within ``TOLERANCE``; the few that cannot
 are listed in ``EXPECTED`` with why, and are checked to still behave that way (so the
 list cannot go stale). The README's idiom table is generated from these lists
-(``tools/idiom_table.py``) and checked by ``test_readme_table_is_generated``.
+(``tools/docs/idiom_table.py``) and checked by ``test_readme_table_is_generated``.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import numpy as np
 import pytest
+
+from tools.docs import idiom_table
 
 from conftest import (
     REPO,
@@ -27,9 +28,6 @@ from conftest import (
     run_python,
     tagged_reports,
 )
-
-sys.path.insert(0, str(REPO / "tools"))
-import idiom_table  # noqa: E402
 
 JOB = SCRIPTS / "idioms_job.py"
 BACKENDS = ("tensorflow", "jax")
@@ -161,7 +159,7 @@ def test_every_idiom_is_in_the_job_and_expectations_name_real_cells():
 def test_readme_table_is_generated():
     table = idiom_table.markdown()
     readme = (REPO / "README.md").read_text()
-    assert table in readme, "run: python tools/idiom_table.py --write"
+    assert table in readme, "run: python -m tools.docs.idiom_table --write"
 
 
 # ------------------------------------------------------------------ upstream failures

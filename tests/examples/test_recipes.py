@@ -1,14 +1,12 @@
 """The MNIST recipes: models, the guides' decay, linear scaling + warm-up, serialisation.
 
-No training here: the recipes' accuracy and speed are measured by tools/bench_recipes.py.
+No training here: the recipes' accuracy and speed are measured by tools/bench/recipes.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -364,16 +362,13 @@ def test_recipes_are_frozen():
         recipes.FAST.epochs = 1
 
 
-# --- the benchmark's bookkeeping (tools/bench_recipes.py) ------------------------------
+# --- the benchmark's bookkeeping (tools/bench/recipes.py) ------------------------------
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_recipes", Path(__file__).resolve().parents[2] / "tools" / "bench_recipes.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tools.bench import recipes
+
+    return recipes
 
 
 def test_benchmark_interleaves_recipes_in_counterbalanced_rounds():
@@ -408,12 +403,7 @@ def test_benchmark_rejects_bad_arguments_before_starting_anything():
 
 
 def test_recipe_seeds_summary_flags_any_run_below_the_goal_and_renders_every_seed():
-    import sys
-
-    tools = str(Path(__file__).resolve().parents[2] / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    import recipe_seeds
+    from tools.bench import recipe_seeds
 
     def run(seed, topology, accuracy, seconds, recipe="fast"):
         return {"recipe": recipe, "seed": seed, "topology": topology,

@@ -1,4 +1,4 @@
-"""tools/benchmark.py: every row reports a ratio with its range (no timing is asserted).
+"""tools/bench/suite.py: every row reports a ratio with its range (no timing is asserted).
 
 Every row's reporting runs on sample figures; two rows run end to end with ``--quick``
 (the whole quick suite took ~245 s, most of it starting processes).
@@ -18,8 +18,8 @@ from conftest import REPO, child_env, last_json_line, run_python, tool_module
 
 def test_unknown_row_is_an_error_naming_the_choices():
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "benchmark.py"), "--only", "nope"],
-        capture_output=True, text=True, timeout=60, env=child_env(),
+        [sys.executable, "-m", "tools.bench", "--only", "nope"],
+        capture_output=True, text=True, timeout=60, env=child_env(), cwd=REPO,
     )  # fmt: skip
     assert (
         proc.returncode == 2
@@ -29,8 +29,8 @@ def test_unknown_row_is_an_error_naming_the_choices():
 
 
 def _summary(a: list[float], b: list[float]) -> dict:
-    """bench_launcher's own summary of alternated runs (what its rows return)."""
-    return tool_module("bench_launcher")._summary(a, b)
+    """The harness's summary of alternated runs (what the launcher's rows return)."""
+    return tool_module("bench.harness").summary(a, b)
 
 
 def _sample_figures() -> dict:
@@ -74,7 +74,7 @@ def _sample_figures() -> dict:
 
 
 def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
-    bench = tool_module("benchmark")
+    bench = tool_module("bench.suite")
     samples = _sample_figures()
     names = [c.name for c in bench.COMPARISONS]
     assert names == [*bench.CHILD_ROWS, "cli"] and set(samples) == set(bench.CHILD_ROWS)
@@ -111,8 +111,8 @@ def test_every_row_turns_its_figures_into_a_ratio_with_its_range():
 
 
 def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path):
-    figures = tool_module("docs_figures")
-    mach = tool_module("benchmark").machine()
+    figures = tool_module("docs.figures")
+    mach = tool_module("bench.suite").machine()
 
     def run(ratios):
         rows = [
@@ -146,7 +146,7 @@ def test_runs_in_a_row_are_combined_and_judged_stable_within_15_percent(tmp_path
 
 
 def test_what_steps_per_execution_saves_per_step_is_rendered_from_both_rows():
-    figures = tool_module("docs_figures")
+    figures = tool_module("docs.figures")
 
     def row(name, a, b):
         return {"name": name, "a_values": a, "b_values": b, "value_unit": "ms/step"}
@@ -162,7 +162,7 @@ def test_what_steps_per_execution_saves_per_step_is_rendered_from_both_rows():
 
 
 def test_accumulation_rounds_to_whole_windows_and_validates():
-    ba = tool_module("bench_accumulation")
+    ba = tool_module("bench.accumulation")
     assert ba.window_steps(420, 20) == (420, 20) and ba.window_steps(30, 5) == (32, 8)
     with pytest.raises(ValueError, match=r"Received: steps=0, warmup=4"):
         ba.window_steps(0, 4)
@@ -175,9 +175,10 @@ def test_quick_rows_run_end_to_end_and_write_the_same_figures_as_json(tmp_path):
     # every other row's reporting is checked on sample figures above.
     out = tmp_path / "figures.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "benchmark.py"), "--quick", "--json", str(out),
+        [sys.executable, "-m", "tools.bench", "--quick", "--json", str(out),
          "--only", "cli", "--only", "checkpoint-save"],
-        capture_output=True, text=True, timeout=600, env=child_env(), cwd=tmp_path,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env=child_env(PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -192,7 +193,7 @@ def test_quick_rows_run_end_to_end_and_write_the_same_figures_as_json(tmp_path):
 
 
 def test_scaling_rows_are_efficiency_against_one_worker_one_device():
-    bs = tool_module("bench_scaling")
+    bs = tool_module("bench.scaling")
     rows = bs.table_rows("jax", {"1x1": [100.0, 120.0], "2x1": [50.0, 70.0], "4x2": [30.0]}, 128)
     assert [(r["workers"], r["devices_per_worker"], r["replicas"]) for r in rows] == [
         (1, 1, 1), (2, 1, 2), (4, 2, 8),
@@ -202,7 +203,7 @@ def test_scaling_rows_are_efficiency_against_one_worker_one_device():
 
 
 def test_scaling_rounds_alternate_their_order():
-    bs = tool_module("bench_scaling")
+    bs = tool_module("bench.scaling")
     order = []
     runs = {name: (lambda n=name: order.append(n) or 1.0) for name in ("a", "b", "c")}
     assert bs.rounds_of(runs, 2) == {"a": [1.0, 1.0], "b": [1.0, 1.0], "c": [1.0, 1.0]}
@@ -210,7 +211,7 @@ def test_scaling_rounds_alternate_their_order():
 
 
 def test_scaling_commands_use_the_launcher_and_logical_devices():
-    bs = tool_module("bench_scaling")
+    bs = tool_module("bench.scaling")
     cmd, env = bs.command("tensorflow", 1, 2, ["--steps", "5"])
     assert cmd[-2:] == ["--steps", "5"]
     assert cmd[1].endswith("mw_bench_job.py") and env["TFDIST_CPU_DEVICES"] == "2"
@@ -221,7 +222,7 @@ def test_scaling_commands_use_the_launcher_and_logical_devices():
 
 
 def test_step_breakdown_explains_the_step_from_its_parts():
-    sb = tool_module("step_breakdown")
+    sb = tool_module("bench.step_breakdown")
     ms = {"input": 1.0, "compute": 5.0, "allreduce": 4.0, "step": 8.0, "fit": 11.0,
           "fit_accuracy": 12.5}  # fmt: skip
     assert sb.derived(ms) == {
@@ -239,8 +240,8 @@ def test_step_breakdown_explains_the_step_from_its_parts():
 
 
 def test_logical_devices_are_timed_against_one_device_round_by_round(monkeypatch):
-    # docs/benchmarks.md, "Goals not met": what tools/bench_logical_devices.py renders.
-    bl = tool_module("bench_logical_devices")
+    # docs/benchmarks.md, "Goals not met": what tools/bench/logical_devices.py renders.
+    bl = tool_module("bench.logical_devices")
     order = []
 
     def run_config(name, batch, steps, warmup):  # the second round runs at half the speed
@@ -266,7 +267,7 @@ def test_partial_batch_cost_alternates_fresh_runs_and_compares_their_weights(mon
     # docs/benchmarks.md, "What full batches pay for the partial-batch fixes".
     import numpy as np
 
-    pbc = tool_module("bench_partial_batch_cost")
+    pbc = tool_module("bench.partial_batch_cost")
     order = []
 
     def run_config(name, side, model, examples, epochs, weights):
@@ -307,7 +308,7 @@ def test_partial_batch_cost_alternates_fresh_runs_and_compares_their_weights(mon
 
 
 def test_bench_comm_names_its_variants():
-    bc = tool_module("bench_comm")
+    bc = tool_module("bench.comm")
     with pytest.raises(ValueError, match=r"unknown variant. Received: name='x'"):
         bc.measure("x")
     assert {"ring", "pack-64k", "pack-256k"} <= set(bc.VARIANTS)
@@ -345,7 +346,7 @@ print(json.dumps({"made": made_by_fit, "fit": fit_orders, "fresh": orders}))
 
 
 def test_keras_makes_two_iterators_per_epoch_and_the_unused_one_takes_a_shuffle_order():
-    # docs/benchmarks.md, "The first step of an epoch": what tools/bench_epoch_start.py
+    # docs/benchmarks.md, "The first step of an epoch": what tools/bench/epoch_start.py
     # counts, and why tfdist does not remove the unused iterator.
     result = last_json_line(run_python(_KERAS_ITERATORS, timeout=240).stdout)
     assert result["made"] == 6  # 3 epochs, two each

@@ -430,11 +430,10 @@ def test_run_here_blocks_run_on_four_jax_devices():
 
 
 def test_generated_figures_are_current():
-    sys.path.insert(0, str(REPO / "tools"))
-    import docs_figures
+    from tools.docs import figures as docs_figures
 
     for name, (page, block) in docs_figures.blocks().items():
-        assert block in page.read_text(), f"{name}: run python tools/docs_figures.py --write"
+        assert block in page.read_text(), f"{name}: run python -m tools.docs.figures --write"
 
 
 # What a user's manual never says: the history of its own making.

@@ -4,7 +4,7 @@ Every notebook runs twice (``RERUN``): the second run goes into the same working
 a reader who reruns a notebook does (01 resumes from its checkpoints with nothing left to
 train). Each has one cell tagged ``parameters`` whose values the test overrides (fewer
 epochs, a slice of MNIST), the way papermill would. The notebooks are stored WITH the outputs of a full run
-(``python tools/run_notebooks.py``), so a reader on the web sees them; the test checks
+(``python -m tools.docs.notebooks``), so a reader on the web sees them; the test checks
 they are there and readable, not that a rerun reproduces them byte for byte.
 """
 
@@ -46,7 +46,7 @@ RERUN = {
 }
 # Notebooks whose outputs must include a figure (curves, digits, confusion matrix).
 WITH_FIGURES = {"01_mirrored_mnist", "03_multi_worker_mnist"}
-# What tools/run_notebooks.py records about the run that produced the stored outputs.
+# What tools/docs/notebooks.py records about the run that produced the stored outputs.
 STAMP_FIELDS = {"date", "cpu", "cores", "python", "tensorflow", "keras", "jax", "tfdist", "wall_s"}
 
 

@@ -1,5 +1,5 @@
-"""The overlap experiment's pure parts (tools/bench_overlap.py) and the exposed-communication
-report (tools/step_breakdown.py). Timings are never asserted: only that the figures are
+"""The overlap experiment's pure parts (tools/bench/overlap.py) and the exposed-communication
+report (tools/bench/step_breakdown.py). Timings are never asserted: only that the figures are
 computed from their parts and printed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import REPO, child_env, tool_module
 
 
 def test_packs_start_from_the_last_gradients_and_hold_at_least_the_pack_size():
-    bo = tool_module("bench_overlap")
+    bo = tool_module("bench.overlap")
     assert bo.reverse_packs([40, 1200, 20], 1000) == [[2, 1], [0]]
     assert bo.reverse_packs([5, 5, 5], 1) == [[2], [1], [0]]
     assert bo.reverse_packs([5, 5, 5], 10**9) == [[2, 1, 0]]
@@ -23,7 +23,7 @@ def test_packs_start_from_the_last_gradients_and_hold_at_least_the_pack_size():
 
 
 def test_overlap_summary_gives_ratios_to_keras_with_their_range():
-    bo = tool_module("bench_overlap")
+    bo = tool_module("bench.overlap")
     runs = [
         {"ms": {"compute": 80.0, "keras": 100.0, "inback-256k": 90.0},
          "exposed_ms": {"keras": 20.0, "inback-256k": 10.0},
@@ -43,7 +43,7 @@ def test_overlap_summary_gives_ratios_to_keras_with_their_range():
 
 
 def test_unknown_model_is_an_error_naming_the_choices():
-    sb = tool_module("step_breakdown")
+    sb = tool_module("bench.step_breakdown")
     with pytest.raises(ValueError, match=r"Received: model='vgg'"):
         sb.measure(model="vgg")
 
@@ -53,7 +53,7 @@ def test_unknown_model_is_an_error_naming_the_choices():
 def test_step_breakdown_quick_prints_the_exposed_communication_of_both_columns(tmp_path):
     out = tmp_path / "breakdown.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "step_breakdown.py"), "--quick", "--json", str(out)],
+        [sys.executable, "-m", "tools.bench.step_breakdown", "--quick", "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=child_env(), cwd=REPO,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -135,7 +135,7 @@ def test_bad_arguments_are_refused_with_the_project_message(call, error):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(TOOL), *args],
+        [sys.executable, "-m", "tools.scaling_model", *args],
         capture_output=True, text=True, timeout=120, env=child_env(), cwd=Path(REPO),
     )  # fmt: skip
 
@@ -153,7 +153,7 @@ def test_cli_prints_the_three_parts_and_json_parses():
 
 
 def test_the_gpu_workload_is_a_line_through_the_measured_rows():
-    data = json.loads((REPO / "tools" / "gpu_measured.json").read_text())
+    data = json.loads((REPO / "tools" / "results" / "gpu_measured.json").read_text())
     work = sm.gpu_workload(data)
     assert work.us_per_example > 0 and work.overhead_ms >= 0
     for row in data["rows"]:  # a straight line describes Keras fit on one GPU
@@ -164,6 +164,6 @@ def test_the_gpu_workload_is_a_line_through_the_measured_rows():
 
 
 def test_cli_with_gpu_rows_adds_their_table():
-    text = _cli("--gpu", str(REPO / "tools" / "gpu_measured.json"))
+    text = _cli("--gpu", str(REPO / "tools" / "results" / "gpu_measured.json"))
     assert text.returncode == 0, text.stderr
     assert "## 4. Measured on one GPU" in text.stdout and "per-replica batch 1024" in text.stdout

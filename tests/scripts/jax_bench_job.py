@@ -1,4 +1,4 @@
-"""The JAX job tools/benchmark.py --scaling times (run with KERAS_BACKEND=jax).
+"""The JAX job tools/bench/suite.py --scaling times (run with KERAS_BACKEND=jax).
 
     python jax_bench_job.py --mode tfdist|keras|none [--model mlp|convnet]
         [--steps 60] [--warmup 10] [--global-batch 128]

@@ -1,4 +1,4 @@
-"""The job tools/bench_launcher.py, bench_comm.py and benchmark.py --scaling time.
+"""The job tools/bench/launcher.py, comm.py and python -m tools.bench --scaling time.
 
     python mw_bench_job.py --steps 60 --warmup 10 --global-batch 128 [--first-step-only]
         [--model mlp|convnet] [--implementation auto|ring|nccl] [--bytes-per-pack N]

@@ -28,8 +28,8 @@ exactly 1.0, so A's and B's final weights must be equal (reported: the largest
 ``|A - B|`` of any weight in any pair; above ``WEIGHTS_ATOL`` that is a bug, said loudly).
 Each run reports which fixes its process applied, and a run with the wrong ones fails.
 
-    python tools/bench_partial_batch_cost.py --pairs 5 --json tools/partial_batch_cost_measured.json
-    python tools/bench_partial_batch_cost.py --quick   # one short pair, 2 workers, 1 output
+    python -m tools.bench.partial_batch_cost --pairs 5 --json tools/results/partial_batch_cost_measured.json
+    python -m tools.bench.partial_batch_cost --quick   # one short pair, 2 workers, 1 output
 """
 
 from __future__ import annotations
@@ -44,12 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-
-from benchmark import machine  # noqa: E402
+from tools.bench import harness
+from tools.bench.harness import REPO, child_env, in_turn, machine, write_json
 
 TIMEOUT_S = 900  # one run
 GLOBAL_BATCH = 128
@@ -164,9 +160,9 @@ def build(keras, model: str, outputs: int):
 
 
 def _env(side: str, where: str) -> dict:
-    drop = ("TF_CONFIG", "TFDIST_CPU_DEVICES", "TFDIST_COMPAT_EXCLUDE")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **SIDES[side])
+    env = child_env()
+    env.pop("TFDIST_COMPAT_EXCLUDE", None)
+    env.update(SIDES[side])
     if where == "devices":
         env["TFDIST_CPU_DEVICES"] = "2"
     return env
@@ -176,7 +172,7 @@ def run_config(name: str, side: str, model: str, examples: int, epochs: int, wei
     """One fresh run of ``CONFIGS[name]`` on ``side`` ("fixes" or "upstream"); worker 0's
     (or the process's) report, its final weights written to ``weights`` (.npz)."""
     where, outputs = CONFIGS[name]
-    me = [str(Path(__file__).resolve()), "--job", "--model", model, "--outputs", str(outputs)]
+    me = ["-m", __spec__.name, "--job", "--model", model, "--outputs", str(outputs)]
     me += ["--examples", str(examples), "--epochs", str(epochs), "--weights", weights]
     launch = [sys.executable, "-m", "tfdist", "launch", "-n", "2"] if where == "workers" else []
     proc = subprocess.run(
@@ -262,7 +258,7 @@ def measure(
                 once(configs[0], side, -1)
         for i in range(pairs):
             for name in configs:
-                order = ("fixes", "upstream") if i % 2 == 0 else ("upstream", "fixes")
+                order = in_turn(("fixes", "upstream"), i)
                 got = {side: once(name, side, i) for side in order}
                 (a, a_weights), (b, b_weights) = got["fixes"], got["upstream"]
                 f = figures[name]
@@ -307,7 +303,7 @@ def summary(f: dict) -> dict:
 
 
 def report(payload: dict) -> str:
-    """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them): a
+    """The lines docs/benchmarks.md shows (tools/docs/figures.py renders them): a
     heading line, then one line per configuration.
 
     Example:
@@ -351,6 +347,56 @@ def report(payload: dict) -> str:
     return "\n".join(lines)
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+# The partial-batch fixes on full batches: 2 workers (the gRPC scalar all-reduce), 1 output.
+PARTIAL_BATCH_CONFIG = "2 workers, 1 output"
+PARTIAL_BATCH_GOAL = 1.05
+
+
+def _figures_partial_batch_cost(quick: bool, pairs: int) -> dict:
+    if quick:
+        return measure(
+            pairs=pairs,
+            examples=10 * GLOBAL_BATCH,
+            epochs=2,
+            configs=(PARTIAL_BATCH_CONFIG,),
+            warmup=False,
+        )
+    return measure(pairs=pairs, configs=(PARTIAL_BATCH_CONFIG,))
+
+
+def _result_partial_batch_cost(f: dict, quick: bool) -> harness.Result:
+    row = f["configs"][PARTIAL_BATCH_CONFIG]
+    a, b = statistics.median(row["a_ms"]), statistics.median(row["b_ms"])
+    same = row["weights_equal"]
+    met = None if quick else statistics.median(row["ratios"]) <= PARTIAL_BATCH_GOAL
+    return harness.Result(
+        row["ratios"],
+        met=met if same else False,  # weights that differ on full batches: a bug, quick or not
+        a_values=row["a_ms"],
+        b_values=row["b_ms"],
+        value_unit="ms/step",
+        notes=f"{a:.1f} ms vs {b:.1f} ms per step ({a - b:+.1f} ms), "
+        f"the median of {row['timed_steps']} full steps per run; largest |A - B| of the final "
+        f"weights {row['max_abs_weight_diff']:.3g}"
+        + ("" if same else " (**A and B trained differently on full batches: a bug**)"),
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "partial-batch-cost",
+        "2 workers, the partial-batch fixes on, ms/step on full batches",
+        "the same with the three fixes off (upstream)",
+        f"<= {PARTIAL_BATCH_GOAL}, weights A = B",
+        _figures_partial_batch_cost,
+        _result_partial_batch_cost,
+    )
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=3, help="recorded A/B pairs (default 3)")
@@ -383,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     print(report(payload))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     if not all(f["weights_equal"] for f in payload["configs"].values()):
         print(
             "bench_partial_batch_cost: A's and B's weights differ on full batches: a bug",

@@ -5,10 +5,10 @@ Runs ``tfdist train mnist --seed S`` for each seed on 1 device and with ``--devi
 fresh output folder, then the tutorial recipe once per seed listed in ``--tutorial-seeds``
 for the time ratio. Reads each run's ``metrics.json`` (test accuracy, wall time) and
 writes them, with the machine and versions, to ``--json`` (docs/mnist.md's table is
-rendered from that file by tools/docs_figures.py).
+rendered from that file by tools/docs/figures.py).
 
-    python tools/recipe_seeds.py --seeds 0 1 2 3 4 --json tools/recipe_seeds_measured.json
-    python tools/recipe_seeds.py --seeds 0 --epochs 1          # a quick look
+    python -m tools.bench.recipe_seeds --seeds 0 1 2 3 4 --json tools/results/recipe_seeds_measured.json
+    python -m tools.bench.recipe_seeds --seeds 0 --epochs 1          # a quick look
 
 Needs MNIST in ``TFDS_DATA_DIR``; it never downloads.
 """
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import benchmark
+from tools.bench import harness
 
 GOAL_ACCURACY = 0.993
 GOAL_TIME_RATIO = 0.5
@@ -61,7 +61,7 @@ def measure(seeds: list[int], tutorial_seeds: list[int], epochs: int | None = No
         for seed in tutorial_seeds:
             m = train("tutorial", seed, extra, Path(scratch) / f"tutorial-{seed}")
             runs.append(_row("tutorial", seed, "1 device", m))
-    return {"machine": benchmark.machine(), "epochs": epochs, **summarise(runs), "runs": runs}
+    return {"machine": harness.machine(), "epochs": epochs, **summarise(runs), "runs": runs}
 
 
 def _row(recipe: str, seed: int, topology: str, metrics: dict) -> dict:
@@ -129,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
     payload = measure(args.seeds, args.tutorial_seeds, args.epochs)
-    print(benchmark.machine_line(payload["machine"]))
+    print(harness.machine_line(payload["machine"]))
     print("\n".join(table(payload)))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+        harness.write_json(args.json, payload)
     return 0
 
 

@@ -13,27 +13,21 @@ copy one step ahead only when no distribution is set (``JAXEpochIterator._get_it
 under any distribution each batch is copied just before its step. That variant is the
 tfdist model with the same one-batch look-ahead applied to the distributed iterator.
 
-    KERAS_BACKEND=jax python tools/bench_gpu.py --json gpu.json
-    KERAS_BACKEND=jax python tools/bench_gpu.py --batches 128 --rounds 1 --steps 10   # smoke
+    KERAS_BACKEND=jax python -m tools.bench.gpu --json gpu.json
+    KERAS_BACKEND=jax python -m tools.bench.gpu --batches 128 --rounds 1 --steps 10   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import contextlib  # noqa: E402
-
-import tfdist  # noqa: E402  (before jax: device set-up)
+import tfdist  # (before jax: device set-up)
+from tools.bench import harness
 
 _nothing = contextlib.nullcontext
 
@@ -137,7 +131,7 @@ def measure(batches, rounds: int, steps: int) -> dict:
                 _epoch_ms(keras, m, x[: batch * 3], y[: batch * 3], batch)
         times = {v: [] for v in VARIANTS}
         for r in range(rounds):
-            for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            for v in harness.in_turn(VARIANTS, r):
                 with _LookAhead() if v == "tfdist_ahead" else _nothing():
                     times[v].append(_epoch_ms(keras, models[v], x, y, batch))
         ms = {v: statistics.median(t) for v, t in times.items()}
@@ -192,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args.batches, args.rounds, args.steps)
     print(format_table(figures))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

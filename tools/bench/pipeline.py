@@ -16,7 +16,7 @@ Two figures, each a ratio of runs alternated A B A B (the machine is noisy):
 
 Usage (needs MNIST under TFDS_DATA_DIR)::
 
-    TFDS_DATA_DIR=/path/to/tensorflow_datasets python tools/bench_pipeline.py
+    TFDS_DATA_DIR=/path/to/tensorflow_datasets python -m tools.bench.pipeline
 
 As a module: ``from tools.bench_pipeline import run; figures = run()``.
 """
@@ -28,21 +28,28 @@ import logging
 import statistics
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import tensorflow as tf
 
-from tfdist import data
+from tools.bench import harness
+
+if TYPE_CHECKING:  # TensorFlow loads when a benchmark runs, not when the table imports this
+    import tensorflow as tf
 
 BATCH = 128
 EPOCHS = 3
 
 
 def _naive(raw: tf.data.Dataset) -> tf.data.Dataset:
+    from tfdist import data
+
     return raw.map(data.scale).batch(BATCH)
 
 
 def _count(ds: tf.data.Dataset) -> int:
+    import tensorflow as tf
+
     # Read inside TensorFlow (Dataset.reduce), so the figure is the pipeline's speed
     # and not that of a Python loop over batches.
     return int(
@@ -76,6 +83,8 @@ def throughput(*, rounds: int = 3, epochs: int = EPOCHS, cold: bool = False) -> 
         Per variant: examples per wall second and per CPU second (medians over rounds),
         the wall seconds of every run, and the ratios to the naive pipeline.
     """
+    from tfdist import data
+
     shared = None
     if not cold:
         shared = data.mnist("train")
@@ -161,6 +170,10 @@ def input_bound(*, rounds: int = 3, map_on: str = "auto", split: str = "train") 
     Returns:
         A dict with the step times (ms: median, mean, CPU) and their ratios.
     """
+    import tensorflow as tf
+
+    from tfdist import data
+
     raw = data.mnist(split)
     images, labels = next(iter(raw.batch(60_000)))
     steps = int(images.shape[0]) // BATCH
@@ -218,20 +231,77 @@ def run(*, rounds: int = 3, train_rounds: int = 3) -> dict:
         >>> figures["throughput_warm"]["pipeline_vs_naive"] >= 7  # doctest: +SKIP
         True
     """
-    import os
-    import platform
+    from tools.bench import harness
 
     return {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "gpus": len(tf.config.list_physical_devices("GPU")),
-            "platform": platform.platform(),
-            "tensorflow": tf.__version__,
-        },
+        "machine": harness.machine(),
         "throughput_warm": throughput(rounds=rounds),
         "throughput_cold": throughput(rounds=rounds, cold=True),
         "input_bound": input_bound(rounds=train_rounds),
     }
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+PIPELINE_EPOCHS = 10  # each run reads MNIST 10 times: seconds for the fast side, not ~1 s
+
+
+def _figures_pipeline(quick: bool, pairs: int) -> dict:
+    return throughput(rounds=pairs, epochs=1 if quick else PIPELINE_EPOCHS)
+
+
+def _result_pipeline(f: dict, quick: bool) -> harness.Result:
+    ratios = harness.ratios(
+        f["naive_wall_s"], f["pipeline_wall_s"]
+    )  # = throughput A / throughput B
+    return harness.Result(
+        ratios,
+        unit="throughput ratio",
+        met=statistics.median(ratios) >= 7,
+        a_values=f["pipeline_wall_s"],
+        b_values=f["naive_wall_s"],
+        notes=f"examples/s over {f['epochs']} epoch(s): pipeline "
+        f"{f['pipeline_examples_per_s']}, naive {f['naive_examples_per_s']}; ratio is "
+        "throughput A / throughput B",
+    )
+
+
+def _figures_input_bound(quick: bool, pairs: int) -> dict:
+    return input_bound(rounds=1 if quick else pairs, split="train[:20%]" if quick else "train")
+
+
+def _result_input_bound(f: dict, quick: bool) -> harness.Result:
+    return harness.Result(
+        [f["input_bound_ratio"]],
+        met=f["input_bound_ratio"] <= 1.05,
+        a_values=[f["pipeline_step_ms"]],
+        b_values=[f["in_memory_step_ms"]],
+        value_unit="ms/step",
+        notes=f"median step {f['pipeline_step_ms']} ms vs {f['in_memory_step_ms']} ms "
+        f"over {f['rounds']} alternated epoch(s) each; CPU-time ratio "
+        f"{f['input_bound_ratio_cpu']}",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "pipeline",
+        "tfdist.data.pipeline throughput (MNIST, 10 epochs)",
+        "naive raw.map(scale).batch(128)",
+        ">= 7",
+        _figures_pipeline,
+        _result_pipeline,
+    ),
+    harness.Row(
+        "input-bound",
+        "convnet step fed by tfdist.data.pipeline",
+        "fed by in-memory batches",
+        "<= 1.05",
+        _figures_input_bound,
+        _result_input_bound,
+    ),
+]
 
 
 if __name__ == "__main__":

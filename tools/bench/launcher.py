@@ -20,64 +20,37 @@ parameters on MNIST-sized synthetic data, global batch 128):
   costs alone (``stack_start``: milliseconds to create a private network with and
   without it, alternated in this process).
 
-    python tools/bench_launcher.py            # 3 pairs each
-    python tools/bench_launcher.py --quick    # 1 pair each, fewer steps
-    python tools/bench_launcher.py --json figures.json
-    python tools/bench_launcher.py --network-only --pairs 5
+    python -m tools.bench.launcher            # 3 pairs each
+    python -m tools.bench.launcher --quick    # 1 pair each, fewer steps
+    python -m tools.bench.launcher --json figures.json
+    python -m tools.bench.launcher --network-only --pairs 5
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tfdist.core.cluster import worker_tf_config
+from tfdist.launch import free_ports
+from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
+from tools.bench import harness
+
+REPO = harness.REPO
 JOB = REPO / "tests" / "scripts" / "mw_bench_job.py"
 TIMEOUT = 600  # seconds for one measured run
 STARTUP_GOAL = 1.1
 NETWORK_GOAL = 1.05
 
-if str(REPO) not in sys.path:  # `python tools/bench_launcher.py` from a checkout
-    sys.path.insert(0, str(REPO))
-
-from tfdist.core.cluster import worker_tf_config  # noqa: E402
-from tfdist.launch import free_ports  # noqa: E402
-from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork  # noqa: E402
-
 EGRESS_THROUGH = re.compile(r"outbound connections go out through (\S+) \(")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
-    }
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def _report(text: str) -> dict:
-    """The JSON line worker 0 printed (``[w0] {...}`` under the launcher)."""
-    for line in reversed(text.splitlines()):
-        start = line.find("{")
-        if start >= 0 and line[:start].strip() in ("", "[w0]"):
-            try:
-                return json.loads(line[start:])
-            except ValueError:
-                continue
-    raise RuntimeError(f"bench_launcher: the job printed no report:\n{text[-3000:]}")
-
-
-def _launcher(job_args: list[str], *flags: str) -> tuple[float, dict]:
+def launched(job_args: list[str], *flags: str) -> tuple[float, dict]:
     started, report, _ = _launch(job_args, *flags)
     return started, report
 
@@ -101,7 +74,7 @@ def _launch(job_args: list[str], *flags: str) -> tuple[float, dict, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "tfdist", "launch", "-n", "2", *flags, str(JOB), *job_args],
         cwd=REPO,
-        env=_env(),
+        env=harness.child_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -110,7 +83,7 @@ def _launch(job_args: list[str], *flags: str) -> tuple[float, dict, str]:
         raise RuntimeError(
             f"bench_launcher: tfdist launch exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, _report(proc.stdout), proc.stderr
+    return started, harness.worker0_json(proc.stdout, "bench_launcher"), proc.stderr
 
 
 def _by_hand(job_args: list[str]) -> tuple[float, dict]:
@@ -120,7 +93,7 @@ def _by_hand(job_args: list[str]) -> tuple[float, dict]:
         subprocess.Popen(
             [sys.executable, str(JOB), *job_args],
             cwd=REPO,
-            env=_env(TF_CONFIG=worker_tf_config(addresses, index)),
+            env=harness.child_env(TF_CONFIG=worker_tf_config(addresses, index)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -135,15 +108,15 @@ def _by_hand(job_args: list[str]) -> tuple[float, dict]:
     for proc, (_, err) in zip(procs, outputs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"bench_launcher: a worker exited {proc.returncode}:\n{err[-3000:]}")
-    return started, _report(outputs[0][0])
+    return started, harness.worker0_json(outputs[0][0], "bench_launcher")
 
 
-def _one_process(job_args: list[str]) -> tuple[float, dict]:
+def one_process(job_args: list[str]) -> tuple[float, dict]:
     started = time.time()
     proc = subprocess.run(
         [sys.executable, str(JOB), *job_args],
         cwd=REPO,
-        env=_env(TFDIST_CPU_DEVICES="2"),
+        env=harness.child_env(TFDIST_CPU_DEVICES="2"),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -152,35 +125,7 @@ def _one_process(job_args: list[str]) -> tuple[float, dict]:
         raise RuntimeError(
             f"bench_launcher: the job exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, _report(proc.stdout)
-
-
-def _alternate(a: Callable[[], float], b: Callable[[], float], pairs: int) -> tuple[list, list]:
-    """``pairs`` A/B pairs after one unrecorded warm-up pair (disk caches, compilation)."""
-    a(), b()
-    a_values, b_values = [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            a_values.append(a())
-            b_values.append(b())
-        else:
-            b_values.append(b())
-            a_values.append(a())
-    return a_values, b_values
-
-
-def _summary(a: list[float], b: list[float]) -> dict:
-    ratios = [x / y for x, y in zip(a, b, strict=True)]
-    return {
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "ratios": ratios,
-        "a": a,
-        "b": b,
-        "a_median": statistics.median(a),
-        "b_median": statistics.median(b),
-    }
+    return started, harness.worker0_json(proc.stdout, "bench_launcher")
 
 
 def startup(*, pairs: int = 3) -> dict:
@@ -199,7 +144,7 @@ def startup(*, pairs: int = 3) -> dict:
 
         return once
 
-    result = _summary(*_alternate(measure(_launcher), measure(_by_hand), pairs))
+    result = harness.summary(*harness.alternate(measure(launched), measure(_by_hand), pairs))
     result.update(unit="s", goal=f"<= {STARTUP_GOAL}", met=result["ratio_median"] <= STARTUP_GOAL)
     return result
 
@@ -223,7 +168,7 @@ def network(*, pairs: int = 3) -> dict:
 
         return once
 
-    result = _summary(*_alternate(measure(), measure("--shared-network"), pairs))
+    result = harness.summary(*harness.alternate(measure(), measure("--shared-network"), pairs))
     result.update(unit="s", goal=f"<= {NETWORK_GOAL}", met=result["ratio_median"] <= NETWORK_GOAL)
     result.update(egress=", ".join(sorted(set(egress))), stack_start=stack_start())
     return result
@@ -252,7 +197,7 @@ def stack_start(*, repeats: int = 10) -> dict:
         return once
 
     try:
-        without, with_stack = _alternate(create(False), create(True), repeats)
+        without, with_stack = harness.alternate(create(False), create(True), repeats)
     except NamespaceUnavailable as err:
         return {"error": str(err)}
     return {
@@ -291,7 +236,9 @@ def per_step(
 
         return once
 
-    result = _summary(*_alternate(measure(_launcher, 2), measure(_one_process, 2), pairs))
+    result = harness.summary(
+        *harness.alternate(measure(launched, 2), measure(one_process, 2), pairs)
+    )
     result.update(
         unit="ms/step", steps=steps, warmup=warmup, steps_per_execution=steps_per_execution
     )
@@ -334,6 +281,81 @@ def _print_network(n: dict) -> None:
     )
 
 
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_launcher(quick: bool, pairs: int) -> dict:
+    f = startup(pairs=pairs * (1 if quick else harness.REPEATS))
+    return {**f, "repeats": 1 if quick else harness.REPEATS}
+
+
+def _result_launcher(f: dict, quick: bool) -> harness.Result:
+    repeats = f.get("repeats", 1)
+    return harness.Result(
+        harness.grouped(f["ratios"], repeats),
+        met=f["ratio_median"] <= 1.1,
+        a_values=f["a"],
+        b_values=f["b"],
+        notes=f"launch to first step: {f['a_median']:.2f} s vs {f['b_median']:.2f} s; each "
+        f"ratio the median of {repeats} alternated pair(s)",
+    )
+
+
+MULTI_WORKER_STEP_GOAL = 1.2  # 2 workers against 2 devices, both with K = 8
+
+
+def _figures_multi_worker_step(quick: bool, pairs: int, steps_per_execution: int = 1) -> dict:
+    # 320 timed steps: several seconds per run, so one slow second moves it by < 15 %.
+    return per_step(
+        pairs=pairs,
+        steps=32 if quick else 320,
+        warmup=8 if quick else 24,
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def _result_multi_worker_step(f: dict, quick: bool) -> harness.Result:
+    spe = f.get("steps_per_execution", 1)
+    goal = MULTI_WORKER_STEP_GOAL if spe > 1 else None
+    return harness.Result(
+        f["ratios"],
+        met=None if quick or goal is None else f["ratio_median"] <= goal,
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per step (gRPC all-reduce "
+        f"between processes against in-process all-reduce), steps_per_execution={spe}",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "launcher",
+        "`tfdist launch -n 2` to first step",
+        "two processes with hand-written TF_CONFIG",
+        "<= 1.1",
+        _figures_launcher,
+        _result_launcher,
+    ),
+    harness.Row(
+        "multi-worker-step",
+        "2 workers, ms/step",
+        "2 logical devices in one process",
+        "none (the cost of gRPC)",
+        _figures_multi_worker_step,
+        _result_multi_worker_step,
+    ),
+    harness.Row(
+        "multi-worker-step-k8",
+        "2 workers, steps_per_execution=8, ms/step",
+        "2 logical devices in one process, the same",
+        f"<= {MULTI_WORKER_STEP_GOAL}",
+        harness.executions(_figures_multi_worker_step),
+        _result_multi_worker_step,
+    ),
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one pair each, fewer steps")
@@ -347,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = {"network": network(pairs=args.pairs or 3)}
         _print_network(figures["network"])
         if args.json:
-            Path(args.json).write_text(json.dumps(figures, indent=2))
+            harness.write_json(args.json, figures)
         return 0
     figures = run(quick=args.quick, pairs=args.pairs)
     s, p = figures["startup"], figures["per_step"]
@@ -364,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _print_network(figures["network"])
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

@@ -21,8 +21,8 @@ alternated in rounds, per ``--batch`` images (the global batch of the 2-device j
 Each figure is the median step (``on_train_batch_begin`` to ``on_train_batch_end``) after a
 warm-up, in ms per B images, and its ratio to ``1 device`` in the same round.
 
-    python tools/bench_logical_devices.py --rounds 3 --json tools/logical_devices_measured.json
-    python tools/bench_logical_devices.py --quick   # one short round
+    python -m tools.bench.logical_devices --rounds 3 --json tools/results/logical_devices_measured.json
+    python -m tools.bench.logical_devices --quick   # one short round
 """
 
 from __future__ import annotations
@@ -33,12 +33,9 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-from benchmark import machine
+from tools.bench.harness import REPO, in_turn, machine, write_json
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
 RESULT = "LOGICAL "
 TIMEOUT_S = 900
 # name -> (devices, share of the global batch per step, times the step is counted, env, loop)
@@ -151,7 +148,7 @@ def run_config(name: str, batch: int, steps: int, warmup: int) -> float:
     devices, share, count, _, loop = CONFIGS[name]
     env = config_env(name, os.environ)
     code = (
-        "import json, sys; sys.path.insert(0, 'tools'); import bench_logical_devices as b; "
+        "import json, sys; from tools.bench import logical_devices as b; "
         f"print({RESULT!r} + json.dumps(b.job({batch // share}, {steps}, {warmup}, {loop!r})))"
     )
     proc = subprocess.run(
@@ -175,7 +172,7 @@ def measure(batch: int = 256, rounds: int = 3, steps: int = 60, warmup: int = 10
     """Every configuration once per round, the order reversed in every other round."""
     values: dict[str, list[float]] = {name: [] for name in CONFIGS}
     for index in range(rounds):
-        order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))
+        order = in_turn(list(CONFIGS), index)
         for name in order:
             values[name].append(run_config(name, batch, steps, warmup))
     return {
@@ -190,7 +187,7 @@ def measure(batch: int = 256, rounds: int = 3, steps: int = 60, warmup: int = 10
 
 
 def report(payload: dict) -> str:
-    """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them)."""
+    """The lines docs/benchmarks.md shows (tools/docs/figures.py renders them)."""
     reference = payload["ms"][REFERENCE]
     lines = [
         f"The MNIST job's convnet, ms per step of {payload['batch']} images (median of "
@@ -225,7 +222,7 @@ def main(argv=None) -> int:
         payload = measure(args.batch, args.rounds)
     print(report(payload))
     if args.json:
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

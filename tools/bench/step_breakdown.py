@@ -29,26 +29,25 @@ for, i.e. not hidden behind the backward pass), Python/callback overhead = fit -
 The parent runs the job as ``tfdist launch -n 2`` and with ``TFDIST_CPU_DEVICES=2``,
 alternating, and prints both columns side by side, the exposed communication per step, and
 (with ``--json``) the figures with the machine: CPU, cores, load average, versions, date.
-tools/bench_overlap.py is the experiment that tries to hide it.
+tools/bench/overlap.py is the experiment that tries to hide it.
 
-    python tools/step_breakdown.py               # 3 alternated pairs, the MLP
-    python tools/step_breakdown.py --model resnet --pairs 3 --json breakdown.json
-    python tools/step_breakdown.py --quick       # 1 short pair: checks the figures exist
+    python -m tools.bench.step_breakdown               # 3 alternated pairs, the MLP
+    python -m tools.bench.step_breakdown --model resnet --pairs 3 --json breakdown.json
+    python -m tools.bench.step_breakdown --quick       # 1 short pair: checks the figures exist
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-REPO = TOOLS.parent
+from tools.bench import harness
+
+REPO = harness.REPO
 TIMEOUT_S = 900
 PARTS = ("input", "compute", "allreduce", "step", "fit", "fit_accuracy")
 
@@ -173,7 +172,7 @@ def _step_functions(tf, keras, strategy, model, iterator):
     }
 
 
-def _time_calls(fn, calls: int) -> float:
+def time_calls(fn, calls: int) -> float:
     """Milliseconds per call, ``calls`` calls, synchronised at the end."""
     start = time.perf_counter()
     for _ in range(calls):
@@ -222,11 +221,11 @@ def child(rounds: int, calls: int, global_batch: int, model_name: str = "mlp") -
     iterator = iter(strategy.experimental_distribute_dataset(data))
     parts = _step_functions(tf, keras, strategy, model, iterator)
     for fn in parts.values():  # trace and warm up
-        _time_calls(fn, 5)
+        time_calls(fn, 5)
     times = {name: [] for name in PARTS}
     for _ in range(rounds):
         for name, fn in parts.items():
-            times[name].append(_time_calls(fn, calls))
+            times[name].append(time_calls(fn, calls))
         for name, m in fits.items():
             times[name].append(_fit_ms(keras, m, data, calls + 8))
     return {
@@ -236,48 +235,12 @@ def child(rounds: int, calls: int, global_batch: int, model_name: str = "mlp") -
     }
 
 
-def machine() -> dict:
-    """CPU model, cores, load average, versions and date, for the top of a report."""
-    import datetime
-    import importlib.metadata as md
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
-    except OSError:
-        pass
-
-    def version(dist: str) -> str | None:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return None
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "load_avg": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "tensorflow": version("tensorflow") or version("tensorflow-cpu"),
-        "keras": version("keras"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    }
-
-
-def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES")}
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
 def _run(where: str, child_args: list[str]) -> dict:
-    me = [str(Path(__file__).resolve()), "--child", *child_args]
+    me = ["-m", __spec__.name, "--child", *child_args]
     if where == "workers":
-        cmd, env = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me], _env()
+        cmd, env = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me], harness.child_env()
     else:
-        cmd, env = [sys.executable, *me], _env(TFDIST_CPU_DEVICES="2")
+        cmd, env = [sys.executable, *me], harness.child_env(TFDIST_CPU_DEVICES="2")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     for line in reversed(proc.stdout.splitlines()):
         start = line.find("{")
@@ -308,10 +271,10 @@ def measure(
         )
     args = ["--rounds", str(rounds), "--calls", str(calls), "--global-batch", str(global_batch)]
     args += ["--model", model]
-    before = machine()
+    before = harness.machine()
     runs = {"workers": [], "devices": []}
     for i in range(pairs):
-        for where in ("workers", "devices") if i % 2 == 0 else ("devices", "workers"):
+        for where in harness.in_turn(("workers", "devices"), i):
             runs[where].append(_run(where, args)["ms"])
     out = {}
     for where, results in runs.items():
@@ -321,7 +284,7 @@ def measure(
             for p in PARTS
         }
     out.update(pairs=pairs, rounds=rounds, calls=calls, global_batch=global_batch, model=model)
-    out.update(machine=before, load_after=machine()["load_avg"])
+    out.update(machine=before, load_after=harness.machine()["load_avg"])
     # The communication a step waits for: the step minus its forward + backward.
     out["exposed_comm_ms"] = {w: derived(out[w])["exposed_allreduce"] for w in runs}
     return out
@@ -394,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args.pairs, args.rounds, args.calls, args.global_batch, args.model)
     print(format_table(figures))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

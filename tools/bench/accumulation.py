@@ -1,7 +1,7 @@
 """What gradient accumulation costs across workers: ms per micro-step, 2 workers vs 2 devices.
 
-The ``multi-worker-accumulation`` row of tools/benchmark.py. The job (this file with
-``--job``) trains tools/bench_launcher.py's MLP (784-256-256-10, 269k parameters) on
+The ``multi-worker-accumulation`` row of tools/bench/suite.py. The job (this file with
+``--job``) trains tools/bench/launcher.py's MLP (784-256-256-10, 269k parameters) on
 MNIST-sized synthetic data with ``SGD(gradient_accumulation_steps=4)``, global batch 128
 per micro-step, under ``tfdist.strategy()``. A: 2 workers (``tfdist launch -n 2``, gRPC
 all-reduce between processes); B: 2 logical CPU devices in one process. Since
@@ -10,8 +10,8 @@ gRPC all-reduce once every 4 micro-steps (goal: A/B <= 1.2; ``multi-worker-step`
 same comparison without accumulation). Runs alternate A B B A ... after a warm-up pair;
 each times whole windows after warm-up windows.
 
-    python tools/bench_accumulation.py --pairs 3
-    python -m tfdist launch -n 2 tools/bench_accumulation.py --job --steps 200
+    python -m tools.bench.accumulation --pairs 3
+    python -m tfdist launch -n 2 tools/bench/accumulation.py --job --steps 200
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
+
+from tools.bench import harness
 
 K = 4  # micro-steps per window
 GOAL = 1.2
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
 
 
 def window_steps(steps: int, warmup: int, steps_per_execution: int = 1) -> tuple[int, int]:
@@ -62,7 +60,7 @@ def per_micro_step(
         >>> per_micro_step(pairs=1, steps=40)["ratio_median"]  # doctest: +SKIP
         1.1
     """
-    import bench_launcher
+    from tools.bench import launcher as bench_launcher
 
     steps, warmup = window_steps(steps, warmup, steps_per_execution)
     args = ["--job", "--steps", str(steps), "--warmup", str(warmup)]
@@ -83,8 +81,8 @@ def per_micro_step(
     def one_process(job_args):
         return _run_self(bench_launcher, job_args, launch=False)
 
-    a, b = bench_launcher._alternate(measure(launched), measure(one_process), pairs)
-    result = bench_launcher._summary(a, b)
+    a, b = harness.alternate(measure(launched), measure(one_process), pairs)
+    result = harness.summary(a, b)
     result.update(
         unit="ms/micro-step",
         steps=steps,
@@ -102,13 +100,13 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
     """This file as the job: under ``tfdist launch -n 2``, or alone on 2 logical CPUs."""
     import subprocess
 
-    me = str(Path(__file__).resolve())
+    me = ["-m", __spec__.name]
     if launch:
-        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", me, *job_args]
-        env = bench_launcher._env()
+        cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me, *job_args]
+        env = harness.child_env()
     else:
-        cmd = [sys.executable, me, *job_args]
-        env = bench_launcher._env(TFDIST_CPU_DEVICES="2")
+        cmd = [sys.executable, *me, *job_args]
+        env = harness.child_env(TFDIST_CPU_DEVICES="2")
     started = time.time()
     proc = subprocess.run(
         cmd,
@@ -122,7 +120,7 @@ def _run_self(bench_launcher, job_args: list[str], *, launch: bool) -> tuple[flo
         raise RuntimeError(
             f"bench_accumulation: {cmd[1:5]} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         )
-    return started, bench_launcher._report(proc.stdout)
+    return started, harness.worker0_json(proc.stdout, "bench_accumulation")
 
 
 def job(steps: int, warmup: int, global_batch: int = 128, steps_per_execution: int = 1) -> None:
@@ -191,6 +189,54 @@ def job(steps: int, warmup: int, global_batch: int = 128, steps_per_execution: i
     }
     if tfdist.is_chief():
         print(json.dumps(report), flush=True)
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_multi_worker_accumulation(
+    quick: bool, pairs: int, steps_per_execution: int = 1
+) -> dict:
+    return per_micro_step(
+        pairs=pairs,
+        steps=24 if quick else 420,
+        warmup=4 if quick else 20,
+        steps_per_execution=steps_per_execution,
+    )
+
+
+def _result_multi_worker_accumulation(f: dict, quick: bool) -> harness.Result:
+    return harness.Result(
+        f["ratios"],
+        met=None if quick else f["ratio_median"] <= f["goal_ratio"],
+        a_values=f["a"],
+        b_values=f["b"],
+        value_unit="ms/micro-step",
+        notes=f"{f['a_median']:.1f} ms vs {f['b_median']:.1f} ms per micro-step with "
+        f"gradient_accumulation_steps={f['accumulation_steps']} (one all-reduce per window), "
+        f"steps_per_execution={f.get('steps_per_execution', 1)}, "
+        f"{f['steps'] - f['warmup']} timed micro-steps per run",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "multi-worker-accumulation",
+        "2 workers, gradient_accumulation_steps=4, ms/micro-step",
+        "2 logical devices in one process, the same",
+        "<= 1.2",
+        _figures_multi_worker_accumulation,
+        _result_multi_worker_accumulation,
+    ),
+    harness.Row(
+        "multi-worker-accumulation-k8",
+        "2 workers, gradient_accumulation_steps=4, steps_per_execution=8, ms/micro-step",
+        "2 logical devices in one process, the same",
+        "<= 1.2",
+        harness.executions(_figures_multi_worker_accumulation),
+        _result_multi_worker_accumulation,
+    ),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

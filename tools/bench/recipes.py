@@ -8,10 +8,10 @@ Runs are interleaved in counterbalanced rounds (tutorial, fast; then fast, tutor
 so that a change in the machine's load hits both recipes alike, and the ratio
 fast/tutorial is taken within each round.
 
-    python tools/bench_recipes.py                     # both recipes, seed 0
-    python tools/bench_recipes.py --seeds 0 1 2       # three rounds
-    python tools/bench_recipes.py --quick             # smoke test: 2048 examples, 1 epoch
-    python tools/bench_recipes.py --recipes fast --per-replica-batch 512   # LR scaled 4x
+    python -m tools.bench.recipes                     # both recipes, seed 0
+    python -m tools.bench.recipes --seeds 0 1 2       # three rounds
+    python -m tools.bench.recipes --quick             # smoke test: 2048 examples, 1 epoch
+    python -m tools.bench.recipes --recipes fast --per-replica-batch 512   # LR scaled 4x
 
 Needs MNIST in ``TFDS_DATA_DIR`` (or ``--data-dir``); it never downloads.
 """
@@ -19,19 +19,19 @@ Needs MNIST in ``TFDS_DATA_DIR`` (or ``--data-dir``); it never downloads.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import logging
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
+
+from tools.bench import harness
 
 logger = logging.getLogger(__name__)
+REPO = harness.REPO
 
 RECIPES = ("tutorial", "fast")
 QUICK_TRAIN, QUICK_TEST = 2048, 1000
@@ -170,10 +170,10 @@ def train_once(
 
 
 def _run_child(args: list[str], *, timeout_s: float, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    cmd = [sys.executable, "-m", __spec__.name, "--child", *args]
     try:
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
         )
     except subprocess.TimeoutExpired:  # subprocess.run has killed the child by now
         raise TimeoutError(
@@ -200,7 +200,7 @@ def run_order(recipes: Sequence[str], rounds: int) -> list[tuple[int, str]]:
     """
     order = []
     for i in range(rounds):
-        names = list(recipes) if i % 2 == 0 else list(reversed(recipes))
+        names = harness.in_turn(list(recipes), i)
         order.extend((i, name) for name in names)
     return order
 
@@ -322,9 +322,7 @@ def benchmark(
         "runs": runs,
         "summary": summarize(runs),
         "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "tensorflow": importlib.metadata.version("tensorflow"),
+            **harness.machine(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
@@ -345,6 +343,41 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--child", metavar="RECIPE", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     return p
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_time_to_accuracy(quick: bool, pairs: int) -> dict:
+    return benchmark(quick=quick, seeds=list(range(1 if quick else pairs)))
+
+
+def _result_time_to_accuracy(f: dict, quick: bool) -> harness.Result:
+    summary = f["summary"]
+    fast, tutorial = summary["recipes"]["fast"], summary["recipes"]["tutorial"]
+    ratios = summary["ratios_by_round"]
+    reaches = fast["all_reach_0.99"]
+    return harness.Result(
+        ratios,
+        met=None if quick else (statistics.median(ratios) < 1 and reaches),
+        a_values=fast["train_s"],
+        b_values=tutorial["train_s"],
+        notes=f"test accuracy fast {fast['test_accuracy']} vs tutorial "
+        f"{tutorial['test_accuracy']}; fit time only, each run a fresh process"
+        + (" (quick: 2048 examples, 1 epoch: no accuracy goal)" if quick else ""),
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "time-to-accuracy",
+        "fast recipe (>= 99.0%)",
+        "tutorial recipe, 12 epochs",
+        "< 1 and reaches 99%",
+        _figures_time_to_accuracy,
+        _result_time_to_accuracy,
+    )
+]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -396,9 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(per round: {s['ratios_by_round']})"
         )
     m = result["machine"]
-    print(
-        f"machine: {m['cpus']} CPUs, {m['platform']}, TF {m['tensorflow']}, load {m['loadavg_before']} -> {m['loadavg_after']}"
-    )
+    print(f"{harness.machine_line(m)}; load {m['loadavg_before']} -> {m['loadavg_after']}")
     return 0
 
 

@@ -8,15 +8,14 @@ codes are removed, and the known-harmless start-up lines (``tfdist.core.quiet``)
 The notebook's metadata and its last cell record the machine, the versions, the date and
 the parameters that produced the outputs.
 
-    python tools/run_notebooks.py                      # all four, their own parameters
-    python tools/run_notebooks.py --only 01_mirrored_mnist --param EPOCHS=2
+    python -m tools.docs.notebooks                      # all four, their own parameters
+    python -m tools.docs.notebooks --only 01_mirrored_mnist --param EPOCHS=2
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.metadata as md
 import re
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import nbformat
 
 from tfdist.core import quiet
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 STAMP_KEY = "tfdist_run"
 STAMP_HEADING = "## How these outputs were produced"
@@ -39,14 +38,10 @@ TF_CHATTER = re.compile(r"^INFO:tensorflow:(Collective all_reduce|Using Mirrored
 
 
 def machine() -> dict:
-    """CPU, cores, GPUs, versions and date (``tools/benchmark.py``'s), plus jax's."""
-    import benchmark
+    """CPU, cores, GPUs, versions and date (the benchmarks' stamp), GPUs as one string."""
+    from tools.bench import harness
 
-    stamp = benchmark.machine()
-    try:
-        stamp["jax"] = md.version("jax")
-    except md.PackageNotFoundError:
-        stamp["jax"] = None
+    stamp = harness.machine()
     stamp["gpus"] = ", ".join(stamp["gpus"]) or "none"
     return stamp
 
@@ -84,7 +79,7 @@ def _inject(nb, overrides: dict) -> None:
     if not overrides:
         return
     cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
-    cell.source += "\n# injected by tools/run_notebooks.py\n" + "\n".join(
+    cell.source += "\n# injected by tools/docs/notebooks.py\n" + "\n".join(
         f"{k} = {v!r}" for k, v in overrides.items()
     )
 
@@ -93,7 +88,7 @@ def _stamp(nb, stamp: dict) -> None:
     nb.metadata[STAMP_KEY] = stamp
     text = (
         f"{STAMP_HEADING}\n\n"
-        f"Run with `python tools/run_notebooks.py` on {stamp['date']}: {stamp['cpu']}, "
+        f"Run with `python -m tools.docs.notebooks` on {stamp['date']}: {stamp['cpu']}, "
         f"{stamp['cores']} cores, GPUs: {stamp['gpus']}; Python {stamp['python']}, TensorFlow "
         f"{stamp['tensorflow']}, Keras {stamp['keras']}, jax {stamp['jax']}, tfdist "
         f"{stamp['tfdist']}. Parameters: {stamp['parameters'] or 'the defaults above'}. "

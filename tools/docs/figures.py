@@ -3,28 +3,28 @@
 Every figure in docs/ comes from a file a tool wrote, with the machine, the versions and
 the date inside it; this tool renders those files into the pages' generated blocks:
 
-* docs/benchmarks.md: ``tools/benchmark_measured.json``
-  (``python tools/benchmark.py --pairs 3 --json tools/benchmark_measured.json``) and
-  ``tools/benchmark_runs.json``, runs in a row on one machine
-  (``python tools/docs_figures.py --combine-runs run1.json run2.json run3.json``);
-* docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
-  ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``);
-* docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
-  --json tools/recipe_seeds_measured.json``);
-* docs/checkpoints.md: ``tools/sharded_measured.json`` (``python tools/bench_sharded.py
+* docs/benchmarks.md: ``tools/results/benchmark_measured.json``
+  (``python -m tools.bench --pairs 3 --json tools/results/benchmark_measured.json``) and
+  ``tools/results/benchmark_runs.json``, runs in a row on one machine
+  (``python -m tools.docs.figures --combine-runs run1.json run2.json run3.json``);
+* docs/scaling.md: ``python -m tools.scaling_model --gpu tools/results/gpu_measured.json``, from
+  ``tools/results/scaling_measured.json`` and ``tools/results/gpu_measured.json`` (``tools/bench/gpu.py``);
+* docs/mnist.md and README.md: ``tools/results/recipe_seeds_measured.json`` (``python -m tools.bench.recipe_seeds
+  --json tools/results/recipe_seeds_measured.json``);
+* docs/checkpoints.md: ``tools/results/sharded_measured.json`` (``python -m tools.bench.sharded
   --rounds 5 --mb 60 --every 10 --processes 2 --idle-core --json
-  tools/sharded_measured.json``) and
-  ``tools/epoch_start_measured.json`` (``python tools/bench_epoch_start.py --json
-  tools/epoch_start_measured.json``) and ``tools/epoch_start_loaded_measured.json`` (the
-  same with ``--load 2``), and ``tools/logical_devices_measured.json`` (``python
-  tools/bench_logical_devices.py --rounds 3 --json tools/logical_devices_measured.json``),
-  and ``tools/step_breakdown_measured.json`` (``python tools/step_breakdown.py --pairs 2
-  --json tools/step_breakdown_measured.json``), and ``tools/partial_batch_cost_measured.json``
-  (``python tools/bench_partial_batch_cost.py --pairs 5 --json
-  tools/partial_batch_cost_measured.json``), in docs/benchmarks.md.
+  tools/results/sharded_measured.json``) and
+  ``tools/results/epoch_start_measured.json`` (``python -m tools.bench.epoch_start --json
+  tools/results/epoch_start_measured.json``) and ``tools/results/epoch_start_loaded_measured.json`` (the
+  same with ``--load 2``), and ``tools/results/logical_devices_measured.json`` (``python
+  tools/bench/logical_devices.py --rounds 3 --json tools/results/logical_devices_measured.json``),
+  and ``tools/results/step_breakdown_measured.json`` (``python -m tools.bench.step_breakdown --pairs 2
+  --json tools/results/step_breakdown_measured.json``), and ``tools/results/partial_batch_cost_measured.json``
+  (``python -m tools.bench.partial_batch_cost --pairs 5 --json
+  tools/results/partial_batch_cost_measured.json``), in docs/benchmarks.md.
 
-    python tools/docs_figures.py            # print the blocks
-    python tools/docs_figures.py --write    # replace them in the pages
+    python -m tools.docs.figures            # print the blocks
+    python -m tools.docs.figures --write    # replace them in the pages
 
 tests/project/test_docs.py checks the pages hold exactly these blocks.
 """
@@ -39,21 +39,22 @@ import statistics
 import sys
 from pathlib import Path
 
-import generated_block
+from tools import generated_block
 
-TOOLS = Path(__file__).resolve().parent
+TOOLS = Path(__file__).resolve().parents[1]
+RESULTS = TOOLS / "results"
 DOCS = TOOLS.parent / "docs"
-BENCHMARK_JSON = TOOLS / "benchmark_measured.json"
-BENCHMARK_RUNS_JSON = TOOLS / "benchmark_runs.json"
+BENCHMARK_JSON = RESULTS / "benchmark_measured.json"
+BENCHMARK_RUNS_JSON = RESULTS / "benchmark_runs.json"
 STABLE = 0.15  # a row is stable when its min and max lie within 15 % of its median
-RECIPE_SEEDS_JSON = TOOLS / "recipe_seeds_measured.json"
-SHARDED_JSON = TOOLS / "sharded_measured.json"
-EPOCH_START_JSON = TOOLS / "epoch_start_measured.json"
+RECIPE_SEEDS_JSON = RESULTS / "recipe_seeds_measured.json"
+SHARDED_JSON = RESULTS / "sharded_measured.json"
+EPOCH_START_JSON = RESULTS / "epoch_start_measured.json"
 # The same tool with --load 2 (busy loops beside the job); rendered after the quiet run.
-EPOCH_START_LOADED_JSON = TOOLS / "epoch_start_loaded_measured.json"
-LOGICAL_DEVICES_JSON = TOOLS / "logical_devices_measured.json"
-STEP_BREAKDOWN_JSON = TOOLS / "step_breakdown_measured.json"
-PARTIAL_BATCH_COST_JSON = TOOLS / "partial_batch_cost_measured.json"
+EPOCH_START_LOADED_JSON = RESULTS / "epoch_start_loaded_measured.json"
+LOGICAL_DEVICES_JSON = RESULTS / "logical_devices_measured.json"
+STEP_BREAKDOWN_JSON = RESULTS / "step_breakdown_measured.json"
+PARTIAL_BATCH_COST_JSON = RESULTS / "partial_batch_cost_measured.json"
 
 
 def _machine_line(mach: dict) -> str:
@@ -73,7 +74,7 @@ def _ratio(row: dict) -> str:
 
 
 def benchmarks_block(payload: dict) -> list[str]:
-    """The benchmark table of ``payload`` (what ``tools/benchmark.py --json`` writes)."""
+    """The benchmark table of ``payload`` (what ``tools/bench/suite.py --json`` writes)."""
     met = {True: "yes", False: "**no**", None: "-"}
     lines = [
         _machine_line(payload["machine"]) + f" {payload['pairs']} alternated pair(s) per row.",
@@ -126,7 +127,7 @@ def _spread(row: dict) -> float:
 def runs_block(runs: list[dict]) -> list[str]:
     """Each row's median and range in every run of ``runs``, and whether it is stable.
 
-    A run is what ``tools/benchmark.py --json`` writes; a row is stable in a run when
+    A run is what ``tools/bench/suite.py --json`` writes; a row is stable in a run when
     every ratio lies within ``STABLE`` of that run's median.
     """
     names = [row["name"] for row in runs[0]["rows"]]
@@ -153,7 +154,7 @@ def runs_block(runs: list[dict]) -> list[str]:
 
 
 def combine_runs(paths: list[str]) -> dict:
-    """One payload of several ``tools/benchmark.py --json`` files, in the order given.
+    """One payload of several ``tools/bench/suite.py --json`` files, in the order given.
 
     Example:
         >>> combine_runs(["a.json", "b.json"])["runs"][0]["pairs"]  # doctest: +SKIP
@@ -164,64 +165,64 @@ def combine_runs(paths: list[str]) -> dict:
     if len(runs) < 2 or any(n != names[0] for n in names):
         raise ValueError(
             f"combine_runs: needs 2 or more runs of the same rows. Received: {paths} with "
-            f"rows {names}. Run tools/benchmark.py with the same --only and --pairs each time."
+            f"rows {names}. Run tools/bench/suite.py with the same --only and --pairs each time."
         )
     return {"runs": runs}
 
 
 def scaling_block() -> list[str]:
     """The scaling model's report (its inputs name their machines and dates)."""
-    import scaling_model
+    from tools import scaling_model
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        scaling_model.main(["--gpu", str(TOOLS / "gpu_measured.json")])
+        scaling_model.main(["--gpu", str(RESULTS / "gpu_measured.json")])
     lines = out.getvalue().rstrip("\n").splitlines()[1:]  # drop "scaling model, <today>"
     # Its sections become sub-headings of the page's.
     return [("###" + line[2:]) if line.startswith("## ") else line for line in lines]
 
 
 def recipe_seeds_block(payload: dict) -> list[str]:
-    """The fast recipe's seeds table of ``payload`` (what ``tools/recipe_seeds.py`` writes)."""
-    import recipe_seeds
+    """The fast recipe's seeds table of ``payload`` (what ``tools/bench/recipe_seeds.py`` writes)."""
+    from tools.bench import recipe_seeds
 
     return [_machine_line(payload["machine"]), "", *recipe_seeds.table(payload)]
 
 
 def sharded_block(payload: dict) -> list[str]:
-    """The sharded-checkpoint figures of ``payload`` (what ``tools/bench_sharded.py`` writes)."""
-    import bench_sharded
+    """The sharded-checkpoint figures of ``payload`` (what ``tools/bench/sharded.py`` writes)."""
+    from tools.bench import sharded as bench_sharded
 
     return [f"- {line}" for line in bench_sharded.report(payload).splitlines()]
 
 
 def epoch_start_block(payload: dict) -> list[str]:
-    """The first step of an epoch (what ``tools/bench_epoch_start.py`` writes)."""
-    import bench_epoch_start
+    """The first step of an epoch (what ``tools/bench/epoch_start.py`` writes)."""
+    from tools.bench import epoch_start as bench_epoch_start
 
     lines = bench_epoch_start.report(payload).splitlines()
     return [_machine_line(payload["machine"]), "", *(f"- {line}" for line in lines)]
 
 
 def logical_devices_block(payload: dict) -> list[str]:
-    """1 device against 2 logical devices (what ``tools/bench_logical_devices.py`` writes)."""
-    import bench_logical_devices
+    """1 device against 2 logical devices (what ``tools/bench/logical_devices.py`` writes)."""
+    from tools.bench import logical_devices as bench_logical_devices
 
     lines = bench_logical_devices.report(payload).splitlines()
     return [_machine_line(payload["machine"]), "", lines[0], "", *(f"- {x}" for x in lines[1:])]
 
 
 def step_breakdown_block(payload: dict) -> list[str]:
-    """The parts of a step on 2 workers and 2 devices (what ``tools/step_breakdown.py`` writes)."""
-    import step_breakdown
+    """The parts of a step on 2 workers and 2 devices (what ``tools/bench/step_breakdown.py`` writes)."""
+    from tools.bench import step_breakdown
 
     return step_breakdown.format_table(payload).splitlines()
 
 
 def partial_batch_cost_block(payload: dict) -> list[str]:
     """Full batches with the partial-batch fixes on and off (what
-    ``tools/bench_partial_batch_cost.py`` writes)."""
-    import bench_partial_batch_cost
+    ``tools/bench/partial_batch_cost.py`` writes)."""
+    from tools.bench import partial_batch_cost as bench_partial_batch_cost
 
     lines = bench_partial_batch_cost.report(payload).splitlines()
     return [_machine_line(payload["machine"]), "", lines[0], "", *(f"- {x}" for x in lines[1:])]
@@ -260,7 +261,7 @@ def blocks() -> dict[str, tuple[Path, str]]:
 
 
 def _begin(name: str) -> str:
-    return f"<!-- {name}: begin (python tools/docs_figures.py --write) -->"
+    return f"<!-- {name}: begin (python -m tools.docs.figures --write) -->"
 
 
 def _end(name: str) -> str:
@@ -274,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "--combine-runs",
         nargs="+",
         metavar="RUN_JSON",
-        help="write these benchmark.py --json runs to tools/benchmark_runs.json, and the "
-        "last one to tools/benchmark_measured.json",
+        help="write these python -m tools.bench --json runs to tools/results/benchmark_runs.json, and the "
+        "last one to tools/results/benchmark_measured.json",
     )
     args = parser.parse_args(argv)
     if args.combine_runs:

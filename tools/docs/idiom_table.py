@@ -4,8 +4,8 @@
 the cells that cannot equal one device, with why; ``tests/e2e/test_idioms.py`` checks every
 cell against one device and checks that the README holds exactly this table.
 
-    python tools/idiom_table.py            # print the table
-    python tools/idiom_table.py --write    # replace it in README.md
+    python -m tools.docs.idiom_table            # print the table
+    python -m tools.docs.idiom_table --write    # replace it in README.md
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import ast
 import sys
 from pathlib import Path
 
-import generated_block
+from tools import generated_block
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JOB = REPO / "tests" / "scripts" / "idioms_job.py"
 BEGIN, END = "<!-- idiom table: begin -->", "<!-- idiom table: end -->"
 

@@ -22,8 +22,8 @@ communication (variant - compute) and the largest weight difference from ``keras
 the same steps. The parent repeats the launch ``--pairs`` times and prints per variant
 the ratio variant/keras (median and range over launches).
 
-    python tools/bench_overlap.py                       # resnet, 3 launches
-    python tools/bench_overlap.py --pairs 1 --rounds 2 --json overlap.json
+    python -m tools.bench.overlap                       # resnet, 3 launches
+    python -m tools.bench.overlap --pairs 1 --rounds 2 --json overlap.json
 """
 
 from __future__ import annotations
@@ -33,15 +33,11 @@ import json
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+from tools.bench import harness
+from tools.bench import step_breakdown as sb
 
-import step_breakdown as sb  # noqa: E402
-
-REPO = TOOLS.parent
+REPO = harness.REPO
 TIMEOUT_S = 900
 LEARNING_RATE = 0.01
 
@@ -147,11 +143,11 @@ def child(model_name: str, rounds: int, calls: int, global_batch: int, packs: li
         timed[name] = tf.function(
             lambda m=model, f=fn, it=iterator: strategy.run(lambda b: f(m, b), (next(it),))
         )
-        sb._time_calls(timed[name], 5)  # trace and warm up
+        sb.time_calls(timed[name], 5)  # trace and warm up
     times = {name: [] for name in timed}
     for r in range(rounds):
-        for name in list(timed) if r % 2 == 0 else list(reversed(timed)):
-            times[name].append(sb._time_calls(timed[name], calls))
+        for name in harness.in_turn(list(timed), r):
+            times[name].append(sb.time_calls(timed[name], calls))
     ms = {name: statistics.median(v) for name, v in times.items()}
     reference = variants["keras"][0].get_weights()
     trained = [n for n in ms if n != "compute"]
@@ -172,10 +168,10 @@ def child(model_name: str, rounds: int, calls: int, global_batch: int, packs: li
 
 
 def _launch(child_args: list[str]) -> dict:
-    me = [str(Path(__file__).resolve()), "--child", *child_args]
+    me = ["-m", __spec__.name, "--child", *child_args]
     cmd = [sys.executable, "-m", "tfdist", "launch", "-n", "2", *me]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=sb._env(), capture_output=True, text=True, timeout=TIMEOUT_S
+        cmd, cwd=REPO, env=harness.child_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )
     for line in reversed(proc.stdout.splitlines()):
         start = line.find("{")
@@ -224,11 +220,11 @@ def measure(
         )
     args = ["--model", model, "--rounds", str(rounds), "--calls", str(calls),
             "--global-batch", str(global_batch), "--packs", ",".join(map(str, packs))]  # fmt: skip
-    before = sb.machine()
+    before = harness.machine()
     runs = [_launch(args) for _ in range(pairs)]
     return {
         "machine": before,
-        "load_after": sb.machine()["load_avg"],
+        "load_after": harness.machine()["load_avg"],
         "model": model,
         "pairs": pairs,
         "rounds": rounds,
@@ -285,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = measure(args.model, args.pairs, args.rounds, args.calls, args.global_batch, packs)
     print(format_table(figures))
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

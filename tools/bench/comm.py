@@ -6,23 +6,18 @@ B ..., the order inside a pair alternating, after one unrecorded warm-up pair), 
 2 workers (``tfdist launch -n 2``) or as 2 logical devices in one process. It reports the
 median ms/step ratio variant/default with its range: below 1 means the option helps.
 
-    python tools/bench_comm.py                    # every variant, 3 pairs
-    python tools/bench_comm.py --pairs 1 --only pack-64k --json figures.json
+    python -m tools.bench.comm                    # every variant, 3 pairs
+    python -m tools.bench.comm --pairs 1 --only pack-64k --json figures.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
-
-import bench_launcher  # noqa: E402
+from tools.bench import harness
+from tools.bench import launcher as bench_launcher
 
 # name -> (where, job flags). "workers": tfdist launch -n 2; "devices": 2 logical devices.
 VARIANTS = {
@@ -30,13 +25,13 @@ VARIANTS = {
     "pack-64k": ("workers", ["--bytes-per-pack", str(64 * 1024)]),
     "pack-256k": ("workers", ["--bytes-per-pack", str(256 * 1024)]),
     # On a GPU machine add ("nccl", ["--implementation", "nccl"]). steps_per_execution
-    # and jit_compile are not variants (see tools/step_breakdown.py); mw_bench_job.py
+    # and jit_compile are not variants (see tools/bench/step_breakdown.py); mw_bench_job.py
     # still takes their flags.
 }
 
 
 def _runner(where: str, base: list[str], flags: list[str]):
-    run = bench_launcher._launcher if where == "workers" else bench_launcher._one_process
+    run = bench_launcher.launched if where == "workers" else bench_launcher.one_process
 
     def once() -> float:
         _, report = run([*base, *flags])
@@ -56,8 +51,8 @@ def measure(name: str, *, pairs: int = 3, steps: int = 64, model: str = "mlp") -
         raise ValueError(f"bench_comm: unknown variant. Received: name={name!r}; {list(VARIANTS)}")
     where, flags = VARIANTS[name]
     base = ["--steps", str(steps), "--warmup", "16", "--model", model]
-    a, b = bench_launcher._alternate(_runner(where, base, flags), _runner(where, base, []), pairs)
-    result = bench_launcher._summary(a, b)
+    a, b = harness.alternate(_runner(where, base, flags), _runner(where, base, []), pairs)
+    result = harness.summary(a, b)
     result.update(name=name, where=where, flags=flags, model=model, unit="ms/step")
     return result
 
@@ -87,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        harness.write_json(args.json, figures)
     return 0
 
 

@@ -15,15 +15,14 @@ first training step:
 * the same kill with Keras's own ``BackupAndRestore`` (``save_freq`` steps too) as a
   baseline: it restarts the interrupted epoch at batch 0.
 
-    python tools/bench_restart.py              # 5 rounds, ~1M-parameter model
-    python tools/bench_restart.py --quick      # 1 round, small model
+    python -m tools.bench.restart              # 5 rounds, ~1M-parameter model
+    python -m tools.bench.restart --quick      # 1 round, small model
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -32,15 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.bench import harness
+
+REPO = harness.REPO
 JOB = REPO / "tests" / "scripts" / "ckpt_job.py"
 TIMEOUT = 600  # seconds for one job process
 
 
 def _env(devices: int | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES")}
-    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    env["PYTHONUNBUFFERED"] = "1"
+    env = harness.child_env()
     if devices:
         env["TFDIST_CPU_DEVICES"] = str(devices)
     return env
@@ -240,6 +239,40 @@ def run(*, quick: bool = False) -> dict:
     if quick:
         return measure(rounds=1, width=64, hidden2=0, examples=256, baseline=False)
     return measure()
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_restart(quick: bool, pairs: int) -> dict:
+    return run(quick=True) if quick else measure(rounds=pairs)
+
+
+def _result_restart(f: dict, quick: bool) -> harness.Result:
+    ratios = harness.ratios(f["resumed_to_first_step_s"], f["fresh_to_first_step_s"])
+    work_ok = f["batches_applied_twice"] == 0 and f["steps_recomputed_goal_met"]
+    return harness.Result(
+        ratios,
+        met=statistics.median(ratios) <= 1.2 and work_ok,
+        a_values=f["resumed_to_first_step_s"],
+        b_values=f["fresh_to_first_step_s"],
+        notes=f"after kill -9 at step {f['killed_after_step']} (save_freq "
+        f"{f['save_freq']}): {f['steps_recomputed']} step(s) recomputed, "
+        f"{f['batches_applied_twice']} batch(es) applied twice, {f['batches_skipped']} "
+        f"skipped; restore + first step adds {f['restart_extra_s']} s in-process",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "restart",
+        "relaunch after kill -9 to first resumed step",
+        "fresh start to first step",
+        "<= 1.2, 0 batches twice",
+        _figures_restart,
+        _result_restart,
+    )
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,11 +23,11 @@
   still take the interpreter lock from training's.
 
 The model: an MLP whose first kernels are sharded over the ``model`` axis of a 1x4 mesh,
-about ``--mb`` MB of weights and optimizer state. Writes ``tools/sharded_measured.json``
+about ``--mb`` MB of weights and optimizer state. Writes ``tools/results/sharded_measured.json``
 (machine, versions, date, figures) with ``--json``.
 
-    python tools/bench_sharded.py --rounds 5 --mb 60 --every 10 --processes 2 \
-        --idle-core --json tools/sharded_measured.json
+    python -m tools.bench.sharded --rounds 5 --mb 60 --every 10 --processes 2 \
+        --idle-core --json tools/results/sharded_measured.json
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -45,6 +44,9 @@ import time
 
 import numpy as np
 
+from tools.bench import harness
+
+REPO = harness.REPO
 GLOBAL_BATCH = 64
 STEPS = 40  # per measured fit (after one warm-up fit of each kind)
 
@@ -281,10 +283,12 @@ def run_idle_core(rounds: int, megabytes: float, every: int) -> dict:
     if len(os.sched_getaffinity(0)) < 2:
         raise RuntimeError("bench_sharded: --idle-core needs 2 CPUs (training on 0, writer on 1)")
     command = [
-        sys.executable, os.path.abspath(__file__), "--idle-core-worker",
+        sys.executable, "-m", __spec__.name, "--idle-core-worker",
         "--rounds", str(rounds), "--mb", str(megabytes), "--every", str(every),
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    proc = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=900, check=False
+    )
     rows = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not rows:
         raise RuntimeError(
@@ -360,14 +364,14 @@ def measure_processes(processes: int, rounds: int, megabytes: float, every: int)
     directory = tempfile.mkdtemp(prefix="bench-sharded-mp-")
     command = [
         sys.executable, "-m", "tfdist", "launch", "-n", str(processes),
-        "--devices-per-worker", str(4 // processes), os.path.abspath(__file__),
+        "--devices-per-worker", str(4 // processes), "-m", __spec__.name,
         "--memory-worker", directory, "--rounds", str(rounds), "--mb", str(megabytes),
         "--every", str(every),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TFDIST_CPU_DEVICES"}
     try:
         proc = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=900, check=False
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False
         )
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -389,27 +393,6 @@ def measure_processes(processes: int, rounds: int, megabytes: float, every: int)
         "peak_extra_fraction": {
             "sharded": round(max(row["peak_extra_mb"]["sharded"] for row in rows) / state, 3)
         },
-    }
-
-
-def machine() -> dict:
-    import importlib.metadata as md
-
-    cpu = platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = {p: md.version(p) for p in ("jax", "keras", "orbax-checkpoint")}
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        **versions,
-        "date": time.strftime("%Y-%m-%d"),
     }
 
 
@@ -492,16 +475,17 @@ def main(argv=None) -> int:
     if args.processes:  # first: it starts its own processes, before this one holds devices
         processes = measure_processes(args.processes, args.rounds, args.mb, args.every)
     os.environ.setdefault("TFDIST_CPU_DEVICES", "4")
-    result = {"machine": machine(), "figures": measure(args.rounds, args.mb, args.every)}
+    result = {
+        "machine": harness.machine("orbax-checkpoint"),
+        "figures": measure(args.rounds, args.mb, args.every),
+    }
     if args.processes:
         result["figures"]["processes"] = processes
     if args.idle_core:
         result["figures"]["idle_core"] = run_idle_core(args.rounds, args.mb, args.every)
     print(report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        harness.write_json(args.json, result)
     return 0
 
 

@@ -13,20 +13,20 @@ JAX rows (issue 11): ``tfdist.scope()`` against a hand-written ``keras.distribut
 DataParallel`` on the same 4 logical devices (goal <= 1.01), and that DataParallel
 against one device with no distribution (no goal: what 4 devices cost on one CPU).
 
-    python tools/benchmark.py --scaling [--quick] [--json FILE]
+    python -m tools.bench --scaling [--quick] [--json FILE]
 """
 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools.bench import harness
+
+REPO = harness.REPO
 SCRIPTS = REPO / "tests" / "scripts"
 TIMEOUT_S = 600
 CONFIGS = ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2))  # (workers, devices per worker)
@@ -35,12 +35,7 @@ OVERHEAD_GOAL = 1.01
 
 
 def _env(backend: str, devices: int | None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CONFIG", "TFDIST_CPU_DEVICES", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID")
-    }
-    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1", KERAS_BACKEND=backend)
+    env = harness.child_env(KERAS_BACKEND=backend)
     if devices and devices > 1:
         env["TFDIST_CPU_DEVICES"] = str(devices)
     return env
@@ -83,7 +78,7 @@ def rounds_of(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, li
     values: dict[str, list[float]] = {name: [] for name in runs}
     names = list(runs)
     for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+        for name in harness.in_turn(names, r):
             values[name].append(runs[name]())
     return values
 

@@ -11,7 +11,7 @@
 The model: an MLP with Adam whose weights and optimizer state total about 50 MB (``--mb``).
 A and B alternate; the first pair is a warm-up.
 
-    python tools/bench_checkpoint.py --pairs 5
+    python -m tools.bench.checkpoint --pairs 5
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from tools.bench import harness
 
 
 def _model(width: int):
@@ -110,14 +112,9 @@ def measure(pairs: int = 3, megabytes: float = 50.0) -> dict:
 
 
 def _alternate(a, b, pairs: int) -> dict:
-    a(), b()  # warm-up: traced functions, file cache
-    a_values, b_values = [], []
-    for i in range(pairs):
-        first, second = (a, b) if i % 2 == 0 else (b, a)
-        one, two = first(), second()
-        a_values.append(one if i % 2 == 0 else two)
-        b_values.append(two if i % 2 == 0 else one)
-    ratios = [x / y for x, y in zip(a_values, b_values, strict=True)]
+    """``pairs`` alternated A/B pairs after a warm-up pair (traced functions, file cache)."""
+    a_values, b_values = harness.alternate(a, b, pairs)
+    ratios = harness.ratios(a_values, b_values)
     return {
         "a_s": a_values,
         "b_s": b_values,
@@ -130,7 +127,7 @@ ROWS = {"checkpoint-save": ("save", 1.2), "checkpoint-restore": ("restore", 1.3)
 
 
 def run(name: str, pairs: int = 3, megabytes: float = 50.0) -> dict:
-    """One row for tools/benchmark.py: ``{"ratio", "range", "goal", "met", ...figures}``.
+    """One row for tools/bench/suite.py: ``{"ratio", "range", "goal", "met", ...figures}``.
 
     Example:
         >>> run("checkpoint-restore", pairs=3)["ratio"]  # doctest: +SKIP
@@ -151,6 +148,51 @@ def run(name: str, pairs: int = 3, megabytes: float = 50.0) -> dict:
         "a_s": row["a_s"],
         "b_s": row["b_s"],
     }
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_checkpoint(quick: bool, pairs: int) -> dict:
+    f = measure(pairs=pairs * (1 if quick else harness.REPEATS), megabytes=5.0 if quick else 50.0)
+    return {**f, "repeats": 1 if quick else harness.REPEATS}
+
+
+def _result_checkpoint(part: str, f: dict, quick: bool) -> harness.Result:
+    row = f[part]
+    goal = {"save": 1.2, "restore": 1.3}[part]
+    repeats = f.get("repeats", 1)
+    ratios = harness.grouped(row["ratios"], repeats)
+    return harness.Result(
+        ratios,
+        met=None if quick else statistics.median(ratios) <= goal,
+        a_values=row["a_s"],
+        b_values=row["b_s"],
+        notes=f"{f['state_mb']} MB of weights and Adam state, a {f['file_mb']} MB archive; "
+        f"medians {statistics.median(row['a_s']):.3f} s vs {statistics.median(row['b_s']):.3f} s"
+        + (f"; the training step alone {f['step_s']:.3f} s" if part == "save" else "")
+        + f"; each ratio the median of {repeats} alternated pair(s)",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "checkpoint-save",
+        "one-step fit + tfdist.callbacks.checkpoint (50 MB)",
+        "the same with keras.callbacks.ModelCheckpoint (.keras)",
+        "<= 1.2",
+        _figures_checkpoint,
+        lambda f, q: _result_checkpoint("save", f, q),
+    ),
+    harness.Row(
+        "checkpoint-restore",
+        "tfdist.make_or_restore (checked, resume state)",
+        "keras.models.load_model of the same file",
+        "<= 1.3",
+        _figures_checkpoint,
+        lambda f, q: _result_checkpoint("restore", f, q),
+    ),
+]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ MirroredStrategy, ``map -> cache -> shuffle -> batch -> prefetch`` pipeline).
 Both run in one process on the same logical devices, one epoch each, alternately
 (A B A B ...); the figure is the ratio of epoch times (goal <= 1.01).
 
-    TFDIST_CPU_DEVICES=2 python tools/bench_overhead.py --pairs 5
+    TFDIST_CPU_DEVICES=2 python -m tools.bench.overhead --pairs 5
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import statistics
 import sys
 import time
+
+from tools.bench import harness
 
 
 def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: int = 64) -> dict:
@@ -83,7 +85,7 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
     a_times, b_times = [], []
     for i in range(pairs):
         order = [(model_a, train_a, a_times), (model_b, train_b, b_times)]
-        for model, data, out in order if i % 2 == 0 else order[::-1]:
+        for model, data, out in harness.in_turn(order, i):
             out.append(epoch(model, data))
     ratios = [a / b for a, b in zip(a_times, b_times, strict=True)]
     return {
@@ -94,6 +96,45 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
         "ratios": ratios,
         "ratio_median": statistics.median(ratios),
     }
+
+
+# --- the table's rows (python -m tools.bench, tools/bench/suite.py) --------------------
+
+
+def _figures_overhead(quick: bool, pairs: int) -> dict:
+    # A quarter of MNIST per epoch (seconds per side), REPEATS alternated pairs per
+    # recorded pair: on a shared machine one side's whole-MNIST epoch took from 21 to 82 s
+    # in one run; shorter alternated epochs put such a stretch on both sides of a pair.
+    repeats = 1 if quick else harness.REPEATS
+    f = measure(pairs=pairs * repeats, split="train[:10%]" if quick else "train[:25%]")
+    return {**f, "repeats": repeats}
+
+
+def _result_overhead(f: dict, quick: bool) -> harness.Result:
+    repeats = f.get("repeats", 1)
+    ratios = harness.grouped(f["ratios"], repeats)
+    return harness.Result(
+        ratios,
+        met=statistics.median(ratios) <= 1.01,
+        a_values=f["a_epoch_s"],
+        b_values=f["b_epoch_s"],
+        notes=f"epoch time on {f['replicas']} replicas, {f['steps_per_epoch']} steps "
+        f"(A {statistics.median(f['a_epoch_s']):.2f} s, B {statistics.median(f['b_epoch_s']):.2f} s); "
+        f"each ratio the median of {repeats} alternated pair(s)",
+    )
+
+
+TABLE_ROWS = [
+    harness.Row(
+        "overhead",
+        "tfdist.scope + tfdist.data.pipeline, epoch time",
+        "hand-written MirroredStrategy + map/cache/shuffle/batch/prefetch",
+        "<= 1.01",
+        _figures_overhead,
+        _result_overhead,
+        {"TFDIST_CPU_DEVICES": "2"},
+    )
+]
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,7 @@ the median step, how many distributed iterators Keras created and how long creat
 took, and the time Python's full garbage collections took. ``--load N`` runs N busy loops
 beside the job (a machine that is also doing other work).
 
-    python tools/bench_epoch_start.py --epochs 6 --load 2 --json tools/epoch_start_measured.json
+    python -m tools.bench.epoch_start --epochs 6 --load 2 --json tools/results/epoch_start_measured.json
 
 Each topology runs with tfdist's fix ``tf_multi_device_iterators_end_promptly`` and
 without it (``upstream``), alternated in the same run.
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from benchmark import machine
+from tools.bench.harness import in_turn, machine, write_json
 
 RESULT = "EPOCH_START "
 
@@ -133,7 +133,7 @@ def run_topology(
     env = dict(os.environ, TFDIST_CPU_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="2")
     env["TFDIST_COMPAT_EXCLUDE"] = exclude
     code = (
-        "import json, sys; sys.path.insert(0, 'tools'); import bench_epoch_start as b; "
+        "import json, sys; from tools.bench import epoch_start as b; "
         f"print({RESULT!r} + json.dumps(b.job({epochs})))"
     )
     busy = [
@@ -149,7 +149,7 @@ def run_topology(
             capture_output=True,
             text=True,
             timeout=timeout,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
         )
     finally:
         for process in busy:
@@ -167,9 +167,7 @@ def measure(epochs: int = 6, load: int = 0, rounds: int = 1) -> dict:
     rows: dict[str, dict] = {}
     for round_index in range(rounds):
         for devices in (1, 2):
-            order = list(VARIANTS.items())
-            if round_index % 2:  # neither side always runs second
-                order.reverse()
+            order = in_turn(list(VARIANTS.items()), round_index)  # neither side always second
             for variant, exclude in order:
                 result = run_topology(devices, epochs, load, exclude=exclude)
                 later = result["epochs"][1:]
@@ -202,7 +200,7 @@ def measure(epochs: int = 6, load: int = 0, rounds: int = 1) -> dict:
 
 
 def report(payload: dict) -> str:
-    """The lines docs/benchmarks.md shows (tools/docs_figures.py renders them)."""
+    """The lines docs/benchmarks.md shows (tools/docs/figures.py renders them)."""
     lines = [
         f"{payload['epochs']} epochs of the guides' convnet on MNIST train[:25%], one fit "
         f"call per process, {payload.get('rounds', 1)} process(es) per line, alternated; "
@@ -239,9 +237,7 @@ def main(argv=None) -> int:
     payload = measure(args.epochs, args.load, args.rounds)
     print(report(payload))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
+        write_json(args.json, payload)
     return 0
 
 
