@@ -55,7 +55,7 @@ setup(
         # Checkpoint directories and save/load paths as URLs (tfdist.core.storage); add gcsfs
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
-        # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run
+        # Ray Train (docs/ray.md): TensorflowTrainer and JaxTrainer run
         # tfdist scripts. Not in the test extra: .ci/run installs it in a stage of its own
         # for tests/e2e/test_ray.py (README.md, "What runs where").
         "ray": ["ray[train]>=2.60,<3"],

@@ -278,7 +278,7 @@ def test_the_marker_rules_refuse_what_they_should(tmp_path):
     """The rules above, on cases they must refuse: a name that is no test function, a
     page named only in a docstring or elsewhere in the test's file, a citation whose
     marker names a test of another file or another test than the one cited."""
-    page = REPO / "docs" / "multi_worker.md"
+    page = REPO / "docs" / "slurm.md"
     for bad in (
         "tests/e2e/test_slurm.py",  # no function
         "tests/e2e/test_slurm.py::docs_block",  # a helper, not a test
@@ -336,7 +336,7 @@ SETUP = {
             (rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)),
             per_replica_batch=8, seed=0)
     """,
-    "docs/multi_worker.md": """
+    "docs/launching.md": """
         import numpy as np
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(256, 784)).astype("float32"), rng.integers(0, 10, 256)
@@ -358,7 +358,7 @@ SETUP = {
 CHECK = {
     "docs/checkpoints.md": "result = {'epoch': initial_epoch, 'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)),"
     " 'saved': sorted(os.listdir('ckpt'))}",
-    "docs/multi_worker.md": "result = {'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)), 'batch': batch}",
+    "docs/launching.md": "result = {'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)), 'batch': batch}",
     "docs/custom_loops.md": "result = {'step': step, 'epochs': step // ckpt.steps_per_epoch}",
     "docs/jax.md": "result = {'kernel': str(model.layers[0].kernel.value.sharding.spec)}",
 }
@@ -403,7 +403,7 @@ def _run_here(names, skip_importing, **env):
 @pytest.mark.devices
 def test_run_here_blocks_run_on_two_tensorflow_devices():
     results, count = _run_here(
-        ["docs/checkpoints.md", "docs/multi_worker.md", "docs/custom_loops.md"],
+        ["docs/checkpoints.md", "docs/launching.md", "docs/custom_loops.md"],
         "jax",
         TFDIST_CPU_DEVICES="2",
     )
@@ -411,7 +411,7 @@ def test_run_here_blocks_run_on_two_tensorflow_devices():
     ckpts = results["docs/checkpoints.md"]
     assert ckpts["epoch"] == 0 and ckpts["steps"] == 12 * 4  # 64 examples / global batch 16
     assert "ckpt-12.keras" in ckpts["saved"]
-    assert results["docs/multi_worker.md"] == {"steps": 3 * 2, "batch": 128}
+    assert results["docs/launching.md"] == {"steps": 3 * 2, "batch": 128}
     assert results["docs/custom_loops.md"]["epochs"] == 3
 
 
@@ -465,6 +465,16 @@ def test_readme_is_a_front_page_and_links_every_page_and_notebook():
         assert f"(notebooks/{notebook.name})" in text, f"README does not list {notebook.name}"
 
 
+def test_get_started_shows_the_readme_usage_script():
+    """docs/get_started.md's first script is README.md's Usage block, character for
+    character, so the page shows what tests/project/test_readme.py runs."""
+    readme = (REPO / "README.md").read_text().split("\n## Usage\n", 1)[1]
+    usage = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    page = (REPO / "docs" / "get_started.md").read_text().split("\n## A first script\n", 1)[1]
+    shown = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    assert shown == usage, "docs/get_started.md: copy README.md's Usage block"
+
+
 def test_the_site_builds_strictly(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
@@ -475,7 +485,7 @@ def test_the_site_builds_strictly(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     built = {p.parent.name for p in (tmp_path / "site").rglob("index.html")}
-    assert {"data", "checkpoints", "multi_worker", "jax", "scaling"} <= built
+    assert {"data", "checkpoints", "launching", "jax", "scaling"} <= built
 
 
 def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
@@ -559,7 +569,7 @@ def test_readme_says_how_ci_runs_the_ray_tests():
 
 
 def test_tensorflow_prints_its_onednn_banner_twice_in_one_process():
-    """docs/multi_worker.md, Ray Train: "TensorFlow 2.21 prints its oneDNN banner twice in
+    """docs/ray.md: "TensorFlow 2.21 prints its oneDNN banner twice in
     every process that imports it, Ray or not, before TF_CPP_MIN_LOG_LEVEL applies":
     ``import tensorflow`` alone, with TF_CPP_MIN_LOG_LEVEL=2 and oneDNN at its default,
     prints exactly two banner lines, both from that one process."""
