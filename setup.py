@@ -51,7 +51,8 @@ setup(
         # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
         # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).
-        "docs": ["mkdocs>=1.6,<2"],
+        # mkdocstrings renders docs/reference/api.md from the docstrings.
+        "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.29"],
         # Checkpoint directories and save/load paths as URLs (tfdist.core.storage); add gcsfs
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
