@@ -58,7 +58,7 @@ setup(
         "remote": ["fsspec>=2023.1"],
         # Ray Train (docs/ray.md): TensorflowTrainer and JaxTrainer run
         # tfdist scripts. Not in the test extra: .ci/run installs it in a stage of its own
-        # for tests/e2e/test_ray.py (README.md, "What runs where").
+        # for tests/e2e/test_ray.py (docs/testing.md, "What runs where").
         "ray": ["ray[train]>=2.60,<3"],
         "test": [
             "tfdist[jax,notebooks,docs,remote]",

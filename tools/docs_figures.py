@@ -9,7 +9,7 @@ the date inside it; this tool renders those files into the pages' generated bloc
   (``python tools/docs_figures.py --combine-runs run1.json run2.json run3.json``);
 * docs/scaling.md: ``python tools/scaling_model.py --gpu tools/gpu_measured.json``, from
   ``tools/scaling_measured.json`` and ``tools/gpu_measured.json`` (``tools/bench_gpu.py``);
-* docs/mnist.md and README.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
+* docs/mnist.md: ``tools/recipe_seeds_measured.json`` (``python tools/recipe_seeds.py
   --json tools/recipe_seeds_measured.json``);
 * docs/checkpoints.md: ``tools/sharded_measured.json`` (``python tools/bench_sharded.py
   --rounds 5 --mb 60 --every 10 --processes 2 --idle-core --json
@@ -240,7 +240,6 @@ def blocks() -> dict[str, tuple[Path, str]]:
     }
     seeds = recipe_seeds_block(json.loads(RECIPE_SEEDS_JSON.read_text()))
     found["recipe seeds"] = (DOCS / "mnist.md", seeds)
-    found["recipe seeds (README)"] = (DOCS.parent / "README.md", seeds)
     sharded = sharded_block(json.loads(SHARDED_JSON.read_text()))
     found["sharded checkpoints"] = (DOCS / "checkpoints.md", sharded)
     epoch_start = epoch_start_block(json.loads(EPOCH_START_JSON.read_text()))

@@ -1,6 +1,6 @@
 """Writes a generated block between its two marker comments in a document.
 
-Used by tools/idiom_table.py (README.md) and tools/fix_table.py (docs/fixes.md).
+Used by tools/idiom_table.py (docs/idioms.md) and tools/fix_table.py (docs/fixes.md).
 """
 
 from __future__ import annotations

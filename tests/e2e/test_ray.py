@@ -39,7 +39,7 @@ import pytest
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
 
-# Ray is not in the test extra (README.md, "What runs where"): without it these tests skip,
+# Ray is not in the test extra (docs/testing.md, "What runs where"): without it these tests skip,
 # except in .ci/run's Ray stage (TFDIST_RAY_STAGE=1), which installs .[ray] and needs them.
 if importlib.util.find_spec("ray") is None:
     if os.environ.get("TFDIST_RAY_STAGE"):

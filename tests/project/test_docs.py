@@ -32,7 +32,7 @@ import pytest
 
 from conftest import REPO, child_env, last_json_line
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!-- (run by (\S+)|same as (\S+)|run here|not run: .+?) -->")
 NAMES_A_TEST = re.compile(r"<!-- (run|checked) by (\S+?) -->")
 CITATION = re.compile(r"(tests/(?:\w+/)*test_\w+\.py)((?:::\w+)*)(?:\[[^\]\s]*\])?")
@@ -457,12 +457,34 @@ def test_no_page_speaks_of_how_the_project_was_built():
 
 def test_readme_is_a_front_page_and_links_every_page_and_notebook():
     text = (REPO / "README.md").read_text()
-    assert len(text.splitlines()) <= 300
+    assert len(text.splitlines()) <= 150
     for page in (REPO / "docs").glob("*.md"):
         if page.name != "index.md":
             assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"
     for notebook in (REPO / "notebooks").glob("*.ipynb"):
         assert f"(notebooks/{notebook.name})" in text, f"README does not list {notebook.name}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs gives a heading (Python-Markdown's toc slugify)."""
+    text = re.sub(r"[^\w\s-]", "", INLINE_CODE.sub(lambda m: m.group()[1:-1], heading))
+    return re.sub(r"[-\s]+", "-", text.strip().lower())
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md names a file of the repository, and its #anchor,
+    where it has one, a heading of that page."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link for link in links if not re.match(r"\w+://", link)]
+    assert len(local) > 20
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = REPO / path
+        assert target.is_file(), f"README.md links {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", COMMENT.sub("", target.read_text()), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md links {link}: no heading"
 
 
 def test_get_started_shows_the_readme_usage_script():
@@ -488,8 +510,8 @@ def test_the_site_builds_strictly(tmp_path):
     assert {"data", "checkpoints", "launching", "jax", "scaling"} <= built
 
 
-def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
-    """README's "What runs where" names exactly the suites .ci/run's newest-jax session
+def test_testing_page_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
+    """docs/testing.md's "What runs where" names exactly the suites .ci/run's newest-jax session
     runs (noxfile.py's CI_NEWEST_JAX_TESTS) and that session's jax."""
     nox_tree = ast.parse((REPO / "noxfile.py").read_text())
     listed = next(
@@ -508,11 +530,11 @@ def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
     )
     assert sorted(listed) == sorted(jax_tests)
     session = re.search(r"JAX_SESSION=\"jax\(python='[\d.]+', jax='([\d.]+)'\)\"", ci)
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "testing.md").read_text().split())
     sentence = re.search(
         rf"On jax {re.escape(session.group(1))} \(Python [\d.]+\) CI runs only (.+?)\. ", readme
     )
-    assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
+    assert sentence, "docs/testing.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
     assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed
 
 
@@ -526,13 +548,13 @@ def _extra(name: str) -> list[str]:
     raise AssertionError(f"setup.py has no extra {name!r}")
 
 
-def test_readme_says_how_ci_runs_the_ray_tests():
-    """README's "What runs where": Ray's tests skip in the test command, which does not
+def test_testing_page_says_how_ci_runs_the_ray_tests():
+    """docs/testing.md's "What runs where": Ray's tests skip in the test command, which does not
     install Ray; .ci/run then installs .[ray] into the same environment and runs them in
     a stage of their own, where a missing Ray fails them."""
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "testing.md").read_text().split())
     said = re.search(r"Ray's tests \(`(tests/e2e/test_\w+\.py)`\) skip in the test command", readme)
-    assert said, 'README.md: no "Ray\'s tests (`tests/...`) skip in the test command"'
+    assert said, 'docs/testing.md: no "Ray\'s tests (`tests/...`) skip in the test command"'
     suite = said.group(1)
     test_extra = _extra("test")
     nested = {n for r in test_extra if r.startswith("tfdist[") for n in r[7:-1].split(",")}
