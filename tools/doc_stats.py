@@ -32,7 +32,7 @@ def prose_blocks(text: str) -> list[str]:
             blocks.append([])
             continue
         stripped = line.strip()
-        if fenced or not stripped or stripped.startswith(("#", "|")):
+        if fenced or not stripped or stripped.startswith(("#", "|", ":::")):
             blocks.append([])
             continue
         if LIST_ITEM.match(line):
