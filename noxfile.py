@@ -19,7 +19,7 @@ test_resume_world_size) with the test of their checks (test_checks_catch_faults)
 
 Each jax session runs every JAX suite (JAX_TESTS). CI's newest-jax session runs them too
 (CI_NEWEST_JAX_TESTS, with CI_NEWEST_JAX_OPTIONS: the mixed suites' JAX cells; .ci/run
-reads both from here and README.md says which run where); every JAX suite also runs in
+reads both from here and docs/testing.md says which run where); every JAX suite also runs in
 CI's main test command on the jax its interpreter installs.
 """
 

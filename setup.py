@@ -51,13 +51,14 @@ setup(
         # Open and run the walkthrough notebooks: `jupyter lab notebooks/`.
         "notebooks": ["jupyterlab", "nbconvert", "ipykernel", "nbclient", "nbformat"],
         # The manual in docs/ as a site: `mkdocs serve` (mkdocs.yml; CI builds it --strict).
-        "docs": ["mkdocs>=1.6,<2"],
+        # mkdocstrings renders docs/reference/api.md from the docstrings.
+        "docs": ["mkdocs>=1.6,<2", "mkdocstrings[python]>=0.29"],
         # Checkpoint directories and save/load paths as URLs (tfdist.core.storage); add gcsfs
         # for gs://, s3fs for s3://.
         "remote": ["fsspec>=2023.1"],
-        # Ray Train (docs/multi_worker.md#ray-train): TensorflowTrainer and JaxTrainer run
+        # Ray Train (docs/ray.md): TensorflowTrainer and JaxTrainer run
         # tfdist scripts. Not in the test extra: .ci/run installs it in a stage of its own
-        # for tests/e2e/test_ray.py (README.md, "What runs where").
+        # for tests/e2e/test_ray.py (docs/testing.md, "What runs where").
         "ray": ["ray[train]>=2.60,<3"],
         "test": [
             "tfdist[jax,notebooks,docs,remote]",

@@ -1,6 +1,6 @@
 """Writes a generated block between its two marker comments in a document.
 
-Used by tools/docs/ (the figures, README.md's idiom table) and tools/fix_table.py (docs/fixes.md).
+Used by tools/docs/ (the figures, docs/idioms.md's idiom table) and tools/fix_table.py (docs/fixes.md).
 """
 
 from __future__ import annotations

@@ -362,7 +362,7 @@ def test_sharded_checkpoints_in_s3_resume_on_another_mesh_after_kill_9(
     assert left == {"ckpt-1-12.orbax.corrupt": True, **SHARDED_KEPT}, left
 
 
-PAGE = REPO / "docs" / "checkpoints.md"
+PAGE = REPO / "docs" / "buckets.md"
 RECIPE = "test_the_bucket_recipe_on_this_page_trains_saves_and_resumes"
 # What the page's script needs that its prose defines, and what it reports at the end.
 TRAIN_SETUP = """
@@ -384,7 +384,7 @@ print(json.dumps({"initial_epoch": initial_epoch, "steps": steps}))
 
 
 def _page_blocks(name: str) -> dict[str, str]:
-    """The fenced blocks of docs/checkpoints.md marked ``run by`` test ``name``, by language."""
+    """The fenced blocks of docs/buckets.md marked ``run by`` test ``name``, by language."""
     pattern = (
         rf"<!-- run by tests/checkpoint/test_object_store.py::{name} -->\n"
         r"```(\w+)\n(.*?)\n```"
@@ -394,7 +394,7 @@ def _page_blocks(name: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_the_bucket_recipe_on_this_page_trains_saves_and_resumes(s3_bucket, tmp_path):
-    """docs/checkpoints.md's commands as written (its endpoint swapped for the test
+    """docs/buckets.md's commands as written (its endpoint swapped for the test
     server's, its bucket for the test's), twice: the first run trains 3 epochs and saves
     the model; the second, a VM after a preemption, starts from the end."""
     blocks = _page_blocks(RECIPE)

@@ -30,7 +30,7 @@ from conftest import REPO, SCRIPTS, child_env
 pytestmark = [pytest.mark.jax, pytest.mark.multiworker]
 
 JOB = str(SCRIPTS / "jax_fault_job.py")
-BOUND_S = 60.0  # what the README promises: every process ends within this of the fault
+BOUND_S = 60.0  # what docs/jax.md promises: every process ends within this of the fault
 START_S = 240.0  # 2-4 JAX processes starting at once on a small CI machine
 COLLECTIVE_S = 5  # the jobs' short watchdog limit (45 s by default on JAX)
 SHORT = {"TFDIST_COLLECTIVE_TIMEOUT": str(COLLECTIVE_S)}

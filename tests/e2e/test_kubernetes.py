@@ -1,6 +1,6 @@
 """tfdist in Kubernetes pods as the Kubeflow operators start them, on this machine.
 
-The manifests are the ones docs/multi_worker.md shows (docs/k8s/*.yaml, each shown there
+The manifests are the ones docs/kubernetes.md shows (docs/k8s/*.yaml, each shown there
 verbatim): from them tests/e2e/k8s_pods.py builds each pod's environment as the operator
 would (a TFJob's ``TF_CONFIG`` with service DNS names; a TrainJob's ``JAX_*`` variables
 and ``JOB_COMPLETION_INDEX``), and runs each pod in its own network, UTS and mount
@@ -33,7 +33,7 @@ from tfdist.core import config
 from conftest import REPO, SCRIPTS, child_env, equivalence, warm_start
 
 TRAIN = SCRIPTS / "slurm_train.py"
-DOCS = REPO / "docs" / "multi_worker.md"
+DOCS = REPO / "docs" / "kubernetes.md"
 MANIFESTS = REPO / "docs" / "k8s"
 TOLERANCE = 1e-5
 
@@ -41,9 +41,9 @@ pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
 
 def manifest(name: str, kind: str) -> dict:
-    """The ``kind`` document of docs/k8s/``name``, which docs/multi_worker.md shows verbatim."""
+    """The ``kind`` document of docs/k8s/``name``, which docs/kubernetes.md shows verbatim."""
     text = (MANIFESTS / name).read_text()
-    assert text.strip() in DOCS.read_text(), f"docs/multi_worker.md does not show docs/k8s/{name}"
+    assert text.strip() in DOCS.read_text(), f"docs/kubernetes.md does not show docs/k8s/{name}"
     found = [doc for doc in yaml.safe_load_all(text) if doc and doc.get("kind") == kind]
     assert len(found) == 1, f"docs/k8s/{name}: no one {kind} document"
     return found[0]

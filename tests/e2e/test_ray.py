@@ -3,7 +3,7 @@
 The module starts one Ray cluster (tests/scripts/ray_cluster.py) inside a private network
 namespace whose only interface is loopback, so no port Ray or TensorFlow opens exists
 outside it; Ray's token and the runs' storage live under pytest's tmp_path, its temporary
-files (sockets: short paths) in a /tmp folder removed at the end. Every test runs what docs/multi_worker.md's "Ray Train" section tells users to
+files (sockets: short paths) in a /tmp folder removed at the end. Every test runs what docs/ray.md tells users to
 run (the code block is read from the page) and compares the model with one process
 running the same loop without Ray (tests/scripts/ray_reference.py):
 
@@ -39,7 +39,7 @@ import pytest
 
 from conftest import REPO, SCRIPTS, child_env, equivalence
 
-# Ray is not in the test extra (README.md, "What runs where"): without it these tests skip,
+# Ray is not in the test extra (docs/testing.md, "What runs where"): without it these tests skip,
 # except in .ci/run's Ray stage (TFDIST_RAY_STAGE=1), which installs .[ray] and needs them.
 if importlib.util.find_spec("ray") is None:
     if os.environ.get("TFDIST_RAY_STAGE"):
@@ -50,7 +50,7 @@ if importlib.util.find_spec("ray") is None:
 
 pytestmark = [pytest.mark.multiworker, pytest.mark.slow]
 
-DOCS = REPO / "docs" / "multi_worker.md"
+DOCS = REPO / "docs" / "ray.md"
 TOLERANCE = 1e-5
 RUN_TIMEOUT_S = 420  # one trainer.fit, workers' TensorFlow import included, on 2 busy cores
 START_TIMEOUT_S = 120  # the cluster's head node answering
@@ -59,13 +59,10 @@ WORKER_LINE = re.compile(
 )
 
 
-def docs_code(section: str, index: int = 0, language: str = "python") -> str:
-    """The ``index``-th ``language`` code block of ``section`` in docs/multi_worker.md."""
-    text = DOCS.read_text()
-    start = text.index(f"\n## {section}\n")
-    end = text.find("\n## ", start + 1)
-    blocks = re.findall(rf"```{language}\n(.*?)```", text[start:end], re.S)
-    assert len(blocks) > index, f"docs/multi_worker.md: no {language} block {index} in {section!r}"
+def docs_code(index: int = 0, language: str = "python") -> str:
+    """The ``index``-th ``language`` code block of docs/ray.md."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", DOCS.read_text(), re.S)
+    assert len(blocks) > index, f"docs/ray.md: no {language} block {index}"
     return blocks[index]
 
 
@@ -219,7 +216,7 @@ def ray_cluster(tmp_path_factory):
 def ray_train(tmp_path_factory) -> Path:
     """The documented TensorflowTrainer script."""
     path = tmp_path_factory.mktemp("script") / "ray_train.py"
-    path.write_text(docs_code("Ray Train", 0))
+    path.write_text(docs_code(0))
     return path
 
 
@@ -227,7 +224,7 @@ def ray_train(tmp_path_factory) -> Path:
 def ray_train_jax(tmp_path_factory) -> Path:
     """The documented JaxTrainer script."""
     path = tmp_path_factory.mktemp("script") / "ray_train_jax.py"
-    path.write_text(docs_code("Ray Train", 1))
+    path.write_text(docs_code(1))
     return path
 
 

@@ -2,7 +2,7 @@
 
 The ``slurm`` fixture starts a one-node SLURM cluster on this machine (slurmctld, slurmd,
 munged: tests/e2e/slurm_cluster.py) for the tests marked ``slurm``. They run what the SLURM
-section of docs/multi_worker.md tells users to run, the batch script and the per-node
+section of docs/slurm.md tells users to run, the batch script and the per-node
 recipe read from that page, and compare every result with one process running the same
 script: ``srun -n 2`` on TensorFlow and on JAX, a job preempted with
 ``scancel --signal=TERM`` that requeues itself and resumes, and a task killed with
@@ -31,7 +31,7 @@ from tfdist.core import cluster, config, process
 from conftest import REPO, SCRIPTS, child_env, equivalence, warm_start
 
 TRAIN = SCRIPTS / "slurm_train.py"
-DOCS = REPO / "docs" / "multi_worker.md"
+DOCS = REPO / "docs" / "slurm.md"
 TOLERANCE = 1e-5
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
@@ -192,13 +192,10 @@ def reference(tmp_path_factory):
 
 
 def docs_block(marker: str) -> str:
-    """The code block of the SLURM section of docs/multi_worker.md that contains ``marker``."""
-    text = DOCS.read_text()
-    section = text[text.index("\n## SLURM\n") :]
-    section = section[: section.index("\n## ", 1)]
-    blocks = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    """The code block of docs/slurm.md that contains ``marker``."""
+    blocks = re.findall(r"```bash\n(.*?)```", DOCS.read_text(), flags=re.S)
     found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"docs/multi_worker.md's SLURM section: no one block with {marker!r}"
+    assert len(found) == 1, f"docs/slurm.md: no one block with {marker!r}"
     return found[0]
 
 

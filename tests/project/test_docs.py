@@ -32,7 +32,7 @@ import pytest
 
 from conftest import REPO, child_env, last_json_line
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!-- (run by (\S+)|same as (\S+)|run here|not run: .+?) -->")
 NAMES_A_TEST = re.compile(r"<!-- (run|checked) by (\S+?) -->")
 CITATION = re.compile(r"(tests/(?:\w+/)*test_\w+\.py)((?:::\w+)*)(?:\[[^\]\s]*\])?")
@@ -278,7 +278,7 @@ def test_the_marker_rules_refuse_what_they_should(tmp_path):
     """The rules above, on cases they must refuse: a name that is no test function, a
     page named only in a docstring or elsewhere in the test's file, a citation whose
     marker names a test of another file or another test than the one cited."""
-    page = REPO / "docs" / "multi_worker.md"
+    page = REPO / "docs" / "slurm.md"
     for bad in (
         "tests/e2e/test_slurm.py",  # no function
         "tests/e2e/test_slurm.py::docs_block",  # a helper, not a test
@@ -336,7 +336,7 @@ SETUP = {
             (rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, 64)),
             per_replica_batch=8, seed=0)
     """,
-    "docs/multi_worker.md": """
+    "docs/launching.md": """
         import numpy as np
         rng = np.random.default_rng(0)
         x, y = rng.normal(size=(256, 784)).astype("float32"), rng.integers(0, 10, 256)
@@ -358,7 +358,7 @@ SETUP = {
 CHECK = {
     "docs/checkpoints.md": "result = {'epoch': initial_epoch, 'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)),"
     " 'saved': sorted(os.listdir('ckpt'))}",
-    "docs/multi_worker.md": "result = {'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)), 'batch': batch}",
+    "docs/launching.md": "result = {'steps': int(keras.ops.convert_to_numpy(model.optimizer.iterations)), 'batch': batch}",
     "docs/custom_loops.md": "result = {'step': step, 'epochs': step // ckpt.steps_per_epoch}",
     "docs/jax.md": "result = {'kernel': str(model.layers[0].kernel.value.sharding.spec)}",
 }
@@ -403,7 +403,7 @@ def _run_here(names, skip_importing, **env):
 @pytest.mark.devices
 def test_run_here_blocks_run_on_two_tensorflow_devices():
     results, count = _run_here(
-        ["docs/checkpoints.md", "docs/multi_worker.md", "docs/custom_loops.md"],
+        ["docs/checkpoints.md", "docs/launching.md", "docs/custom_loops.md"],
         "jax",
         TFDIST_CPU_DEVICES="2",
     )
@@ -411,7 +411,7 @@ def test_run_here_blocks_run_on_two_tensorflow_devices():
     ckpts = results["docs/checkpoints.md"]
     assert ckpts["epoch"] == 0 and ckpts["steps"] == 12 * 4  # 64 examples / global batch 16
     assert "ckpt-12.keras" in ckpts["saved"]
-    assert results["docs/multi_worker.md"] == {"steps": 3 * 2, "batch": 128}
+    assert results["docs/launching.md"] == {"steps": 3 * 2, "batch": 128}
     assert results["docs/custom_loops.md"]["epochs"] == 3
 
 
@@ -456,12 +456,44 @@ def test_no_page_speaks_of_how_the_project_was_built():
 
 def test_readme_is_a_front_page_and_links_every_page_and_notebook():
     text = (REPO / "README.md").read_text()
-    assert len(text.splitlines()) <= 300
+    assert len(text.splitlines()) <= 150
     for page in (REPO / "docs").glob("*.md"):
         if page.name != "index.md":
             assert f"(docs/{page.name})" in text, f"README does not link docs/{page.name}"
     for notebook in (REPO / "notebooks").glob("*.ipynb"):
         assert f"(notebooks/{notebook.name})" in text, f"README does not list {notebook.name}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor mkdocs gives a heading (Python-Markdown's toc slugify)."""
+    text = re.sub(r"[^\w\s-]", "", INLINE_CODE.sub(lambda m: m.group()[1:-1], heading))
+    return re.sub(r"[-\s]+", "-", text.strip().lower())
+
+
+def test_readme_links_resolve():
+    """Every relative link of README.md names a file of the repository, and its #anchor,
+    where it has one, a heading of that page."""
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [link for link in links if not re.match(r"\w+://", link)]
+    assert len(local) > 20
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = REPO / path
+        assert target.is_file(), f"README.md links {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", COMMENT.sub("", target.read_text()), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README.md links {link}: no heading"
+
+
+def test_get_started_shows_the_readme_usage_script():
+    """docs/get_started.md's first script is README.md's Usage block, character for
+    character, so the page shows what tests/project/test_readme.py runs."""
+    readme = (REPO / "README.md").read_text().split("\n## Usage\n", 1)[1]
+    usage = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    page = (REPO / "docs" / "get_started.md").read_text().split("\n## A first script\n", 1)[1]
+    shown = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    assert shown == usage, "docs/get_started.md: copy README.md's Usage block"
 
 
 def test_the_site_builds_strictly(tmp_path):
@@ -474,11 +506,11 @@ def test_the_site_builds_strictly(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     built = {p.parent.name for p in (tmp_path / "site").rglob("index.html")}
-    assert {"data", "checkpoints", "multi_worker", "jax", "scaling"} <= built
+    assert {"data", "checkpoints", "launching", "jax", "scaling"} <= built
 
 
-def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
-    """README's "What runs where" names exactly the suites .ci/run's newest-jax session
+def test_testing_page_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
+    """docs/testing.md's "What runs where" names exactly the suites .ci/run's newest-jax session
     runs (noxfile.py's CI_NEWEST_JAX_TESTS) and that session's jax."""
     nox_tree = ast.parse((REPO / "noxfile.py").read_text())
     listed = next(
@@ -497,11 +529,11 @@ def test_readme_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
     )
     assert sorted(listed) == sorted(jax_tests)
     session = re.search(r"JAX_SESSION=\"jax\(python='[\d.]+', jax='([\d.]+)'\)\"", ci)
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "testing.md").read_text().split())
     sentence = re.search(
         rf"On jax {re.escape(session.group(1))} \(Python [\d.]+\) CI runs only (.+?)\. ", readme
     )
-    assert sentence, "README.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
+    assert sentence, "docs/testing.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
     assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed
 
 
@@ -515,13 +547,13 @@ def _extra(name: str) -> list[str]:
     raise AssertionError(f"setup.py has no extra {name!r}")
 
 
-def test_readme_says_how_ci_runs_the_ray_tests():
-    """README's "What runs where": Ray's tests skip in the test command, which does not
+def test_testing_page_says_how_ci_runs_the_ray_tests():
+    """docs/testing.md's "What runs where": Ray's tests skip in the test command, which does not
     install Ray; .ci/run then installs .[ray] into the same environment and runs them in
     a stage of their own, where a missing Ray fails them."""
-    readme = " ".join((REPO / "README.md").read_text().split())
+    readme = " ".join((REPO / "docs" / "testing.md").read_text().split())
     said = re.search(r"Ray's tests \(`(tests/e2e/test_\w+\.py)`\) skip in the test command", readme)
-    assert said, 'README.md: no "Ray\'s tests (`tests/...`) skip in the test command"'
+    assert said, 'docs/testing.md: no "Ray\'s tests (`tests/...`) skip in the test command"'
     suite = said.group(1)
     test_extra = _extra("test")
     nested = {n for r in test_extra if r.startswith("tfdist[") for n in r[7:-1].split(",")}
@@ -558,7 +590,7 @@ def test_readme_says_how_ci_runs_the_ray_tests():
 
 
 def test_tensorflow_prints_its_onednn_banner_twice_in_one_process():
-    """docs/multi_worker.md, Ray Train: "TensorFlow 2.21 prints its oneDNN banner twice in
+    """docs/ray.md: "TensorFlow 2.21 prints its oneDNN banner twice in
     every process that imports it, Ray or not, before TF_CPP_MIN_LOG_LEVEL applies":
     ``import tensorflow`` alone, with TF_CPP_MIN_LOG_LEVEL=2 and oneDNN at its default,
     prints exactly two banner lines, both from that one process."""

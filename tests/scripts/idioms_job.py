@@ -11,7 +11,7 @@ returns the numbers one device would give: final weights, plus what the idiom de
 (epochs run, learning rate, predictions, losses). Prints one JSON line on the chief:
 ``{idiom: {"values": {...}, "trained_on": [...]} or {"error": "Type: message"}}``, on
 every worker (each prints its own line). ``IDIOMS`` is the list tests/e2e/test_idioms.py
-and the README's idiom table are made from. ``_topology`` reports what the process ran on
+and docs/idioms.md's idiom table are made from. ``_topology`` reports what the process ran on
 (replicas, workers, processes, this process's devices); each idiom's ``trained_on`` says
 what its own models ran on, read from each model after every fit / evaluate / predict /
 ``*_on_batch`` call (its strategy's replicas on TensorFlow, its variables' devices on

@@ -1,4 +1,4 @@
-"""The Ray Train script of docs/multi_worker.md with a fault injected, for tests/e2e/test_ray.py.
+"""The Ray Train script of docs/ray.md with a fault injected, for tests/e2e/test_ray.py.
 
     python ray_faults.py SCRIPT FAULT STORAGE
 

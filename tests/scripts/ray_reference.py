@@ -1,7 +1,7 @@
 """One device for tests/e2e/test_ray.py: the Ray Train script's loop without Ray.
 
 Runs ``train_loop_per_worker`` of the script named on the command line (the code block
-of docs/multi_worker.md) in this process, with no cluster (one replica) and Ray's
+of docs/ray.md) in this process, with no cluster (one replica) and Ray's
 ``report`` a no-op; its checkpoints land in OWN_DIR, the last one ``ckpt-3.keras``. The
 JAX script's ``join_jax_job`` (which asks Ray for the coordinator) only picks the backend.
 

@@ -1,7 +1,7 @@
 """A script that builds its own ``tf.distribute.MultiWorkerMirroredStrategy()``, as the
 official multi-worker tutorial does: it reads only ``TF_CONFIG`` and never imports tfdist.
 
-tests/e2e/test_slurm.py runs it with the per-node recipe of docs/multi_worker.md
+tests/e2e/test_slurm.py runs it with the per-node recipe of docs/slurm.md
 (``srun --ntasks-per-node=1 ... tfdist launch -n 2 ...``), and alone with ``python`` as the
 one-worker reference: the same global batch, so the same final weights. Prints one JSON line.
 """

@@ -1,6 +1,6 @@
 """The job tests/e2e/test_slurm.py runs under a real SLURM scheduler, on either Keras backend.
 
-A user's script as the SLURM section of docs/multi_worker.md describes it: nothing in it
+A user's script as docs/slurm.md describes it: nothing in it
 knows about SLURM. ``tfdist.make_or_restore`` + ``tfdist.callbacks.standard(dir)`` over a
 seeded ``tfdist.data.pipeline`` with a fixed GLOBAL batch, so one process, an
 ``srun -n 2`` step and a preempted-then-requeued job must all end with the same weights.

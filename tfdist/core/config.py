@@ -37,6 +37,8 @@ variable                       default     meaning
                                            tfdist.bootstrap``: ``job`` trains models built
                                            outside any scope on the job's strategy;
                                            ``local``: one replica per process, as upstream
+``TFDIST_DEBUG``               0           ``1``: full tracebacks where tfdist otherwise
+                                           ends with one line (a lost peer, a timeout)
 ``KERAS_BACKEND``              keras.json  ``tensorflow`` or ``jax`` (Keras's own knob)
 =============================  ==========  ================================================
 

@@ -82,7 +82,7 @@ Multi-node jobs use the hosts' network: addresses on other hosts must be allowed
 explicitly (``allow_remote=True``, ``--allow-remote``), and ``firewall=True``
 (``--firewall apply``, root and nft) admits the worker ports only from loopback and the
 job's hosts while the job runs (``--firewall print`` prints the rules). Threat model:
-docs/multi_worker.md.
+docs/security.md.
 
 Modules: ``options`` (``LaunchOptions``), ``environment`` (addresses, command line and
 environment of each worker: pure functions), ``workers`` (processes, output, signals),

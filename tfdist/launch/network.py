@@ -69,7 +69,7 @@ _STACK_STOP_S = 5.0  # the stack exiting after its cue, then again after SIGKILL
 EGRESS_ENV = PRIVATE_EGRESS_ENV
 STACKS = ("pasta", "slirp4netns")  # the user-mode network stacks, preferred first
 _NO_EGRESS_HINT = "install passt (or slirp4netns), or pass --shared-network"
-_DOCS = "docs/multi_worker.md"
+_DOCS = "docs/security.md"
 _MODES = {"shared": "shared network (--shared-network)", "hosts": "multi-node job"}
 
 # Run by `python -I -S -c` (no site: starts in milliseconds): creates the namespaces,

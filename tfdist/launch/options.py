@@ -242,7 +242,7 @@ class LaunchOptions:
                 f"launch: hosts {remote} are not loopback addresses. Received: "
                 f"hosts={list(self.hosts)!r}. TensorFlow's gRPC server has no authentication "
                 "and listens on all interfaces: only use hosts on a private network, then pass "
-                "--allow-remote (allow_remote=True). See docs/multi_worker.md."
+                "--allow-remote (allow_remote=True). See docs/launching.md#several-machines."
             )
 
     def _check_network(self) -> None:

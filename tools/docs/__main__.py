@@ -4,9 +4,9 @@
     python -m tools.docs --check       # name the blocks that are out of date (exit 1)
     python -m tools.docs --notebooks   # also re-execute and save the notebooks (minutes)
 
-The blocks: the measured figures (tools/docs/figures.py, from tools/results/), README's
+The blocks: the measured figures (tools/docs/figures.py, from tools/results/), docs/idioms.md's
 idiom table (tools/docs/idiom_table.py) and docs/fixes.md's fix table (tools/fix_table.py,
-run as a script). tools/fix_fingerprints.py is not a generator of pages: it records which
+run as a script), and the Reference pages (tools/docs/reference.py). tools/fix_fingerprints.py is not a generator of pages: it records which
 TensorFlow/Keras pair the fixes were verified against (the compat sessions run it).
 """
 
@@ -16,7 +16,7 @@ import argparse
 import subprocess
 import sys
 
-from tools.docs import figures, idiom_table
+from tools.docs import figures, idiom_table, reference
 
 REPO = idiom_table.REPO
 FIX_TABLE = REPO / "tools" / "fix_table.py"
@@ -32,19 +32,25 @@ def _fix_table(*args: str) -> subprocess.CompletedProcess:
 def stale() -> list[str]:
     """The generated blocks whose page does not hold them as generated now."""
     expected = [(name, page, block) for name, (page, block) in figures.blocks().items()]
-    expected.append(("idiom table", REPO / "README.md", idiom_table.markdown()))
+    expected.append(("idiom table", REPO / "docs" / "idioms.md", idiom_table.markdown()))
     table = _fix_table()
     if table.returncode != 0:
         raise RuntimeError(f"tools/fix_table.py failed:\n{table.stderr[-3000:]}")
     expected.append(("fix table", FIX_PAGE, table.stdout.rstrip("\n")))
-    return [
+    stale = [
         f"{name} ({page.name})" for name, page, block in expected if block not in page.read_text()
+    ]
+    return stale + [
+        f"reference ({path.name})"
+        for path, text in reference.pages().items()
+        if not path.exists() or path.read_text() != text
     ]
 
 
 def write() -> int:
     """Writes every block; 0, or 1 when a page lacks a block's markers."""
     status = figures.main(["--write"]) | idiom_table.main(["--write"])
+    status |= reference.main(["--write"])
     fix = _fix_table("--write")
     sys.stderr.write(fix.stderr)
     return status | (fix.returncode != 0)

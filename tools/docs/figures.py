@@ -9,7 +9,7 @@ the date inside it; this tool renders those files into the pages' generated bloc
   (``python -m tools.docs.figures --combine-runs run1.json run2.json run3.json``);
 * docs/scaling.md: ``python -m tools.scaling_model --gpu tools/results/gpu_measured.json``, from
   ``tools/results/scaling_measured.json`` and ``tools/results/gpu_measured.json`` (``tools/bench/gpu.py``);
-* docs/mnist.md and README.md: ``tools/results/recipe_seeds_measured.json`` (``python -m tools.bench.recipe_seeds
+* docs/mnist.md: ``tools/results/recipe_seeds_measured.json`` (``python -m tools.bench.recipe_seeds
   --json tools/results/recipe_seeds_measured.json``);
 * docs/checkpoints.md: ``tools/results/sharded_measured.json`` (``python -m tools.bench.sharded
   --rounds 5 --mb 60 --every 10 --processes 2 --idle-core --json
@@ -241,7 +241,6 @@ def blocks() -> dict[str, tuple[Path, str]]:
     }
     seeds = recipe_seeds_block(json.loads(RECIPE_SEEDS_JSON.read_text()))
     found["recipe seeds"] = (DOCS / "mnist.md", seeds)
-    found["recipe seeds (README)"] = (DOCS.parent / "README.md", seeds)
     sharded = sharded_block(json.loads(SHARDED_JSON.read_text()))
     found["sharded checkpoints"] = (DOCS / "checkpoints.md", sharded)
     epoch_start = epoch_start_block(json.loads(EPOCH_START_JSON.read_text()))

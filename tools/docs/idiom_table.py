@@ -1,11 +1,11 @@
-"""The README's idiom table, generated from the idiom matrix's own lists.
+"""docs/idioms.md's idiom table, generated from the idiom matrix's own lists.
 
 ``tests/scripts/idioms_job.py`` lists the idioms (``IDIOMS``); ``EXPECTED`` below lists
 the cells that cannot equal one device, with why; ``tests/e2e/test_idioms.py`` checks every
-cell against one device and checks that the README holds exactly this table.
+cell against one device and checks that docs/idioms.md holds exactly this table.
 
     python -m tools.docs.idiom_table            # print the table
-    python -m tools.docs.idiom_table --write    # replace it in README.md
+    python -m tools.docs.idiom_table --write    # replace it in docs/idioms.md
 """
 
 from __future__ import annotations
@@ -108,13 +108,13 @@ def markdown() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the table in docs/idioms.md")
     args = parser.parse_args(argv)
     table = markdown()
     if not args.write:
         print(table)
         return 0
-    return generated_block.replace(REPO / "README.md", BEGIN, END, table, "idiom_table")
+    return generated_block.replace(REPO / "docs" / "idioms.md", BEGIN, END, table, "idiom_table")
 
 
 if __name__ == "__main__":
