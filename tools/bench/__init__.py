@@ -18,4 +18,5 @@ The experiments that are not a row of the table run alone, each writing its figu
     python -m tools.bench.sharded           # sharded checkpoints on JAX
     python -m tools.bench.recipe_seeds      # the recipes over several seeds
     python -m tools.bench.gpu               # one accelerator (KERAS_BACKEND=jax)
+    python -m tools.bench.elastic           # an elastic re-form against a plain restart
 """

@@ -48,6 +48,7 @@ BENCHMARK_JSON = RESULTS / "benchmark_measured.json"
 BENCHMARK_RUNS_JSON = RESULTS / "benchmark_runs.json"
 STABLE = 0.15  # a row is stable when its min and max lie within 15 % of its median
 RECIPE_SEEDS_JSON = RESULTS / "recipe_seeds_measured.json"
+ELASTIC_JSON = RESULTS / "elastic_measured.json"
 SHARDED_JSON = RESULTS / "sharded_measured.json"
 EPOCH_START_JSON = RESULTS / "epoch_start_measured.json"
 # The same tool with --load 2 (busy loops beside the job); rendered after the quiet run.
@@ -228,6 +229,13 @@ def partial_batch_cost_block(payload: dict) -> list[str]:
     return [_machine_line(payload["machine"]), "", lines[0], "", *(f"- {x}" for x in lines[1:])]
 
 
+def elastic_block(payload: dict) -> list[str]:
+    """An elastic re-form against a plain restart (``tools/bench/elastic.py``)."""
+    from tools.bench import elastic
+
+    return [_machine_line(payload["machine"]), "", elastic.report(payload)]
+
+
 def blocks() -> dict[str, tuple[Path, str]]:
     """name -> (page, block with its markers)."""
     payload = json.loads(BENCHMARK_JSON.read_text())
@@ -253,6 +261,11 @@ def blocks() -> dict[str, tuple[Path, str]]:
     found["step breakdown"] = (DOCS / "benchmarks.md", breakdown)
     partial = partial_batch_cost_block(json.loads(PARTIAL_BATCH_COST_JSON.read_text()))
     found["partial batch cost"] = (DOCS / "benchmarks.md", partial)
+    if ELASTIC_JSON.exists():
+        found["elastic"] = (
+            DOCS / "elastic.md",
+            elastic_block(json.loads(ELASTIC_JSON.read_text())),
+        )
     return {
         name: (page, "\n".join([_begin(name), *lines, _end(name)]))
         for name, (page, lines) in found.items()
