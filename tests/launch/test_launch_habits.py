@@ -228,6 +228,9 @@ def test_config_file_sets_options_and_flags_override_it(tmp_path):
         ('script = "x.py"\n', "config keys must be long option names"),
         ('tee = "yes"\n', "tee must be true or false"),
         ("nproc = [\n", "config must be a readable TOML file"),
+        # A value of the wrong type: LaunchOptions's TypeError, one line too.
+        ("nnodes = 1.5\n", "launch: nnodes must be a positive int. Received: nnodes=1.5"),
+        ('hosts = ["127.0.0.1"]\n', "launch: hosts must be a comma-separated list"),
     ],
 )
 def test_bad_config_files_are_one_line_errors(tmp_path, capsys, text, message):
