@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from tfdist import cli
+from tfdist.cli import launch as launch_command
 from tfdist.core.config import ConfigError
 
 from conftest import REPO, child_env
@@ -19,7 +20,7 @@ def _failing_launch(monkeypatch, error: BaseException) -> None:
     def fail(_args):
         raise error
 
-    monkeypatch.setattr(cli, "_cmd_launch", fail)  # build_parser binds it at each main()
+    monkeypatch.setattr(launch_command, "run", fail)  # build_parser binds it at each main()
 
 
 def test_a_config_error_is_one_line_and_exit_code_2(monkeypatch, capsys):
@@ -40,9 +41,10 @@ def test_any_other_error_is_not_swallowed(monkeypatch, capsys, error):
 def test_an_unexpected_error_prints_its_traceback():
     code = """
         from tfdist import cli
+        from tfdist.cli import launch
         def fail(_args):
             raise RuntimeError("something unexpected")
-        cli._cmd_launch = fail
+        launch.run = fail
         cli.console_main()
     """
     proc = subprocess.run(

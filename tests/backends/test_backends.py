@@ -217,7 +217,7 @@ def test_capabilities_and_one_process_answers(modules):
 # branch on it.
 _NAME_CALLS = ("backends.name", "config.keras_backend", "keras.backend.backend")
 
-# Where such a branch is allowed, and why. (config.py, cli.py and launch/ also take part in
+# Where such a branch is allowed, and why. (config.py, cli/ and launch/ also take part in
 # choosing the backend at set-up, but never compare its name: they need no exception.)
 ALLOWED = {
     "backends/": "the backend modules: the one place that knows each backend",

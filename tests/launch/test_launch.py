@@ -171,6 +171,43 @@ def test_options_of_the_wrong_type_are_type_errors(kwargs, match):
         LaunchOptions(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        ({"nproc": 2, "target": None}, r"missing the script to run\. Received: no SCRIPT"),
+        ({"nproc": "gpu", "target": "t.py"}, r"--nproc-per-node gpu needs a GPU"),
+        (
+            {"nproc": 1, "target": "t.py", "standalone": True, "nnodes": 2},
+            r"--standalone runs a single-node job on loopback\. Received: nnodes=2, hosts=None",
+        ),
+        (
+            {"nproc": 1, "target": "t.py", "standalone": True, "hosts": "127.0.0.1"},
+            r"--standalone runs a single-node job",
+        ),
+        ({"nproc": 1, "target": "t.py", "hosts": "127.0.0.1", "nnodes": 2}, r"one address per"),
+        ({"nproc": 0, "target": "t.py"}, r"nproc must be a positive int\. Received: nproc=0"),
+    ],
+)
+def test_the_flags_are_checked_by_launch_options(monkeypatch, flags, match):
+    # tfdist launch's flags reach LaunchOptions.from_flags unchecked: it is the one check.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ConfigError, match=match):
+        LaunchOptions.from_flags(**flags)
+
+
+def test_the_flags_default_the_nodes_from_the_hosts_and_read_auto():
+    opts = LaunchOptions.from_flags(
+        nproc="auto", target="t.py", hosts=" 127.0.0.1:7000, 127.0.0.2:7000", allow_remote=True
+    )
+    assert (opts.nnodes, opts.hosts) == (2, ("127.0.0.1:7000", "127.0.0.2:7000"))
+    assert opts.nproc == (len(launch.visible_gpus()) or 1)
+    assert LaunchOptions.from_flags(nproc=1, target="t.py", nnodes=1).hosts == ("127.0.0.1",)
+    with pytest.raises(TypeError, match=r"hosts must be a comma-separated list.*hosts=5"):
+        LaunchOptions.from_flags(nproc=1, target="t.py", hosts=5)
+    with pytest.raises(TypeError, match=r"nnodes must be a positive int\. Received: nnodes=1.5"):
+        LaunchOptions.from_flags(nproc=1, target="t.py", nnodes=1.5)
+
+
 def test_options_are_normalized_and_frozen():
     opts = LaunchOptions(nproc=2, target="t.py", args=["-x"], hosts="127.0.0.1", grace=1)
     assert opts.args == ("-x",) and opts.hosts == ("127.0.0.1",) and opts.grace == 1.0

@@ -19,8 +19,9 @@ import threading
 
 import pytest
 
-from tfdist import cli, launch
-from tfdist.cli import build_parser, main
+from tfdist import launch
+from tfdist.cli import build_parser, launch_config, main
+from tfdist.cli import launch as launch_command
 from tfdist.core import cluster
 from tfdist.launch import LaunchOptions
 from tfdist.launch.workers import Route, prefix_lines
@@ -136,8 +137,8 @@ def _launch(tmp_path, *flags: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     argv = ["launch", "--no-fixes", *flags, str(path)]
     args = build_parser().parse_args(argv)
-    args = cli._with_config(build_parser(), args, argv)
-    code = launch.run(cli._launch_options(args), stdout=out, stderr=err)
+    args = launch_config.with_config(build_parser(), args, argv)
+    code = launch.run(launch_command.launch_options(args), stdout=out, stderr=err)
     return code, out.getvalue(), err.getvalue()
 
 
@@ -176,7 +177,7 @@ def test_verbose_shows_the_noise(tmp_path):
 def test_nproc_per_node_numbers_auto_and_gpu(monkeypatch, value, visible, expected):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     args = build_parser().parse_args(["launch", "--nproc-per-node", value, "t.py"])
-    assert cli._launch_options(args).nproc == expected
+    assert launch_command.launch_options(args).nproc == expected
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,7 @@ def test_nproc_per_node_rejects_other_words(capsys):
 
 def _parsed(argv: list[str]) -> argparse.Namespace:
     parser = build_parser()
-    return cli._with_config(parser, parser.parse_args(argv), argv)
+    return launch_config.with_config(parser, parser.parse_args(argv), argv)
 
 
 def test_config_file_sets_options_and_flags_override_it(tmp_path):
@@ -227,6 +228,9 @@ def test_config_file_sets_options_and_flags_override_it(tmp_path):
         ('script = "x.py"\n', "config keys must be long option names"),
         ('tee = "yes"\n', "tee must be true or false"),
         ("nproc = [\n", "config must be a readable TOML file"),
+        # A value of the wrong type: LaunchOptions's TypeError, one line too.
+        ("nnodes = 1.5\n", "launch: nnodes must be a positive int. Received: nnodes=1.5"),
+        ('hosts = ["127.0.0.1"]\n', "launch: hosts must be a comma-separated list"),
     ],
 )
 def test_bad_config_files_are_one_line_errors(tmp_path, capsys, text, message):
@@ -254,7 +258,7 @@ def test_every_option_has_help_that_names_its_default():
 
 
 def test_the_cli_itself_runs_quiet():
-    code = "import os; from tfdist import cli; cli._quiet_tensorflow(); "
+    code = "import os; from tfdist.cli import shared; shared.quiet_tensorflow(); "
     code += "print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"
     env = {k: v for k, v in child_env().items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     proc = subprocess.run(

@@ -34,6 +34,7 @@ import pytest
 from netns_lab import ADDRESS, Lab, Output
 
 from tfdist import cli
+from tfdist.cli import launch as launch_command
 from tfdist.core.config import ConfigError
 from tfdist.launch import network
 from tfdist.launch.options import LaunchOptions
@@ -456,4 +457,4 @@ def test_the_egress_knob():
         on = LaunchOptions(nproc=2, target="t.py", private_egress=True)
         assert network.JobNetwork(on).egress is True
     parsed = cli.build_parser().parse_args(["launch", "-n", "2", "--no-private-egress", "t.py"])
-    assert cli._launch_options(parsed).private_egress is False
+    assert launch_command.launch_options(parsed).private_egress is False

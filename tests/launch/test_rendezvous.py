@@ -9,10 +9,13 @@ with real launchers and workers.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from tfdist import cli
 from tfdist.core.config import ConfigError
-from tfdist.launch import rendezvous
+from tfdist.launch import elastic, rendezvous
 from tfdist.launch.elastic import ElasticOptions
 from tfdist.launch.rendezvous import Member, RendezvousError, Store, parse_nnodes
 
@@ -194,3 +197,33 @@ def test_elastic_options_name_the_bad_argument(field, value, words):
     args = {"min_nodes": 2, "max_nodes": 3, "endpoints": ("127.0.0.1:29400",), "job": "j"}
     with pytest.raises(ConfigError, match=words):
         ElasticOptions(**{**args, field: value})
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ({"hosts": "127.0.0.1"}, "numbers its nodes itself. Received: hosts='127.0.0.1'"),
+        ({"rdzv_endpoint": None}, "needs where its nodes meet and a job id"),
+        ({"rdzv_conf": "leese=3"}, "rdzv_conf takes lease, join_timeout, last_call_timeout"),
+        ({"nnodes": "3:2"}, "nnodes must be N or MIN:MAX"),
+    ],
+)
+def test_the_elastic_flags_are_checked_once_naming_what_was_received(flags, words):
+    args = {"nnodes": "2:3", "rdzv_endpoint": "127.0.0.1:29400", "rdzv_id": "j"}
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        ElasticOptions.from_flags(**{**args, **flags})
+
+
+def test_which_flags_make_a_job_elastic():
+    assert elastic.wanted("2:3", None) and elastic.wanted(None, "127.0.0.1:29400")
+    assert not elastic.wanted("3", None) and not elastic.wanted("3:3", None)
+    assert not elastic.wanted(None, None) and not elastic.wanted(2, None)  # from --config
+    assert rendezvous.static_nnodes("3:3") == 3 and rendezvous.static_nnodes(2) == 2
+
+
+def test_tfdist_launch_refuses_an_elastic_job_without_its_endpoint(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    code = cli.main(["launch", "--nnodes", "2:3", "-n", "1", str(script)])
+    assert code == 2
+    assert "an elastic job needs where its nodes meet" in capsys.readouterr().err

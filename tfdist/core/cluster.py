@@ -343,7 +343,7 @@ def slurm_coordinator(environ: Mapping[str, str] | None = None) -> str:
 
     Example:
         >>> slurm_coordinator({"SLURM_STEP_NODELIST": "node[07-08]", "SLURM_JOB_ID": "40123"})
-        'node07:20123'
+        'node07:27872'
     """
     env = os.environ if environ is None else environ
     for name in _SLURM_NODELISTS:

@@ -11,9 +11,9 @@ TensorFlow-free: importing it costs nothing.
 
 Example:
     >>> from tfdist.core import process
+    >>> process.reset()          # tests: forget everything tfdist remembered
     >>> process.state().applied_fixes
     []
-    >>> process.reset()          # tests: forget everything tfdist remembered
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ upgrades sees why a distributed run may behave differently.
 TensorFlow-free: it reads installed versions from package metadata.
 
 Example:
-    >>> from tfdist import versions
+    >>> from tfdist.core import versions
     >>> versions.in_range("keras", "3.15.1")
     True
     >>> versions.in_range("tensorflow", "2.22.0")

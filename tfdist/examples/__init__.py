@@ -3,5 +3,5 @@
 Example:
     >>> from tfdist.examples import recipes
     >>> recipes.get_recipe("fast").epochs
-    5
+    7
 """

@@ -54,12 +54,47 @@ from tfdist.launch.rendezvous import (
     Round,
     Store,
     StoreUnreachable,
+    parse_nnodes,
     try_host,
 )
 from tfdist.launch.supervise import exit_code, run_group
 from tfdist.launch.workers import LauncherSignals
 
-__all__ = ["ElasticOptions", "run_elastic"]
+__all__ = ["ElasticOptions", "run_elastic", "wanted"]
+
+
+def wanted(nnodes: str | int | None, rdzv_endpoint: str | None) -> bool:
+    """An elastic job: ``--nnodes MIN:MAX`` with MIN < MAX, or a ``--rdzv-endpoint``.
+
+    Example:
+        >>> wanted("2:3", None), wanted("2", None), wanted(None, "10.0.0.1:29400")
+        (True, False, True)
+    """
+    if rdzv_endpoint:
+        return True
+    if not isinstance(nnodes, str) or ":" not in nnodes:
+        return False
+    low, high = parse_nnodes(nnodes)
+    return low < high
+
+
+_RDZV_CONF = {"lease": "lease", "join_timeout": "join_timeout", "last_call_timeout": "last_call"}
+
+
+def _rdzv_conf(text: str | None) -> dict:
+    """``lease=5,join_timeout=600,last_call_timeout=3`` -> ElasticOptions fields."""
+    conf = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        try:
+            conf[_RDZV_CONF[key.strip()]] = float(value)
+        except (KeyError, ValueError):
+            raise ConfigError(
+                f"launch: rdzv_conf takes {', '.join(_RDZV_CONF)} as KEY=SECONDS. Received: "
+                f"rdzv_conf={text!r}. e.g. --rdzv-conf lease=5,join_timeout=600."
+            ) from None
+    return conf
+
 
 logger = logging.getLogger("tfdist.launch")
 _WHERE = "launch"
@@ -89,6 +124,48 @@ class ElasticOptions:
     lease: float = 5.0
     join_timeout: float = 600.0
     last_call: float = 3.0
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        nnodes: str | None,
+        rdzv_endpoint: str | None,
+        rdzv_id: str | None,
+        rdzv_conf: str | None = None,
+        local_addr: str | None = None,
+        hosts: str | None = None,
+        node_rank: int = 0,
+        standalone: bool = False,
+    ) -> ElasticOptions:
+        """The options ``tfdist launch``'s elastic flags describe, checked here.
+
+        Example:
+            >>> ElasticOptions.from_flags(nnodes="2:3", rdzv_endpoint="127.0.0.1:29400",
+            ...                           rdzv_id="j", rdzv_conf="lease=3").lease
+            3.0
+        """
+        if hosts or node_rank or standalone:
+            raise ConfigError(
+                "launch: an elastic job (--nnodes MIN:MAX or --rdzv-endpoint) numbers its "
+                f"nodes itself. Received: hosts={hosts!r}, node_rank={node_rank}, "
+                f"standalone={standalone}. Leave out --hosts, --node-rank and --standalone."
+            )
+        if not rdzv_endpoint or not rdzv_id:
+            raise ConfigError(
+                "launch: an elastic job needs where its nodes meet and a job id. Received: "
+                f"rdzv_endpoint={rdzv_endpoint!r}, rdzv_id={rdzv_id!r}. Pass --rdzv-endpoint "
+                "HOST:PORT (an address of one of the nodes) and --rdzv-id NAME."
+            )
+        low, high = parse_nnodes(str(nnodes or "1:1"))
+        return cls(
+            min_nodes=low,
+            max_nodes=high,
+            endpoints=tuple(e.strip() for e in rdzv_endpoint.split(",")),
+            job=rdzv_id,
+            host=local_addr,
+            **_rdzv_conf(rdzv_conf),
+        )
 
     def __post_init__(self):
         low = validate.positive_int(self.min_nodes, "min_nodes", _WHERE)

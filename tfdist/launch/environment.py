@@ -24,7 +24,14 @@ from tfdist.core.config import (
     RESTART_ENV,
     ConfigError,
 )
-from tfdist.launch.options import LOOPBACK, LaunchOptions, check_options, is_loopback, split_host
+from tfdist.launch.options import (
+    LOOPBACK,
+    LaunchOptions,
+    check_options,
+    is_loopback,
+    split_host,
+    visible_gpus,
+)
 
 __all__ = [
     "BOOTSTRAP_MODULE",
@@ -79,31 +86,6 @@ def _check_ports_free(ports: Sequence[int]) -> None:
                     f"ports={list(ports)}. Choose another --port, or leave --port out to use "
                     "free ports."
                 ) from None
-
-
-def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
-    """GPU ids this process may hand out, found without TensorFlow.
-
-    ``CUDA_VISIBLE_DEVICES`` when set (an empty value means none; CUDA stops at the
-    first negative id), else one id per NVIDIA GPU in ``/proc/driver/nvidia/gpus``.
-
-    Example:
-        >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "0,2"})
-        ['0', '2']
-    """
-    env = os.environ if environ is None else environ
-    text = env.get("CUDA_VISIBLE_DEVICES")
-    if text is not None:
-        ids = []
-        for item in (part.strip() for part in text.split(",")):
-            if not item or item.startswith("-"):
-                break
-            ids.append(item)
-        return ids
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
 
 
 def cluster_addresses(options: LaunchOptions, ports: Sequence[int] | None = None) -> list[str]:

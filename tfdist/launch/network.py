@@ -43,6 +43,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 from tfdist.core.config import PRIVATE_EGRESS_ENV, ConfigError, private_egress
+from tfdist.launch.environment import cluster_addresses
 from tfdist.launch.options import LaunchOptions, check_options, is_loopback, split_host
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "private_egress",
     "node_ports",
     "firewall_rules",
+    "printed_firewall_rules",
     "firewall_table",
 ]
 
@@ -419,6 +421,27 @@ def node_ports(options: LaunchOptions, addresses: Sequence[str]) -> list[int]:
     """
     mine = addresses[options.ranks().start : options.ranks().stop]
     return [int(a.rpartition(":")[2]) for a in mine]
+
+
+def printed_firewall_rules(options: LaunchOptions) -> str:
+    """``tfdist launch --firewall print``: ``firewall_rules`` for the job's fixed ports, in a
+    table named after the first of them (the rules are loaded by hand and outlive this
+    process).
+
+    Example:
+        >>> opts = LaunchOptions(nproc=1, target="t.py", port=2222)
+        >>> printed_firewall_rules(opts).splitlines()[1]
+        'table inet tfdist_2222 {'
+    """
+    check_options(options, "printed_firewall_rules")
+    if not options.fixed_ports:
+        raise ConfigError(
+            "launch: --firewall print needs fixed ports. Received: no --port. Pass --port P "
+            "(or host:port in --hosts): the rules name the ports."
+        )
+    addresses = cluster_addresses(options)
+    first = node_ports(options, addresses)[0]
+    return firewall_rules(options, addresses, table=f"tfdist_{first}")
 
 
 def firewall_table() -> str:

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tfdist.core import validate
 from tfdist.core.config import ConfigError, launch_python, private_egress, shared_network
 
-__all__ = ["LOOPBACK", "LaunchOptions", "check_options", "split_host", "is_loopback"]
+__all__ = [
+    "LOOPBACK",
+    "LaunchOptions",
+    "check_options",
+    "split_host",
+    "is_loopback",
+    "visible_gpus",
+]
 
 LOOPBACK = "127.0.0.1"
 _WHERE = "launch"
@@ -52,6 +61,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def visible_gpus(environ: Mapping[str, str] | None = None) -> list[str]:
+    """GPU ids this process may hand out, found without TensorFlow.
+
+    ``CUDA_VISIBLE_DEVICES`` when set (an empty value means none; CUDA stops at the
+    first negative id), else one id per NVIDIA GPU in ``/proc/driver/nvidia/gpus``.
+
+    Example:
+        >>> visible_gpus({"CUDA_VISIBLE_DEVICES": "0,2"})
+        ['0', '2']
+    """
+    env = os.environ if environ is None else environ
+    text = env.get("CUDA_VISIBLE_DEVICES")
+    if text is not None:
+        ids = []
+        for item in (part.strip() for part in text.split(",")):
+            if not item or item.startswith("-"):
+                break
+            ids.append(item)
+        return ids
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
 def check_options(options, where: str) -> None:
     """TypeError unless ``options`` is a ``LaunchOptions`` (``where`` names the caller)."""
     validate.instance(
@@ -72,6 +106,22 @@ def _setting(check, value, name: str, *args, **kwargs):
         raise
     except ValueError as err:  # a wrong type stays a TypeError: the caller's bug
         raise ConfigError(str(err)) from None
+
+
+def _workers(nproc: int | str) -> int:
+    """``auto``: one worker per visible GPU, else 1; ``gpu``: one per GPU (GPUs needed)."""
+    if nproc not in ("auto", "gpu"):
+        return nproc  # type: ignore[return-value]  # an int, checked by LaunchOptions
+    gpus = len(visible_gpus())
+    if gpus:
+        return gpus
+    if nproc == "gpu":
+        raise ConfigError(
+            "launch: --nproc-per-node gpu needs a GPU. Received: nproc_per_node='gpu', and "
+            "none is visible (CUDA_VISIBLE_DEVICES, /proc/driver/nvidia/gpus). Pass a number, "
+            "or auto (1 worker without GPUs)."
+        )
+    return 1
 
 
 @dataclass(frozen=True)
@@ -161,6 +211,49 @@ class LaunchOptions:
         self._check_timeouts()
         self._check_output()
         self._set("python", launch_python(self.python))
+
+    @classmethod
+    def from_flags(
+        cls,
+        *,
+        nproc: int | str,
+        target: str | None,
+        hosts: str | None = None,
+        nnodes: int | None = None,
+        standalone: bool = False,
+        **fields,
+    ) -> LaunchOptions:
+        """The options ``tfdist launch``'s flags describe, checked here like the rest.
+
+        ``nproc`` may also be ``"auto"`` (one worker per visible GPU, else 1) or ``"gpu"``
+        (one per visible GPU; GPUs needed); ``target`` None is a missing script;
+        ``hosts`` is the ``--hosts`` text (``"h0,h1"``); ``nnodes`` None: the number of
+        hosts, or 1; ``standalone`` (torchrun's flag) insists on one node on loopback.
+        The other ``fields`` are ``LaunchOptions``'s own.
+
+        Example:
+            >>> LaunchOptions.from_flags(nproc=2, target="t.py", hosts="127.0.0.1").hosts
+            ('127.0.0.1',)
+        """
+        if target is None:
+            raise ConfigError(
+                "launch: missing the script to run. Received: no SCRIPT. "
+                "Usage: tfdist launch -n N script.py [ARGS...] (or -m MODULE [ARGS...])."
+            )
+        what = "a comma-separated list of 'host[:port]' (a str)"
+        validate.instance(hosts, (str, type(None)), "hosts", _WHERE, what)
+        listed = tuple(h.strip() for h in hosts.split(",")) if hosts else None
+        nodes = nnodes if nnodes is not None else (len(listed) if listed else 1)
+        if standalone and (nodes > 1 or hosts):  # torchrun's: one node, loopback, free ports
+            raise ConfigError(
+                "launch: --standalone runs a single-node job on loopback. Received: "
+                f"nnodes={nodes}, hosts={hosts!r}. Leave out --standalone, or --nnodes/--hosts."
+            )
+        loopback = (LOOPBACK,) * nodes if isinstance(nodes, int) else (LOOPBACK,)
+        # (A bad nnodes is refused before hosts are looked at.)
+        return cls(
+            nproc=_workers(nproc), target=target, nnodes=nodes, hosts=listed or loopback, **fields
+        )
 
     def _set(self, name: str, value) -> None:
         object.__setattr__(self, name, value)  # normalizing a field of a frozen instance

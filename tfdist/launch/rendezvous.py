@@ -51,6 +51,7 @@ __all__ = [
     "Store",
     "Member",
     "parse_nnodes",
+    "static_nnodes",
     "try_host",
 ]
 
@@ -89,6 +90,20 @@ def parse_nnodes(text: str) -> tuple[int, int]:
             )
         )
     return pair
+
+
+def static_nnodes(nnodes: str | int | None) -> int | None:
+    """``--nnodes`` of a job that is not elastic: ``"3"`` or ``"3:3"`` -> 3; None stays.
+
+    Example:
+        >>> static_nnodes("2:2"), static_nnodes(None)
+        (2, None)
+    """
+    if nnodes is None:
+        return None
+    if isinstance(nnodes, int) and not isinstance(nnodes, bool):
+        return nnodes  # from a --config file: LaunchOptions checks it
+    return parse_nnodes(nnodes)[0]
 
 
 @dataclass(frozen=True)

@@ -141,8 +141,8 @@ class Checkpointer:
 
     Example:
         >>> ckpt = Checkpointer("ckpt/", model=model, optimizer=opt, pipeline=train)  # doctest: +SKIP
-        >>> step = ckpt.restore()
-        >>> for epoch in range(step // ckpt.steps_per_epoch, EPOCHS):
+        >>> step = ckpt.restore()  # doctest: +SKIP
+        >>> for epoch in range(step // ckpt.steps_per_epoch, EPOCHS):  # doctest: +SKIP
         ...     for batch in dist_train:
         ...         train_step(batch); step += 1
         ...         ckpt.maybe_save(step, every=100)
