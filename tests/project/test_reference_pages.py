@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
 from tools.docs import reference as reference_pages
+
+from conftest import REPO
 
 
 @pytest.mark.parametrize("page", ["environment.md", "cli.md", "api.md"])

@@ -77,6 +77,9 @@ def _probes() -> dict[str, Callable[[dict], object]]:
         "TFDIST_LAUNCH_PYTHON": lambda env: config.launch_python(environ=env),
         "TFDIST_UNSCOPED_MODELS": lambda env: config.unscoped_models(environ=env),
         "TFDIST_DEBUG": config.debug,
+        # Set by an elastic tfdist launch for its workers, read as they are.
+        "TFDIST_ELASTIC_EVENTS": lambda env: env.get(config.ELASTIC_EVENTS_ENV),
+        "TFDIST_RENDEZVOUS": lambda env: env.get(config.RENDEZVOUS_ENV),
     }
 
 
