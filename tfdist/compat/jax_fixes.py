@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from tfdist.core import upstream
+from tfdist.core import roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
@@ -62,7 +62,8 @@ def fix_initialize_once() -> None:
 
 
 def _check_same_job(jax, num_processes, process_id) -> None:
-    have = (jax.process_count(), jax.process_index())
+    role = roles.jax_process()
+    have = (role.count, role.rank)
     asked = (num_processes, process_id)
     if any(a is not None and int(a) != h for a, h in zip(asked, have, strict=True)):
         raise RuntimeError(

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 
-from tfdist.core import config, upstream
+from tfdist.core import config, roles, upstream
 
 __all__ = [
     "ALLOWANCE_S",
@@ -145,7 +145,7 @@ _dog_lock = threading.Lock()
 def enabled() -> bool:
     """Whether this is a process of a multi-process JAX job with the watchdog on."""
     jax = sys.modules.get("jax")
-    if jax is None or not jax.distributed.is_initialized() or jax.process_count() < 2:
+    if jax is None or not jax.distributed.is_initialized() or roles.jax_process().count < 2:
         return False
     return config.jax_collective_timeout() is not None
 
@@ -154,11 +154,10 @@ def _get() -> _Dog:
     global _dog
     with _dog_lock:
         if _dog is None:
-            import jax
-
             timeout = config.jax_collective_timeout()
             assert timeout is not None  # callers check enabled() first
-            _dog = _Dog(timeout, jax.process_index(), jax.process_count())
+            role = roles.jax_process()
+            _dog = _Dog(timeout, role.rank, role.count)
             logger.info(
                 "tfdist.watchdog: on, %.0f s without a finished batch ends the job", timeout
             )

@@ -44,7 +44,7 @@ from tfdist.checkpoint.sharded import (
     sharded_name,
 )
 from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
-from tfdist.core import atomic, cluster, config, cross_replica, storage, validate
+from tfdist.core import atomic, config, cross_replica, roles, storage, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
 
@@ -116,9 +116,7 @@ def _inspect(path: str, downloads: contextlib.ExitStack) -> dict:
 def _spanning(value):
     """``value`` as Orbax can write it from every process: under several processes, a
     process-local array (a variable not in the loop's state) is placed on ``mesh()``."""
-    import jax
-
-    if jax.process_count() > 1 and getattr(value, "is_fully_addressable", False):
+    if roles.jax_process().count > 1 and getattr(value, "is_fully_addressable", False):
         return replicate(value)
     return value
 
@@ -360,11 +358,11 @@ class Checkpointer:
     def _start_watch(self) -> None:
         if not self.preemption or self._watch is not None:
             return
-        info = cluster.cluster_from_env()
+        role = roles.from_env()
         self._watch = PreemptionWatch(
-            multi_worker=info.is_multi_worker and _distribute.num_workers() > 1,
-            rank=info.rank,
-            num_workers=info.num_workers,
+            multi_worker=role.count > 1 and _distribute.num_workers() > 1,
+            rank=role.rank,
+            num_workers=role.count,
             key="tfdist/preempt/loop",
             timeout=self.timeout,
         )
