@@ -359,3 +359,22 @@ def test_roles_are_decided_in_one_module():
         }
     )
     assert not offenders, f"ask tfdist.core.roles instead: {offenders}"
+
+
+def test_the_backend_name_has_one_source():
+    # Keras's answer is read in core.config.keras_backend only; the rest asks
+    # tfdist.backends.name() (or, below the backends layer, config.keras_backend()).
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(path.read_text())
+        home = set()
+        for node in ast.walk(tree):
+            if where == "core/config.py" and getattr(node, "name", "") == "keras_backend":
+                home = set(range(node.lineno, node.end_lineno + 1))
+        for node in ast.walk(tree):
+            is_call = isinstance(node, ast.Call)
+            if is_call and _dotted(node.func).endswith("backend.backend"):
+                if node.lineno not in home:
+                    offenders.append(f"{where}:{node.lineno}")
+    assert not offenders, f"call tfdist.backends.name() instead: {offenders}"
