@@ -108,11 +108,11 @@ def on_keras_import(keras) -> None:
     if reason is not None:
         raise RuntimeError(f"tfdist check cannot hook keras.Model.fit: {reason}")
     if backends.name() == "tensorflow":
-        from tfdist.check import loop
+        from tfdist.check.loops import tensorflow as loop
 
         loop.install()
     elif backends.name() == "jax":
-        from tfdist.check import jax_loop
+        from tfdist.check.loops import jax as jax_loop
 
         jax_loop.install()
 

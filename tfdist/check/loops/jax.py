@@ -39,7 +39,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from tfdist.check import loop, model
+from tfdist.check import model
+from tfdist.check.loops import tensorflow as loop
 
 __all__ = ["install"]
 
