@@ -6,7 +6,7 @@ one, every worker agreeing on what it restores, the data pipeline moved to the s
 batch, and SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE``
 (75). With ``sharded=True`` (JAX) the same, with sharded, asynchronous Orbax checkpoints
 (``tfdist.checkpoint.sharded``: the writer and reader ``fit``'s callback and
-``make_or_restore`` use): each process writes its own shards, training goes on while
+``make_or_restore`` use): each worker writes its own shards, training goes on while
 they are written, and a write a kill interrupts never becomes a checkpoint.
 
 Example:
@@ -134,7 +134,7 @@ class Checkpointer:
         preemption: turn SIGTERM into a save at an agreed step and exit 75.
         strategy: TensorFlow: the loop's strategy (``tfdist.strategy()`` when None).
         sharded: JAX: write sharded, asynchronous Orbax checkpoints
-            (``ckpt-{epoch}[-{batch}].orbax``, every process its own shards) instead of
+            (``ckpt-{epoch}[-{batch}].orbax``, every worker its own shards) instead of
             archives; training goes on while a checkpoint is written.
 
     Example:
