@@ -52,7 +52,7 @@ def fix_initialize_once() -> None:
 
             if not jax.distributed.is_initialized():
                 return original(job_addresses, num_processes, process_id)
-            _check_same_job(jax, num_processes, process_id)
+            _check_same_job(num_processes, process_id)
             logger.debug("tfdist.compat: jax already initialised; agreeing on the seed only")
             module.initialize_rng()
 
@@ -61,7 +61,7 @@ def fix_initialize_once() -> None:
     patch(module, "initialize", "keras_jax_initialize_once", make)
 
 
-def _check_same_job(jax, num_processes, process_id) -> None:
+def _check_same_job(num_processes, process_id) -> None:
     role = roles.jax_process()
     have = (role.count, role.rank)
     asked = (num_processes, process_id)
