@@ -348,7 +348,7 @@ def checkpoint(
         preemption: catch SIGTERM, save and exit with the restart code.
         verbose: 1 prints a line per save (on the chief).
         sharded: JAX only: write ``ckpt-{epoch}[-{batch}].orbax`` directories instead,
-            every process its own shards, in the background while training goes on
+            every worker its own shards, in the background while training goes on
             (Orbax; ``tfdist.checkpoint.sharded``). ``make_or_restore`` reads both kinds
             and reshards onto the mesh of the model it builds.
 

@@ -137,7 +137,7 @@ def global_batch_size(per_replica: int, *, strategy=None) -> int:
 
 
 def num_workers(*, strategy=None) -> int:
-    """Training processes in the job (1 on one machine).
+    """Workers in the job (1 on one machine).
 
     Example:
         >>> num_workers()  # doctest: +SKIP
@@ -147,7 +147,7 @@ def num_workers(*, strategy=None) -> int:
 
 
 def worker_index(*, strategy=None) -> int:
-    """This process's index among the training processes, chief first (0 on one machine).
+    """This worker's index in the job, chief first (0 on one machine).
 
     Example:
         >>> worker_index()  # doctest: +SKIP
@@ -157,7 +157,7 @@ def worker_index(*, strategy=None) -> int:
 
 
 def is_chief() -> bool:
-    """Whether this process is the chief (always True on one machine).
+    """Whether this worker is the chief (always True on one machine).
 
     Example:
         >>> is_chief()  # doctest: +SKIP

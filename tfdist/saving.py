@@ -488,7 +488,7 @@ def write_alone(model, path: str | os.PathLike, write, *, what: str):
     """
     final = storage.normalize(path, what)
     if needs_every_process(model):
-        what = f"{what} of a model sharded across processes (every process must call it)"
+        what = f"{what} of a model sharded across workers (every worker must call it)"
         return write_on_every_worker(model, final, write, what=what)
     upstream.keras_warm_save_skipsets()  # Keras's first save is collective on JAX otherwise
     # Every worker is a "chief" of its own save: its staging lands, under its own name.

@@ -38,7 +38,7 @@ import threading
 
 from tfdist import backends, unscoped
 from tfdist.check import hook as check_hook
-from tfdist.core import cluster, config, process, quiet, upstream, versions
+from tfdist.core import cluster, config, process, quiet, roles, upstream, versions
 
 __all__ = ["install", "installed", "auto_strategy"]
 
@@ -251,29 +251,30 @@ def _on_jax_import(jax) -> None:
 def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
     """``jax.distributed.initialize`` once, with tfdist's timeouts, naming what it waits for."""
     timeouts = config.MultiWorkerTimeouts.from_env()
+    role = roles.of_cluster(info)
     if info.source == "SLURM":  # srun names the nodes, not the addresses: task 0's
         coordinator = cluster.slurm_coordinator()
     elif info.addresses:
         coordinator = info.addresses[0]
     else:
         raise config.ConfigError(
-            f"tfdist: process {info.rank} of {info.num_workers} ({info.source}) has no "
+            f"tfdist: process {role.rank} of {role.count} ({info.source}) has no "
             f"coordinator address for jax.distributed. Received: cluster={dict(info.cluster)}. "
             "Give the job's addresses in TF_CONFIG or KERAS_DISTRIBUTION_JOB_ADDRESSES."
         )
     register = config.jax_register_timeout()
     logger.info(
         "tfdist: process %d of %d joining the job (coordinator %s, waiting up to %.0f s)",
-        info.rank,
-        info.num_workers,
+        role.rank,
+        role.count,
         coordinator,
         register,
     )
-    joined = _name_the_missing_after(register, info, coordinator)
+    joined = _name_the_missing_after(register, role, coordinator)
     jax.distributed.initialize(
         coordinator_address=coordinator,
-        num_processes=info.num_workers,
-        process_id=info.rank,
+        num_processes=role.count,
+        process_id=role.rank,
         initialization_timeout=int(register),
         heartbeat_timeout_seconds=max(int(timeouts.heartbeat), 1),
         shutdown_timeout_seconds=int(timeouts.shutdown),
@@ -286,7 +287,7 @@ def _initialize_jax_processes(jax, info: cluster.ClusterInfo) -> None:
     process.state().jax_initialized = True
 
 
-def _name_the_missing_after(seconds: float, info: cluster.ClusterInfo, coordinator: str):
+def _name_the_missing_after(seconds: float, role: roles.Role, coordinator: str):
     """An event to set once the job gathered; if it is not set within ``seconds``, one
     line names who did not join, and the process ends (exit ``WATCHDOG_EXIT_CODE``).
 
@@ -296,8 +297,8 @@ def _name_the_missing_after(seconds: float, info: cluster.ClusterInfo, coordinat
     import os
 
     joined = threading.Event()
-    others = [i for i in range(info.num_workers) if i != info.rank]
-    if info.rank == 0:
+    others = [i for i in range(role.count) if i != role.rank]
+    if role.rank == 0:
         plural = "es" if len(others) > 1 else ""
         who = f"process{plural} {', '.join(map(str, others))} to join the job at {coordinator}"
     else:
@@ -309,7 +310,7 @@ def _name_the_missing_after(seconds: float, info: cluster.ClusterInfo, coordinat
         if joined.wait(max(seconds - 1.0, 0.5)):
             return
         print(
-            f"tfdist: process {info.rank} of {info.num_workers} gave up after {seconds:.0f} s "
+            f"tfdist: process {role.rank} of {role.count} gave up after {seconds:.0f} s "
             f"waiting for {who}: start it, or raise TFDIST_REGISTER_TIMEOUT.",
             file=sys.stderr,
             flush=True,

@@ -30,7 +30,7 @@ import logging
 import sys
 
 from tfdist import backends
-from tfdist.core import cluster, config, fix_registry, process, upstream
+from tfdist.core import config, fix_registry, process, roles, upstream
 
 __all__ = ["HOOK", "enable", "enabled", "on_keras_import"]
 
@@ -128,8 +128,8 @@ def _adopt_jax() -> None:
 
 
 def _announce(kind: str, replicas: int) -> str:
-    info = cluster.cluster_from_env()
-    where = f"{replicas} replicas on {info.num_workers} worker{'s' * (info.num_workers > 1)}"
+    workers = roles.from_env().count
+    where = f"{replicas} replicas on {workers} worker{'s' * (workers > 1)}"
     text = f"the job's {kind} ({where})"
     _tell(
         f"tfdist: models this script builds outside any scope train on {text}; its "
@@ -141,7 +141,7 @@ def _announce(kind: str, replicas: int) -> str:
 
 def _tell(line: str) -> None:
     """One line on stderr, from the chief only."""
-    if cluster.cluster_from_env().is_chief:
+    if roles.is_chief():
         print(line, file=sys.stderr, flush=True)
 
 

@@ -660,7 +660,7 @@ def test_the_readme_usage_script_is_equal_at_its_global_batch(tmp_path):
 
 
 def test_a_jax_loops_state_is_found_among_a_steps_arguments_only_in_the_guides_order():
-    from tfdist.check import jax_loop
+    from tfdist.check.loops import jax as jax_loop
 
     shapes = ((8, 16), (16,), (), (8, 16))  # kernel, bias; iteration, a moment
     state = jax_loop._State(("k", "b", "adam/iteration", "adam/m"), shapes, 2, None)

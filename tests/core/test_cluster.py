@@ -5,10 +5,10 @@ import pytest
 from tfdist.core.cluster import (
     ClusterInfo,
     cluster_from_env,
-    is_chief,
     parse_tf_config,
     worker_tf_config,
 )
+from tfdist.core.roles import is_chief
 
 TWO = ["127.0.0.1:2222", "127.0.0.1:2223"]
 

@@ -105,3 +105,27 @@ def test_messages_echo_the_value_and_say_what_to_do():
         validate.path_text(3, "path", "save")
     with pytest.raises(ValueError, match="a non-empty path"):
         validate.path_text(" ", "path", "save")
+
+
+def test_the_jax_stall_watchdog_has_its_own_knob_and_its_default_is_unchanged(recwarn):
+    assert config.jax_stall_timeout(environ={}) == config.JAX_STALL_TIMEOUT_DEFAULT == 45.0
+    new = config.JAX_STALL_TIMEOUT_ENV
+    assert config.jax_stall_timeout(environ={new: "12"}) == 12.0
+    assert config.jax_stall_timeout(environ={new: "off"}) is None
+    assert config.jax_stall_timeout(7, environ={new: "12"}) == 7.0
+    # The new name wins over the old one, silently.
+    assert config.jax_stall_timeout(environ={new: "12", "TFDIST_COLLECTIVE_TIMEOUT": "3"}) == 12
+    with pytest.raises(config.ConfigError, match=r"Received: TFDIST_JAX_STALL_TIMEOUT='-2'"):
+        config.jax_stall_timeout(environ={new: "-2"})
+    assert not [w for w in recwarn if issubclass(w.category, FutureWarning)]
+
+
+def test_the_old_name_still_sets_the_jax_stall_watchdog_with_a_deprecation_line():
+    old = {"TFDIST_COLLECTIVE_TIMEOUT": "30"}
+    with pytest.warns(FutureWarning, match=r"set TFDIST_JAX_STALL_TIMEOUT=30 instead") as seen:
+        assert config.jax_stall_timeout(environ=old) == 30.0
+    assert len(seen) == 1 and "TFDIST_COLLECTIVE_TIMEOUT" in str(seen[0].message)
+    with pytest.warns(FutureWarning):
+        assert config.jax_stall_timeout(environ={"TFDIST_COLLECTIVE_TIMEOUT": "0"}) is None
+    # TensorFlow's per-op limit reads the old name as before, without a warning.
+    assert config.MultiWorkerTimeouts.from_env(old).collective == 30.0

@@ -316,5 +316,5 @@ def test_a_partial_last_batch_splits_evenly_or_fails_when_built():
     assert "31 examples, so its last batch has 7 (global batch 8)" in result["replicas"]
     assert "cannot split that batch between 2 replicas" in result["replicas"]
     assert "drop_remainder=True" in result["replicas"]
-    assert "cannot split that batch between 2 processes" in result["processes"]
+    assert "cannot split that batch between 2 workers" in result["processes"]
     assert "shared" not in result  # built: each process feeds 3 of the last 6

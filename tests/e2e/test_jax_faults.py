@@ -33,7 +33,7 @@ JOB = str(SCRIPTS / "jax_fault_job.py")
 BOUND_S = 60.0  # what docs/jax.md promises: every process ends within this of the fault
 START_S = 240.0  # 2-4 JAX processes starting at once on a small CI machine
 COLLECTIVE_S = 5  # the jobs' short watchdog limit (45 s by default on JAX)
-SHORT = {"TFDIST_COLLECTIVE_TIMEOUT": str(COLLECTIVE_S)}
+SHORT = {"TFDIST_JAX_STALL_TIMEOUT": str(COLLECTIVE_S)}
 REGISTER_S = 5  # a job whose peer never starts: its short register timeout (60 s by default)
 
 
@@ -144,19 +144,19 @@ def test_default_timeouts_end_a_job_with_a_dead_never_started_or_stuck_peer_with
     # Dead: jax's heartbeat verdict, or the failed collective read within the verdict.
     assert timeouts.heartbeat + watchdog.VERDICT_MAX_S <= BOUND_S
     # Stuck: the watchdog's default, its verdict included.
-    default = config.jax_collective_timeout(environ={})
-    assert default == config.JAX_COLLECTIVE_TIMEOUT_DEFAULT
+    default = config.jax_stall_timeout(environ={})
+    assert default == config.JAX_STALL_TIMEOUT_DEFAULT
     assert default + watchdog.VERDICT_MAX_S <= BOUND_S
     assert watchdog.ALLOWANCE_S >= default  # compiling is never held to a step's limit
-    env = "TFDIST_COLLECTIVE_TIMEOUT"
-    assert config.jax_collective_timeout(environ={env: "12"}) == 12.0
-    assert config.jax_collective_timeout(environ={env: "0"}) is None
-    assert config.jax_collective_timeout(environ={env: "off"}) is None
-    assert config.jax_collective_timeout(0) is None
-    with pytest.raises(config.ConfigError, match=r"Received: TFDIST_COLLECTIVE_TIMEOUT='soon'"):
-        config.jax_collective_timeout(environ={env: "soon"})
+    env = "TFDIST_JAX_STALL_TIMEOUT"
+    assert config.jax_stall_timeout(environ={env: "12"}) == 12.0
+    assert config.jax_stall_timeout(environ={env: "0"}) is None
+    assert config.jax_stall_timeout(environ={env: "off"}) is None
+    assert config.jax_stall_timeout(0) is None
+    with pytest.raises(config.ConfigError, match=r"Received: TFDIST_JAX_STALL_TIMEOUT='soon'"):
+        config.jax_stall_timeout(environ={env: "soon"})
     with pytest.raises(ValueError, match=r"Received: timeout=-1"):
-        config.jax_collective_timeout(-1)
+        config.jax_stall_timeout(-1)
 
 
 def _dog(rank: int, count: int):
@@ -227,7 +227,7 @@ def test_launch_ends_the_job_when_a_worker_dies_or_is_stuck(procs):
     assert code == config.WATCHDOG_EXIT_CODE, out[-3000:]
     assert "failed: worker w1 exited with code 69 (tfdist.watchdog" in out, out[-3000:]
     line = _one_line(out, r"^\[w1\] tfdist: process 1 of 2: no batch finished")
-    assert f"(12 batches done; TFDIST_COLLECTIVE_TIMEOUT={COLLECTIVE_S})" in line, line  # 8 + 4 val
+    assert f"(12 batches done; TFDIST_JAX_STALL_TIMEOUT={COLLECTIVE_S})" in line, line  # 8 + 4 val
     assert "so this one is stuck, in on_batch_end (jax_fault_job.py:" in line, line
     print(f"launch: dead -> job ended {dead_s:.1f} s after the kill; stuck -> {stuck_s:.1f} s")
 

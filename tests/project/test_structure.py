@@ -34,7 +34,7 @@ LAYERS = [
 CORE_LAYERS = [
     {"validate", "position", "quiet", "upstream", "engines", "startup_watch"},
     {"config", "storage", "process", "cross_replica"},
-    {"cluster", "versions", "full_epochs", "shard_policy", "watchdog"},
+    {"cluster", "roles", "versions", "full_epochs", "shard_policy", "watchdog"},
     {"atomic", "fix_registry", "exit_hold", "batch_order"},
 ]
 
@@ -305,3 +305,76 @@ def test_the_quick_tier_runs_a_test_of_every_test_file():
     # An exemption that is no longer needed goes away.
     stale = [n for n in SLOW_ONLY if _has_a_quick_test(names[n])]
     assert not stale, f"these files have a quick test now; remove them from SLOW_ONLY: {stale}"
+
+
+# Who is chief, this process's rank and the number of processes: tfdist.core.roles answers,
+# from the cluster environment or from jax's numbering; no other module asks either source.
+_ROLE_HOMES = {"core/roles.py", "core/cluster.py"}
+_CLUSTER_READS = {"cluster_from_env", "parse_tf_config", "ClusterInfo"}
+
+
+def _reads_the_cluster(node: ast.AST | None) -> bool:
+    """Whether ``node`` is a call that parses the cluster environment, or its type."""
+    if isinstance(node, ast.Call):
+        node = node.func
+    return _dotted(node).rpartition(".")[2] in _CLUSTER_READS
+
+
+def _cluster_names(scope: ast.AST) -> set[str]:
+    """Names bound in ``scope`` to a parsed cluster (assigned, or a parameter's type)."""
+    names = set()
+    for node in ast.walk(scope):
+        if isinstance(node, ast.Assign) and _reads_the_cluster(node.value):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.arg) and node.annotation is not None:
+            if _reads_the_cluster(node.annotation):
+                names.add(node.arg)
+    return names
+
+
+def _role_decisions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    where = path.relative_to(PACKAGE).as_posix()
+    found = []
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))]:
+        names = _cluster_names(scope)
+        for node in ast.walk(scope):
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and node.func.attr in ("process_index", "process_count"):
+                found.append(f"{where}:{node.lineno} calls {node.func.attr}()")
+            if isinstance(node, ast.Attribute) and node.attr in ("is_chief", "rank"):
+                value = node.value
+                if _reads_the_cluster(value) or getattr(value, "id", None) in names:
+                    found.append(f"{where}:{node.lineno} reads the cluster's {node.attr}")
+    return found
+
+
+def test_roles_are_decided_in_one_module():
+    offenders = sorted(
+        {
+            line
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if path.relative_to(PACKAGE).as_posix() not in _ROLE_HOMES
+            for line in _role_decisions(path)
+        }
+    )
+    assert not offenders, f"ask tfdist.core.roles instead: {offenders}"
+
+
+def test_the_backend_name_has_one_source():
+    # Keras's answer is read in core.config.keras_backend only; the rest asks
+    # tfdist.backends.name() (or, below the backends layer, config.keras_backend()).
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE).as_posix()
+        tree = ast.parse(path.read_text())
+        home = set()
+        for node in ast.walk(tree):
+            if where == "core/config.py" and getattr(node, "name", "") == "keras_backend":
+                home = set(range(node.lineno, node.end_lineno + 1))
+        for node in ast.walk(tree):
+            is_call = isinstance(node, ast.Call)
+            if is_call and _dotted(node.func).endswith("backend.backend"):
+                if node.lineno not in home:
+                    offenders.append(f"{where}:{node.lineno}")
+    assert not offenders, f"call tfdist.backends.name() instead: {offenders}"

@@ -10,10 +10,10 @@ of the ``Backend`` protocol (listed in ``INTERFACE``):
 ``scope(**opts)``               a context manager that distributes what is built inside
 ``current(x)``                  the distribution in effect (``x`` if given)
 ``num_replicas(x)``             replicas in sync (the data-parallel size)
-``num_workers(x)``              training processes
-``worker_index(x)``             this process's index among them (0 is the chief)
-``is_chief()``                  whether this process does the one-off work (files, logs)
-``barrier(n, t)``               wait until every process reaches barrier ``n`` (``t`` s)
+``num_workers(x)``              workers in the job
+``worker_index(x)``             this worker's index among them (0 is the chief)
+``is_chief()``                  whether this worker does the one-off work (files, logs)
+``barrier(n, t)``               wait until every worker reaches barrier ``n`` (``t`` s)
 ``topology()``                  devices and the distribution ``auto`` would pick
 ``chief_value(n, v, t, x)``     the chief's integer ``v`` on every process (a broadcast)
 ``gather_rows(row, x)``         every process's small integer row, on every process
@@ -74,13 +74,13 @@ class Backend(Protocol):
         """Replicas in sync (the data-parallel size)."""
 
     def num_workers(self, explicit=None) -> int:
-        """Training processes in the job (1 on one machine)."""
+        """Workers in the job (1 on one machine)."""
 
     def worker_index(self, explicit=None) -> int:
-        """This process's index among the training processes, chief first."""
+        """This worker's index in the job, chief first."""
 
     def is_chief(self) -> bool:
-        """Whether this process does the one-off work (files, logs)."""
+        """Whether this worker does the one-off work (files, logs)."""
 
     def barrier(self, name: str, timeout: float) -> None:
         """Waits until every process reaches barrier ``name``; RuntimeError after ``timeout`` s."""

@@ -33,7 +33,7 @@ import numpy as np
 from keras import distribution as kd
 
 from tfdist.backends import StoreGone, layouts
-from tfdist.core import config, process, upstream, validate
+from tfdist.core import config, process, roles, upstream, validate
 from tfdist.core.config import ConfigError
 
 __all__ = [
@@ -109,7 +109,7 @@ def _check_batch_axis_follows_processes(mesh, axis: str) -> None:
     batch axis is 1): the devices of process p must hold exactly those batch rows. A mesh
     built in another order (e.g. its columns across processes) would train on the wrong
     rows, silently: refused here."""
-    processes = jax.process_count()
+    processes = roles.jax_process().count
     rows = mesh.shape[mesh.axis_names.index(axis)]
     if processes == 1 or rows == 1:
         return
@@ -292,17 +292,17 @@ def num_replicas(explicit=None) -> int:
 
 def num_workers(explicit=None) -> int:
     """Processes in the job (``jax.process_count()``)."""
-    return jax.process_count()
+    return roles.jax_process().count
 
 
 def worker_index(explicit=None) -> int:
     """This process's index (``jax.process_index()``); 0 is the chief."""
-    return jax.process_index()
+    return roles.jax_process().rank
 
 
 def barrier(name: str, timeout: float) -> None:
     """Waits until every process reaches barrier ``name``; nothing to wait for in one."""
-    if jax.process_count() == 1:
+    if roles.jax_process().count == 1:
         return
     try:
         upstream.jax_wait_at_barrier(f"tfdist/{name}", int(timeout * 1000))
@@ -324,13 +324,14 @@ def chief_value(name: str, value: int, timeout: float, explicit=None) -> int:
         >>> chief_value("shuffle seed", 1804289383, timeout=60)  # doctest: +SKIP
         1804289383
     """
-    if jax.process_count() == 1:
+    role = roles.jax_process()
+    if role.count == 1:
         return value
     state = process.state()
     with state.lock:
         state.chief_values += 1
         key = f"tfdist/{name}/{state.chief_values}"
-    if jax.process_index() == 0:
+    if role.is_chief:
         upstream.jax_key_value_set(key, str(value))
         return value
     try:
@@ -338,7 +339,7 @@ def chief_value(name: str, value: int, timeout: float, explicit=None) -> int:
     except Exception as err:  # jax raises its runtime's own error types
         first = str(err).strip().splitlines()
         raise TimeoutError(
-            f"tfdist: process {jax.process_index()} did not receive process 0's {name} "
+            f"tfdist: process {role.rank} did not receive process 0's {name} "
             f"within {timeout:.0f} s ({first[0] if first else type(err).__name__})."
         ) from None
 
@@ -350,7 +351,7 @@ def gather_rows(row, explicit=None) -> np.ndarray | None:
         >>> gather_rows((2, 50, 0))  # two processes  # doctest: +SKIP
         array([[2, 50, 0], [2, 50, 0]], dtype=int32)
     """
-    if jax.process_count() == 1:
+    if roles.jax_process().count == 1:
         return None
     from jax.experimental import multihost_utils
 
@@ -401,7 +402,7 @@ def splits_uneven_batches() -> bool:
 
 def is_chief() -> bool:
     """Whether this is process 0."""
-    return jax.process_index() == 0
+    return roles.jax_process().is_chief
 
 
 def topology(environ: Mapping[str, str] | None = None) -> dict:
@@ -420,7 +421,7 @@ def topology(environ: Mapping[str, str] | None = None) -> dict:
             "kind": type(dist).__name__,
             "num_replicas": data_axis(dist),
             "mesh": dict(zip(mesh.axis_names, (int(s) for s in mesh.shape), strict=True)),
-            "num_workers": jax.process_count(),
+            "num_workers": roles.jax_process().count,
         },
         "keras": keras.__version__,
     }

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 import keras
 from keras import distribution as kd
 
+from tfdist import backends
 from tfdist.core import validate
 
 __all__ = ["ModelParallel", "describe", "estimate_memory", "Report", "MemoryEstimate"]
@@ -199,7 +200,7 @@ def _tf_layout(variable, replicas: int) -> tuple[str, int, int]:
 
 
 def _row(variable, replicas: int) -> dict:
-    if keras.backend.backend() == "jax":
+    if backends.name() == "jax":
         layout, per_device, devices = _jax_layout(variable)
     else:
         layout, per_device, devices = _tf_layout(variable, replicas)
@@ -262,7 +263,7 @@ def describe(
     rows = [_row(v, replicas) for v in model.variables]
     hint = (
         "shard it with a LayoutMap key (tfdist.scope(layout_map=...)) if memory is tight"
-        if keras.backend.backend() == "jax"
+        if backends.name() == "jax"
         else "TensorFlow mirrors every variable: to shard it, run on KERAS_BACKEND=jax "
         "with tfdist.scope(layout_map=...)"
     )
@@ -369,7 +370,7 @@ def _model(model_or_builder) -> tuple[keras.Model, bool]:
         "Pass a keras.Model or a function that builds one.",
     )
     box = []
-    if keras.backend.backend() == "jax":
+    if backends.name() == "jax":
         import jax
 
         # Variables hold tracers: shapes and dtypes without an allocated byte.

@@ -28,7 +28,7 @@ from tfdist.backends.tf_plan import (
     plan,
     slurm_cluster_resolver,
 )
-from tfdist.core import cluster, config, exit_hold, fix_registry, process, upstream, validate
+from tfdist.core import config, exit_hold, fix_registry, process, roles, upstream, validate
 from tfdist.core.config import Communication, ConfigError, MultiWorkerTimeouts
 
 __all__ = [
@@ -294,7 +294,7 @@ def _barrier_error(name: str, timeout: float, err: Exception) -> str:
 
 def is_chief() -> bool:
     """Whether this process is the chief (always True on one machine)."""
-    return cluster.is_chief()
+    return roles.is_chief()
 
 
 def topology(environ: Mapping[str, str] | None = None) -> dict:

@@ -1,7 +1,7 @@
 """``tfdist check script.py``: does this unchanged script train one device's model when distributed?
 
 It runs the script's first ``steps`` training steps of its first ``fit`` (or of its
-custom loop: ``loop`` on TensorFlow, ``jax_loop`` on JAX) on each
+custom loop: ``loops``, one watcher per backend) on each
 topology on this machine's CPU, each in fresh processes (``runner``; the hook that stops
 ``fit`` and records the weights is ``hook``), compares every topology with ``1 device``
 (``verdict``, through ``compare``: per variable, the largest absolute difference, a NaN

@@ -41,6 +41,7 @@ import faulthandler
 import functools
 import os
 
+from tfdist import backends
 from tfdist.check.model import (
     DIR_ENV,
     INERT_RANDOM_ENV,
@@ -106,12 +107,12 @@ def on_keras_import(keras) -> None:
     reason = fix_registry.apply_fix(record)
     if reason is not None:
         raise RuntimeError(f"tfdist check cannot hook keras.Model.fit: {reason}")
-    if keras.backend.backend() == "tensorflow":
-        from tfdist.check import loop
+    if backends.name() == "tensorflow":
+        from tfdist.check.loops import tensorflow as loop
 
         loop.install()
-    elif keras.backend.backend() == "jax":
-        from tfdist.check import jax_loop
+    elif backends.name() == "jax":
+        from tfdist.check.loops import jax as jax_loop
 
         jax_loop.install()
 
@@ -323,9 +324,8 @@ def _recorder_class():
 def _replicas(model) -> int | None:
     """How many replicas ``model`` trained on: its strategy's (TensorFlow), or the devices
     its variables are laid out on (JAX; 1 without a distribution)."""
-    import keras
 
-    if keras.backend.backend() == "tensorflow":
+    if backends.name() == "tensorflow":
         return int(model.distribute_strategy.num_replicas_in_sync)
     # On JAX the devices a model's variables live on: tfdist.scope() sets Keras's
     # distribution only while the model is built, so fit may run with none set.

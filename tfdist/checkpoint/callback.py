@@ -46,7 +46,7 @@ from tfdist.checkpoint.sharded import (
     sharded_name,
 )
 from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
-from tfdist.core import atomic, cluster, config, storage, validate
+from tfdist.core import atomic, config, roles, storage, validate
 from tfdist.core.position import Position
 
 __all__ = ["ResumableCheckpoint", "ShardedCheckpoint"]
@@ -224,16 +224,16 @@ class ResumableCheckpoint(keras.callbacks.Callback):
     # -- steps of the hooks
 
     def _new_watch(self) -> PreemptionWatch:
-        info = cluster.cluster_from_env()
+        role = roles.from_env()
         strategy = getattr(self.model, "distribute_strategy", None)  # TF models only
         if strategy is not None:
             multi = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
         else:  # JAX: keras.distribution over the processes of jax.distributed
             multi = distribute.num_workers() > 1
         return PreemptionWatch(
-            multi_worker=info.is_multi_worker and multi,
-            rank=info.rank,
-            num_workers=info.num_workers,
+            multi_worker=role.count > 1 and multi,
+            rank=role.rank,
+            num_workers=role.count,
             key=f"tfdist/preempt/{self._fits}",  # one notice per fit
             timeout=self.preemption_timeout,
         )

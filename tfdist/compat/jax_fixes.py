@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from tfdist.core import upstream
+from tfdist.core import roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
@@ -52,7 +52,7 @@ def fix_initialize_once() -> None:
 
             if not jax.distributed.is_initialized():
                 return original(job_addresses, num_processes, process_id)
-            _check_same_job(jax, num_processes, process_id)
+            _check_same_job(num_processes, process_id)
             logger.debug("tfdist.compat: jax already initialised; agreeing on the seed only")
             module.initialize_rng()
 
@@ -61,8 +61,9 @@ def fix_initialize_once() -> None:
     patch(module, "initialize", "keras_jax_initialize_once", make)
 
 
-def _check_same_job(jax, num_processes, process_id) -> None:
-    have = (jax.process_count(), jax.process_index())
+def _check_same_job(num_processes, process_id) -> None:
+    role = roles.jax_process()
+    have = (role.count, role.rank)
     asked = (num_processes, process_id)
     if any(a is not None and int(a) != h for a, h in zip(asked, have, strict=True)):
         raise RuntimeError(

@@ -38,7 +38,7 @@ import random
 from dataclasses import dataclass
 from typing import cast
 
-from tfdist.core import config, upstream
+from tfdist.core import config, roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
@@ -202,10 +202,9 @@ def agree_random_state(timeout: float = config.SEED_AGREEMENT_TIMEOUT_S) -> None
     Example:
         >>> agree_random_state()  # in a multi-process job  # doctest: +SKIP
     """
-    import jax
-
+    role = roles.jax_process()
     key = f"tfdist/jax_inputs/random_state/{next(_AGREEMENTS)}"
-    if jax.process_index() == 0:
+    if role.is_chief:
         upstream.jax_key_value_set(key, json.dumps(_random_state()))
         return
     try:
@@ -213,7 +212,7 @@ def agree_random_state(timeout: float = config.SEED_AGREEMENT_TIMEOUT_S) -> None
     except Exception as err:  # jax raises its runtime's own error types
         first = str(err).strip().splitlines()
         raise TimeoutError(
-            f"tfdist: process {jax.process_index()} did not receive process 0's random "
+            f"tfdist: process {role.rank} did not receive process 0's random "
             f"state for a shuffled epoch within {timeout:.0f} s "
             f"({first[0] if first else type(err).__name__}). Every process must call "
             "fit/evaluate/predict with the same inputs in the same order."

@@ -98,7 +98,7 @@ def fix_watchdog() -> None:
     ``fit``/``evaluate``/``predict`` of a multi-process job inside
     ``tfdist.core.watchdog.watched`` with two callbacks reporting each finished batch and
     each epoch's end; the watchdog's thread ends the process with one line naming the
-    peers it waits for after ``TFDIST_COLLECTIVE_TIMEOUT`` s without progress (default
+    peers it waits for after ``TFDIST_JAX_STALL_TIMEOUT`` s without progress (default
     45; 0 turns the fix off), and a lost peer's failed collective with one line naming
     that peer. The callbacks read nothing and change nothing (``async_safe``: Keras keeps
     dispatching batch ends as it did), so training gives the same model; in one process,

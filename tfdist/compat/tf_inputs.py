@@ -36,7 +36,7 @@ import itertools
 import json
 import random
 
-from tfdist.core import config, exit_hold, upstream
+from tfdist.core import config, exit_hold, roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random", "fix_batches_copied"]
@@ -62,7 +62,7 @@ def agree_python_random(chief: bool, timeout: float = config.SEED_AGREEMENT_TIME
     ``timeout`` seconds.
 
     Example:
-        >>> agree_python_random(chief=cluster_from_env().is_chief)  # doctest: +SKIP
+        >>> agree_python_random(chief=roles.is_chief())  # doctest: +SKIP
     """
     import tensorflow as tf
 
@@ -112,7 +112,7 @@ def fix_workers_agree_shuffle() -> None:
         if getattr(holder, "shuffle", False) and getattr(holder, "tfdist_agree_shuffle", False):
             cluster = _cluster()
             if cluster is not None:
-                agree_python_random(chief=cluster.is_chief)
+                agree_python_random(chief=roles.of_cluster(cluster).is_chief)
 
     def make_generator(original):
         def _finite_generator(self):

@@ -25,8 +25,7 @@ import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tfdist.core import cluster as _cluster
-from tfdist.core import storage, validate
+from tfdist.core import roles, storage, validate
 
 __all__ = [
     "WriteRole",
@@ -80,8 +79,8 @@ def write_role(environ: Mapping[str, str] | None = None) -> WriteRole:
         >>> write_role({})
         WriteRole(is_chief=True, rank=0)
     """
-    info = _cluster.cluster_from_env(environ)
-    return WriteRole(is_chief=info.is_chief, rank=info.rank)
+    role = roles.from_env(environ)
+    return WriteRole(is_chief=role.is_chief, rank=role.rank)
 
 
 def staging_path(

@@ -24,7 +24,6 @@ __all__ = [
     "cluster_from_env",
     "parse_tf_config",
     "worker_tf_config",
-    "is_chief",
     "expand_hostlist",
     "slurm_coordinator",
 ]
@@ -357,16 +356,6 @@ def slurm_coordinator(environ: Mapping[str, str] | None = None) -> str:
         f"{env.get('SLURM_STEP_NUM_TASKS')!r}. Start the tasks with `srun`, or unset "
         "SLURM_STEP_NUM_TASKS and describe the job with TF_CONFIG or KERAS_DISTRIBUTION_*."
     )
-
-
-def is_chief(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether this process is the chief of its cluster (True without a cluster).
-
-    Example:
-        >>> is_chief({})
-        True
-    """
-    return cluster_from_env(environ).is_chief
 
 
 def worker_tf_config(addresses: Sequence[str], index: int, *, job: str = "worker") -> str:

@@ -11,10 +11,11 @@ variable                       default     meaning
 ``TFDIST_REGISTER_TIMEOUT``    300         s for every worker to start and register
 ``TFDIST_HEARTBEAT_TIMEOUT``   10          s without a heartbeat before a worker is dead
 ``TFDIST_SHUTDOWN_TIMEOUT``    60          s the chief waits for the others at exit
-``TFDIST_COLLECTIVE_TIMEOUT``  none / 45   TensorFlow: s limit per collective op (off by
-                                           default). JAX, several processes: s without
-                                           a finished batch before ``tfdist.watchdog``
-                                           ends the process (default 45; 0 disables)
+``TFDIST_COLLECTIVE_TIMEOUT``  none        TensorFlow: s limit per collective op (off by
+                                           default; on JAX, the old name of the next)
+``TFDIST_JAX_STALL_TIMEOUT``   45          JAX, several processes: s without a finished
+                                           batch before ``tfdist.core.watchdog`` ends
+                                           the process (0 disables)
 ``TFDIST_ALLREDUCE``           auto        all-reduce: ``auto``, ``ring``, ``nccl`` (and, for
                                            MirroredStrategy, ``hierarchical_copy`` or
                                            ``reduce_to_one``)
@@ -67,10 +68,11 @@ __all__ = [
     "debug",
     "RESTART_EXIT_CODE",
     "WATCHDOG_EXIT_CODE",
-    "JAX_COLLECTIVE_TIMEOUT_DEFAULT",
+    "JAX_STALL_TIMEOUT_DEFAULT",
+    "JAX_STALL_TIMEOUT_ENV",
     "JAX_REGISTER_TIMEOUT_DEFAULT",
     "jax_register_timeout",
-    "jax_collective_timeout",
+    "jax_stall_timeout",
     "CPU_DEVICES_ENV",
     "COMPAT_EXCLUDE_ENV",
     "SLURM_PORT_BASE_ENV",
@@ -110,21 +112,22 @@ class ConfigError(ValueError):
 RESTART_EXIT_CODE = 75
 
 # Exit code of a process of a multi-process JAX job that ``tfdist.core.watchdog`` ended: a peer
-# (or this process) made no progress for ``TFDIST_COLLECTIVE_TIMEOUT`` s, or a collective
+# (or this process) made no progress for ``TFDIST_JAX_STALL_TIMEOUT`` s, or a collective
 # failed because a peer is gone. 69 is EX_UNAVAILABLE in sysexits.h: "a service is
 # unavailable". ``tfdist launch`` stops the other workers, as for any non-zero exit.
 WATCHDOG_EXIT_CODE = 69
 
-# JAX's default for TFDIST_COLLECTIVE_TIMEOUT (s without a finished batch): a normal step
-# is far shorter, and with the watchdog's own verdict (at most 11 s: reading the peers'
+# The default of TFDIST_JAX_STALL_TIMEOUT (s without a finished batch): a normal step is
+# far shorter, and with the watchdog's own verdict (at most 11 s: reading the peers'
 # progress, then letting a stuck peer report first) a stuck job ends within 60 s.
-JAX_COLLECTIVE_TIMEOUT_DEFAULT = 45.0
+JAX_STALL_TIMEOUT_DEFAULT = 45.0
 # How long the processes of a JAX job wait for each other at start-up, unless
 # TFDIST_REGISTER_TIMEOUT says otherwise: `tfdist launch` and srun start them together,
 # so a process missing after a minute never started (jax's own default is 300 s).
 JAX_REGISTER_TIMEOUT_DEFAULT = 60.0
 
 CPU_DEVICES_ENV = "TFDIST_CPU_DEVICES"
+JAX_STALL_TIMEOUT_ENV = "TFDIST_JAX_STALL_TIMEOUT"
 COMPAT_EXCLUDE_ENV = "TFDIST_COMPAT_EXCLUDE"
 SLURM_PORT_BASE_ENV = "TFDIST_SLURM_PORT_BASE"
 RESTART_ENV = "TFDIST_RESTART"
@@ -385,36 +388,66 @@ def jax_register_timeout(environ: Mapping[str, str] | None = None) -> float:
     return JAX_REGISTER_TIMEOUT_DEFAULT
 
 
-def jax_collective_timeout(
+def jax_stall_timeout(
     arg: float | None = None, *, environ: Mapping[str, str] | None = None
 ) -> float | None:
     """Seconds a multi-process JAX job may go without a finished batch, or None (off).
 
-    ``arg``, else ``TFDIST_COLLECTIVE_TIMEOUT`` (``0``/``off``/``none`` disable it), else
-    ``JAX_COLLECTIVE_TIMEOUT_DEFAULT`` (45). ``tfdist.core.watchdog`` ends a process that
+    ``arg``, else ``TFDIST_JAX_STALL_TIMEOUT`` (``0``/``off``/``none`` disable it), else
+    ``JAX_STALL_TIMEOUT_DEFAULT`` (45). ``tfdist.core.watchdog`` ends a process that
     waits longer (jax's collectives have no timeout of their own on CPU); the first batch
     of each ``fit``/``evaluate``/``predict`` and an epoch's end get a longer allowance
     (compilation, saves). Raise it for steps or batch-end callbacks that take longer.
+    ``TFDIST_COLLECTIVE_TIMEOUT``, this knob's old name on JAX, is still read when the new
+    one is not set, with a ``FutureWarning`` that names the new one.
 
     Example:
-        >>> jax_collective_timeout(environ={}), jax_collective_timeout(environ={
-        ...     "TFDIST_COLLECTIVE_TIMEOUT": "off"})
+        >>> jax_stall_timeout(environ={}), jax_stall_timeout(environ={
+        ...     "TFDIST_JAX_STALL_TIMEOUT": "off"})
         (45.0, None)
     """
     if arg is not None:
         seconds = validate.number(
             arg,
             "timeout",
-            "jax_collective_timeout",
+            "jax_stall_timeout",
             "Pass seconds, or 0 to disable it.",
             low=0.0,
             what="a non-negative number of seconds",
         )
         return seconds or None
-    var = TIMEOUT_ENV["collective"]
-    if not _env_text(_env(environ), var):
-        return JAX_COLLECTIVE_TIMEOUT_DEFAULT
-    return MultiWorkerTimeouts.from_env({var: _env(environ)[var]}).collective
+    env = _env(environ)
+    for var in (JAX_STALL_TIMEOUT_ENV, TIMEOUT_ENV["collective"]):
+        text = _env_text(env, var)
+        if text:
+            if var != JAX_STALL_TIMEOUT_ENV:
+                _warn_old_name(var, JAX_STALL_TIMEOUT_ENV, text)
+            return _off_or_seconds(var, text)
+    return JAX_STALL_TIMEOUT_DEFAULT
+
+
+def _warn_old_name(old: str, new: str, text: str) -> None:
+    import warnings
+
+    warnings.warn(
+        f"tfdist: {old} as the JAX stall watchdog's limit is deprecated; set {new}={text} "
+        f"instead ({old} stays TensorFlow's limit per collective op).",
+        FutureWarning,
+        stacklevel=2,  # one location: warned once per process
+    )
+
+
+def _off_or_seconds(var: str, text: str) -> float | None:
+    """``text`` (the value of ``var``) as seconds; None for ``0``, ``none`` or ``off``."""
+    if text.lower() in ("0", "none", "off"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ConfigError(f"{var} must be a number of seconds. Received: {var}={text!r}") from None
+    if not seconds > 0:
+        raise ConfigError(f"{var} must be a positive number of seconds. Received: {var}={text!r}")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -432,8 +465,8 @@ class MultiWorkerTimeouts:
             coordination service, see ``tfdist.core.exit_hold``; JAX: every process).
         collective: limit for each collective op, or None for none
             (``TFDIST_COLLECTIVE_TIMEOUT``, default None). TensorFlow spends one thread
-            per in-flight collective on it, so keep it off unless debugging. The JAX
-            backend reads the variable with its own default: ``jax_collective_timeout``.
+            per in-flight collective on it, so keep it off unless debugging. JAX's
+            stall watchdog has a knob of its own: ``jax_stall_timeout``.
 
     Example:
         >>> MultiWorkerTimeouts(heartbeat=20).register

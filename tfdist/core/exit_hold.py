@@ -87,17 +87,18 @@ def arm_tensorflow() -> None:
     coordination service (barriers, the key-value store), which lives in the chief."""
     if armed():
         return
-    from tfdist.core import cluster, config, process
+    from tfdist.core import cluster, config, process, roles
 
     info = cluster.cluster_from_env()
+    role = roles.of_cluster(info)
     timeouts = process.state().multi_worker_timeouts or config.MultiWorkerTimeouts.from_env()
-    others = tuple(r for r in range(info.num_workers) if r != info.rank)
-    arm(_TensorFlowPeers(info, others, timeouts.shutdown))
+    others = tuple(r for r in range(role.count) if r != role.rank)
+    arm(_TensorFlowPeers(info, role.rank, others, timeouts.shutdown))
 
 
 class _TensorFlowPeers(_Peers):
-    def __init__(self, info, others: tuple[int, ...], timeout: float):
-        super().__init__(info.rank, others, timeout)
+    def __init__(self, info, rank: int, others: tuple[int, ...], timeout: float):
+        super().__init__(rank, others, timeout)
         self.chiefs = len(info.cluster.get("chief", ()))
 
     def _task(self, rank: int) -> str:

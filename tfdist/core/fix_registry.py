@@ -140,9 +140,9 @@ def on_keras_backend(backend: str) -> Callable[[], bool]:
     """A fix for Keras on ``backend``; the verified versions are checked by ``guard``."""
 
     def applies() -> bool:
-        import keras
+        import keras  # noqa: F401  (Keras settles its backend on import)
 
-        return keras.backend.backend() == backend
+        return config.keras_backend() == backend
 
     return applies
 

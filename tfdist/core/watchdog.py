@@ -10,7 +10,7 @@ collective, so a daemon thread ends the process itself.
   with a callback that reports each finished batch (``progress``) after every other
   callback of that batch (the ``keras_jax_watchdog`` fix, ``tfdist.compat.jax_watchdog``).
 * A daemon thread checks every second. When no batch has finished for
-  ``TFDIST_COLLECTIVE_TIMEOUT`` seconds (``config.jax_collective_timeout``: default 45,
+  ``TFDIST_JAX_STALL_TIMEOUT`` seconds (``config.jax_stall_timeout``: default 45,
   0 disables the watchdog) it ends the process. The first batch of each call and the
   time from an epoch's end to the next batch (validation set-up, checkpoint saves at
   the epoch's end, the next epoch's input) get ``ALLOWANCE_S`` instead (compiling,
@@ -21,7 +21,7 @@ collective, so a daemon thread ends the process itself.
   reached this point; a peer whose beat did not move is gone or stopped. If a batch
   finishes meanwhile, it was only a slow step and the watchdog carries on.
 * It prints one line naming them, e.g. ``tfdist: process 0 of 2: no batch finished for
-  45 s in fit (7 batches done; TFDIST_COLLECTIVE_TIMEOUT=45): waiting for process 1 (6
+  45 s in fit (7 batches done; TFDIST_JAX_STALL_TIMEOUT=45): waiting for process 1 (6
   batches done, in fit, alive but not progressing); ending this process (exit code 69)``
   (batches: every finished batch of fit/evaluate/predict so far, the same count on every
   process of a job that makes the same calls). A process that finds itself behind says
@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 
-from tfdist.core import config, upstream
+from tfdist.core import config, roles, upstream
 
 __all__ = [
     "ALLOWANCE_S",
@@ -76,7 +76,7 @@ CULPRIT_GRACE_S = 3.0  # a process naming a live laggard lets it report and end 
 _TICK_S = 1.0
 _READ_S = 2.0  # the coordination service answering a read (it takes about 1 ms)
 # The longest a verdict takes after the timeout: noticing it, reading the peers twice,
-# letting a stuck peer end first. TFDIST_COLLECTIVE_TIMEOUT + this ends a stuck job.
+# letting a stuck peer end first. TFDIST_JAX_STALL_TIMEOUT + this ends a stuck job.
 VERDICT_MAX_S = _TICK_S + 2 * _READ_S + 1.5 * PUBLISH_S + CULPRIT_GRACE_S
 _KEY = "tfdist/watchdog/{}"
 # What a collective's error says when a peer is gone (gloo on CPU, jax's runtime).
@@ -145,20 +145,19 @@ _dog_lock = threading.Lock()
 def enabled() -> bool:
     """Whether this is a process of a multi-process JAX job with the watchdog on."""
     jax = sys.modules.get("jax")
-    if jax is None or not jax.distributed.is_initialized() or jax.process_count() < 2:
+    if jax is None or not jax.distributed.is_initialized() or roles.jax_process().count < 2:
         return False
-    return config.jax_collective_timeout() is not None
+    return config.jax_stall_timeout() is not None
 
 
 def _get() -> _Dog:
     global _dog
     with _dog_lock:
         if _dog is None:
-            import jax
-
-            timeout = config.jax_collective_timeout()
+            timeout = config.jax_stall_timeout()
             assert timeout is not None  # callers check enabled() first
-            _dog = _Dog(timeout, jax.process_index(), jax.process_count())
+            role = roles.jax_process()
+            _dog = _Dog(timeout, role.rank, role.count)
             logger.info(
                 "tfdist.watchdog: on, %.0f s without a finished batch ends the job", timeout
             )
@@ -169,7 +168,7 @@ def _get() -> _Dog:
 def watched(phase: str):
     """Watches the block (a ``fit``, ``evaluate`` or ``predict``) in a multi-process job.
 
-    Its first batch gets ``ALLOWANCE_S``, every later one ``TFDIST_COLLECTIVE_TIMEOUT``
+    Its first batch gets ``ALLOWANCE_S``, every later one ``TFDIST_JAX_STALL_TIMEOUT``
     s; a peer lost in a collective ends the process with one line (``end_if_peer_lost``).
 
     Example:
@@ -281,7 +280,7 @@ def _stuck_line(dog: _Dog, since: float, found) -> tuple[str, bool]:
     """The verdict's line, and whether it names a live peer that should end first."""
     head = (
         f"tfdist: process {dog.rank} of {dog.size}: no batch finished for {since:.0f} s in "
-        f"{dog.where()} ({dog.count} batches done; TFDIST_COLLECTIVE_TIMEOUT={dog.timeout:g})"
+        f"{dog.where()} ({dog.count} batches done; TFDIST_JAX_STALL_TIMEOUT={dog.timeout:g})"
     )
     if isinstance(found, str):
         return f"{head}; {found}", False

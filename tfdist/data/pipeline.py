@@ -153,7 +153,7 @@ def _check_even_partial_batch(plan: _Plan, count: int, partial: int) -> None:
     if partial % plan.replicas == 0 and (plan.num_workers == 1 or shared):
         return  # each replica gets partial / replicas examples
     where = (
-        f"between {plan.num_workers} processes"
+        f"between {plan.num_workers} workers"
         if plan.num_workers > 1
         else f"between {plan.replicas} replicas"
     )

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tfdist.core import storage, validate
-from tfdist.core.config import RESTART_ENV, ConfigError
+from tfdist.core.config import RESTART_ENV, ConfigError, keras_backend
 
 __all__ = ["MnistMissing", "TrainConfig", "ensure_mnist", "plot_history", "run", "summary_line"]
 
@@ -94,12 +94,11 @@ class MnistMissing(ConfigError, FileNotFoundError):
 
 
 def _strategy(devices: int | None):
-    import keras
     import tensorflow as tf
 
     import tfdist
 
-    if keras.backend.backend() == "jax":
+    if tfdist.backends.name() == "jax":
         # keras.distribution DataParallel over every device of the job; --devices was
         # applied as TFDIST_CPU_DEVICES before JAX started (see _select_backend).
         return tfdist.distribute.current()
@@ -238,7 +237,7 @@ def run(config: TrainConfig) -> dict:
 
 def _identity(config: TrainConfig, recipe, replicas: int) -> dict:
     """What a checkpoint folder must agree on to be resumed by this job."""
-    import keras
+    import tfdist
 
     return {
         "recipe": recipe.name,
@@ -246,7 +245,7 @@ def _identity(config: TrainConfig, recipe, replicas: int) -> dict:
         "per_replica_batch": recipe.per_replica_batch,
         "global_batch": recipe.global_batch(replicas),
         "train_split": config.train_split,
-        "backend": keras.backend.backend(),
+        "backend": tfdist.backends.name(),
     }
 
 
@@ -530,9 +529,10 @@ def _select_backend(config: TrainConfig) -> None:
     if config.backend is None:
         return
     keras = sys.modules.get("keras")
-    if keras is not None and keras.backend.backend() != config.backend:
+    running = keras_backend() if keras is not None else None
+    if running is not None and running != config.backend:
         raise ConfigError(
-            f"train mnist: Keras already runs on {keras.backend.backend()}. Received: "
+            f"train mnist: Keras already runs on {running}. Received: "
             f"--backend={config.backend}. Run `tfdist train mnist` in a new process."
         )
     os.environ["KERAS_BACKEND"] = config.backend

@@ -6,9 +6,9 @@ of GLOBAL batches to tfdist's strategy; ``average_loss(per_example_loss)`` divid
 the step's global batch (summed over replicas, so a short last batch counts right).
 
 JAX (``model.stateless_call``/``optimizer.stateless_apply`` under ``jax.jit``): ``mesh()``
-spans ``jax.devices()`` of every process; ``replicate(tree)`` places the train state
+spans ``jax.devices()`` of every worker; ``replicate(tree)`` places the train state
 replicated on it; ``shard_batch(batch)`` places a global batch split along its first
-axis. Every process passes the SAME global batch (what ``tfdist.data.pipeline`` yields
+axis. Every worker passes the SAME global batch (what ``tfdist.data.pipeline`` yields
 on JAX) and keeps only the rows its own devices hold.
 
 ``Checkpointer`` gives a loop ``make_or_restore``'s guarantees: atomic ``.keras``

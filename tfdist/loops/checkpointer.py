@@ -6,7 +6,7 @@ one, every worker agreeing on what it restores, the data pipeline moved to the s
 batch, and SIGTERM turned into a save at an agreed step and exit ``RESTART_EXIT_CODE``
 (75). With ``sharded=True`` (JAX) the same, with sharded, asynchronous Orbax checkpoints
 (``tfdist.checkpoint.sharded``: the writer and reader ``fit``'s callback and
-``make_or_restore`` use): each process writes its own shards, training goes on while
+``make_or_restore`` use): each worker writes its own shards, training goes on while
 they are written, and a write a kill interrupts never becomes a checkpoint.
 
 Example:
@@ -44,7 +44,7 @@ from tfdist.checkpoint.sharded import (
     sharded_name,
 )
 from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
-from tfdist.core import atomic, cluster, config, cross_replica, storage, validate
+from tfdist.core import atomic, config, cross_replica, roles, storage, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
 
@@ -116,9 +116,7 @@ def _inspect(path: str, downloads: contextlib.ExitStack) -> dict:
 def _spanning(value):
     """``value`` as Orbax can write it from every process: under several processes, a
     process-local array (a variable not in the loop's state) is placed on ``mesh()``."""
-    import jax
-
-    if jax.process_count() > 1 and getattr(value, "is_fully_addressable", False):
+    if roles.jax_process().count > 1 and getattr(value, "is_fully_addressable", False):
         return replicate(value)
     return value
 
@@ -136,7 +134,7 @@ class Checkpointer:
         preemption: turn SIGTERM into a save at an agreed step and exit 75.
         strategy: TensorFlow: the loop's strategy (``tfdist.strategy()`` when None).
         sharded: JAX: write sharded, asynchronous Orbax checkpoints
-            (``ckpt-{epoch}[-{batch}].orbax``, every process its own shards) instead of
+            (``ckpt-{epoch}[-{batch}].orbax``, every worker its own shards) instead of
             archives; training goes on while a checkpoint is written.
 
     Example:
@@ -360,11 +358,11 @@ class Checkpointer:
     def _start_watch(self) -> None:
         if not self.preemption or self._watch is not None:
             return
-        info = cluster.cluster_from_env()
+        role = roles.from_env()
         self._watch = PreemptionWatch(
-            multi_worker=info.is_multi_worker and _distribute.num_workers() > 1,
-            rank=info.rank,
-            num_workers=info.num_workers,
+            multi_worker=role.count > 1 and _distribute.num_workers() > 1,
+            rank=role.rank,
+            num_workers=role.count,
             key="tfdist/preempt/loop",
             timeout=self.timeout,
         )

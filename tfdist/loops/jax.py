@@ -1,7 +1,7 @@
 """Custom loops on JAX (``stateless_call``/``stateless_apply`` under ``jax.jit``): the mesh
-over every process's devices, the replicated train state, global batches split over it.
+over every worker's devices, the replicated train state, global batches split over it.
 
-Every process passes the SAME global batch (what ``tfdist.data.pipeline`` yields on JAX)
+Every worker passes the SAME global batch (what ``tfdist.data.pipeline`` yields on JAX)
 and keeps only the rows its own devices hold.
 
 Example:
@@ -22,7 +22,7 @@ BATCH_AXIS = "batch"
 
 
 def mesh(axis_name: str = BATCH_AXIS):
-    """A 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` of EVERY process (not local ones).
+    """A 1-D ``jax.sharding.Mesh`` over ``jax.devices()`` of EVERY worker (not local ones).
 
     Example:
         >>> mesh().devices.size  # 2 processes x 2 devices  # doctest: +SKIP
@@ -55,7 +55,7 @@ def replicate(tree, *, on=None):
     """Places every leaf of ``tree`` (arrays, tensors, ``keras.Variable``s) whole on every
     device of ``mesh()`` (``NamedSharding`` with ``P()``): the train state.
 
-    Every process must pass the same values (they are built from the same seed, or
+    Every worker must pass the same values (they are built from the same seed, or
     restored from the same checkpoint).
 
     Example:
@@ -96,8 +96,8 @@ def _process_rows(sharding, shape) -> slice:
 def shard_batch(batch, *, on=None):
     """Places a GLOBAL batch split along its first axis over ``mesh()``'s devices.
 
-    Every process passes the same global batch (numpy arrays or tensors: what
-    ``tfdist.data.pipeline`` yields on JAX, in every process) and contributes only the
+    Every worker passes the same global batch (numpy arrays or tensors: what
+    ``tfdist.data.pipeline`` yields on JAX, in every worker) and contributes only the
     rows its own devices hold (``jax.make_array_from_process_local_data``).
 
     Raises:

@@ -67,6 +67,7 @@ def _probes() -> dict[str, Callable[[dict], object]]:
         "TFDIST_HEARTBEAT_TIMEOUT": timeouts,
         "TFDIST_SHUTDOWN_TIMEOUT": timeouts,
         "TFDIST_COLLECTIVE_TIMEOUT": timeouts,
+        "TFDIST_JAX_STALL_TIMEOUT": lambda env: config.jax_stall_timeout(environ=env),
         "TFDIST_ALLREDUCE": config.Communication.from_env,
         "TFDIST_BYTES_PER_PACK": config.Communication.from_env,
         "TFDIST_COMPAT_EXCLUDE": config.compat_exclude,

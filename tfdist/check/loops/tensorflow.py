@@ -31,36 +31,17 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import sys
-from dataclasses import dataclass, field
 
-from tfdist.check import model
+from tfdist.check import loops, model
+from tfdist.check.loops import LOOP
 
-__all__ = ["install", "install_watcher", "noting_failure"]
+__all__ = ["install"]
 
 _FIX_NAME = "tfdist_check_loop"
 _METHODS = ("experimental_distribute_dataset", "distribute_datasets_from_function")
-
-
-@dataclass
-class _Loop:
-    """What this process's loop did: the batches drawn from its training data."""
-
-    source: int | None = None  # id() of the dataset the script drew from first
-    drawn: int = 0
-    replicas: int | None = None
-    traced: bool = False  # a batch was drawn inside a tf.function
-    failed: bool = False  # the script raised: no result at exit
-    made: int = 0  # distributed datasets the script made
-    initial: dict = field(default_factory=dict)
-    first: dict = field(default_factory=dict)
-    facts: dict = field(default_factory=dict)
-
-
-_LOOP = _Loop()
 
 
 def install() -> None:
@@ -73,28 +54,9 @@ def install() -> None:
         for name in _METHODS:
             fix_registry.patch(tf.distribute.Strategy, name, _FIX_NAME, _wrap_distribute)
 
-    install_watcher(
-        _FIX_NAME, "a custom loop", "tensorflow", "tf.distribute.Strategy", patch, _at_exit, _LOOP
+    loops.install_watcher(
+        _FIX_NAME, "a custom loop", "tensorflow", "tf.distribute.Strategy", patch, _at_exit
     )
-
-
-def install_watcher(name, what, package, target, patch, at_exit, state) -> None:
-    """Applies a loop watcher the one way every patch is (``fix_registry.apply_fix``):
-    ``patch()``, then ``at_exit`` at the process's exit and a ``sys.excepthook`` that
-    notes a failing script in ``state``; a clear error when it cannot be applied."""
-    from tfdist.core import fix_registry
-
-    def apply() -> None:
-        patch()
-        atexit.register(at_exit)
-        sys.excepthook = noting_failure(sys.excepthook, state)
-
-    record = fix_registry.Fix(
-        name, f"tfdist check stops {what}", lambda: True, apply, package=package
-    )
-    reason = fix_registry.apply_fix(record)
-    if reason is not None:
-        raise RuntimeError(f"tfdist check cannot hook {target}: {reason}")
 
 
 def _wrap_distribute(original):
@@ -104,8 +66,8 @@ def _wrap_distribute(original):
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller.split(".")[0] == "keras":
             return made  # fit's, evaluate's or predict's own input: not the loop's
-        _LOOP.made += 1
-        _LOOP.replicas = _LOOP.replicas or self.num_replicas_in_sync
+        LOOP.candidates += 1
+        LOOP.replicas = LOOP.replicas or self.num_replicas_in_sync
         return _counting(made, "__iter__", _iterating)
 
     return distribute
@@ -156,98 +118,49 @@ def _drew(source: int) -> None:
     import tensorflow as tf
 
     if not tf.executing_eagerly():
-        _LOOP.traced = True  # traced once, run at every call: not countable
+        LOOP.traced = True  # traced once, run at every call: not countable
         return
-    if _LOOP.source is None:
-        _LOOP.source = source
-    if source != _LOOP.source:
+    if LOOP.source is None:
+        LOOP.source = source
+    if source != LOOP.source:
         return  # another dataset (a test set): not a training step
-    _LOOP.drawn += 1
+    LOOP.counted += 1
     steps = int(os.environ.get(model.STEPS_ENV, "20"))
-    if _LOOP.drawn == 1:
-        models = _models()
-        _LOOP.facts = model.model_facts(models)
-        _LOOP.initial = model.values(_unique(v for m in models for v in m.weights))
-    elif _LOOP.drawn == 2:
-        _LOOP.first = _snapshot()
-    if _LOOP.drawn > steps:
+    if LOOP.counted == 1:
+        models = loops.models()
+        LOOP.facts = model.model_facts(models)
+        LOOP.initial = model.values(loops.unique(v for m in models for v in m.weights))
+    elif LOOP.counted == 2:
+        LOOP.first = _snapshot()
+    if LOOP.counted > steps:
         _finish(steps)
         model.wait_for_peers()
         os._exit(0)
-    model.progress("loop", step=_LOOP.drawn - 1)
-
-
-def _models() -> list:
-    """The Keras models the script built (those not inside another), by name."""
-    return _outermost(_instances("Model"))
-
-
-def _instances(kind: str) -> list:
-    import gc
-
-    import keras
-
-    wanted = keras.Model if kind == "Model" else keras.optimizers.Optimizer
-    return [o for o in gc.get_objects() if isinstance(o, wanted)]
-
-
-def _outermost(models: list) -> list:
-    inner = {id(layer) for m in models for layer in model.all_layers(m)}
-    return sorted((m for m in models if id(m) not in inner), key=lambda m: m.name)
+    model.progress("loop", step=LOOP.counted - 1)
 
 
 def _snapshot() -> dict:
     """Every model's weights, then every optimizer's variables (their steps, slots)."""
-    optimizers = sorted(_instances("Optimizer"), key=lambda o: o.name)
-    variables = [v for m in _models() for v in m.weights]
-    return model.values(_unique([*variables, *(v for o in optimizers for v in o.variables)]))
-
-
-def _unique(variables) -> list:
-    """Each variable once (a ``Sequential`` holds a functional model of the same ones)."""
-    seen: dict = {}
-    for variable in variables:
-        seen.setdefault(id(variable), variable)
-    return list(seen.values())
+    optimizers = sorted(loops.instances("Optimizer"), key=lambda o: o.name)
+    variables = [v for m in loops.models() for v in m.weights]
+    return model.values(loops.unique([*variables, *(v for o in optimizers for v in o.variables)]))
 
 
 def _finish(steps: int) -> None:
-    final = _snapshot()
-    model_keys = set(_LOOP.initial)
-    first = _LOOP.first or {k: v for k, v in final.items() if k in model_keys}
-    facts = {
-        **_LOOP.facts,
-        "loop": True,
-        "replicas": _LOOP.replicas,
-        "steps_per_epoch": None,
-        "history": {},
-    }
-    model.write_result(final, _LOOP.initial, first, facts, steps)
-
-
-def noting_failure(excepthook, loop):
-    """``sys.excepthook`` that first notes on ``loop`` (its ``failed``) that the script
-    failed: it runs before ``atexit``, where no result is then written."""
-
-    def noted(kind, value, traceback):
-        loop.failed = True
-        model.progress("failed", error=f"{kind.__name__}: {value}"[:500])
-        excepthook(kind, value, traceback)
-
-    return noted
+    loops.finish(_snapshot(), steps)
 
 
 def _at_exit() -> None:
     """The loop ended before N steps (the script's own end), or never drew a batch."""
-    if _LOOP.failed:
+    if LOOP.failed:
         return
-    if _LOOP.drawn:
-        _finish(_LOOP.drawn)
+    if LOOP.counted:
+        _finish(LOOP.counted)
         model.wait_for_peers()
-    elif _LOOP.made or _LOOP.traced:
+    elif LOOP.candidates or LOOP.traced:
         model.progress(
             "no-loop",
-            reason=f"it made {_LOOP.made} distributed dataset(s) but drew no batch of them "
+            reason=f"it made {LOOP.candidates} distributed dataset(s) but drew no batch of them "
             "in Python: its loop draws them inside a tf.function (next(iterator) in the "
             "traced step, or an iterator passed to it), where they cannot be counted; draw "
             "them in Python (for batch in dataset: step(batch)) to check it",

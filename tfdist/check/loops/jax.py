@@ -39,7 +39,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from tfdist.check import loop, model
+from tfdist.check import loops, model
+from tfdist.check.loops import LOOP
 
 __all__ = ["install"]
 
@@ -60,26 +61,6 @@ class _State:
     model: object = field(compare=False)
 
 
-@dataclass
-class _Loop:
-    """What this process's JAX loop did: its step and how often it was called."""
-
-    step: object | None = None  # the _Watched step
-    state: _State | None = None
-    calls: int = 0
-    jitted: int = 0  # the script's compiled functions called with arrays
-    not_steps: set = field(default_factory=set)  # id() of those that are not the step
-    last: list | None = None  # the state the step last returned (its leaves)
-    replicas: int | None = None
-    failed: bool = False
-    initial: dict = field(default_factory=dict)
-    first: dict = field(default_factory=dict)
-    facts: dict = field(default_factory=dict)
-
-
-_LOOP = _Loop()
-
-
 def install() -> None:
     """Wraps ``jax.jit`` (JAX backend): the script's compiled functions are watched."""
     import jax
@@ -89,7 +70,7 @@ def install() -> None:
     def patch() -> None:
         fix_registry.patch(jax, "jit", _FIX_NAME, _wrap_jit)
 
-    loop.install_watcher(_FIX_NAME, "a JAX custom loop", "jax", "jax.jit", patch, _at_exit, _LOOP)
+    loops.install_watcher(_FIX_NAME, "a JAX custom loop", "jax", "jax.jit", patch, _at_exit)
 
 
 def _wrap_jit(original):
@@ -123,9 +104,9 @@ class _Watched:
         return self if instance is None else functools.partial(self, instance)
 
     def __call__(self, *args, **kwargs):
-        if _LOOP.step is self and _LOOP.state is not None:
-            return _step(self, _LOOP.state, args, kwargs)
-        if _LOOP.step is not None or id(self) in _LOOP.not_steps:
+        if LOOP.step is self and LOOP.state is not None:
+            return _step(self, LOOP.state, args, kwargs)
+        if LOOP.step is not None or id(self) in LOOP.not_steps:
             return self._jitted(*args, **kwargs)
         return _maybe_the_step(self, args, kwargs)
 
@@ -145,10 +126,10 @@ def _maybe_the_step(watched: _Watched, args: tuple, kwargs: dict):
     leaves = _arrays((args, kwargs))
     if not leaves:
         return watched._jitted(*args, **kwargs)
-    _LOOP.jitted += 1
+    LOOP.candidates += 1
     found = next(((s, at) for s in _states() if (at := _find(leaves, s)) is not None), None)
     if found is None:
-        _LOOP.not_steps.add(id(watched))
+        LOOP.not_steps.add(id(watched))
         return watched._jitted(*args, **kwargs)
     state, at = found
     facts = model.model_facts([state.model])  # before the step is traced below
@@ -157,12 +138,12 @@ def _maybe_the_step(watched: _Watched, args: tuple, kwargs: dict):
     returned = _arrays(out) or []
     at_out = _find(returned, state)
     if at_out is None:  # takes the state but returns none: an evaluation, a loss
-        _LOOP.not_steps.add(id(watched))
+        LOOP.not_steps.add(id(watched))
         return out
-    _LOOP.step, _LOOP.state, _LOOP.calls = watched, state, 1
-    _LOOP.initial, _LOOP.facts = initial, facts
-    _LOOP.last = returned[at_out : at_out + len(state.shapes)]
-    _LOOP.replicas = len(getattr(leaves[at].sharding, "device_set", ())) or None
+    LOOP.step, LOOP.state, LOOP.counted = watched, state, 1
+    LOOP.initial, LOOP.facts = initial, facts
+    LOOP.last = returned[at_out : at_out + len(state.shapes)]
+    LOOP.replicas = len(getattr(leaves[at].sharding, "device_set", ())) or None
     model.progress("loop", step=0)
     return out
 
@@ -175,27 +156,27 @@ def _step(watched: _Watched, state: _State, args: tuple, kwargs: dict):
         return watched._jitted(*args, **kwargs)
     given = leaves[at : at + len(state.shapes)]
     steps = int(os.environ.get(model.STEPS_ENV, "20"))
-    if _LOOP.calls == 1:
-        _LOOP.first = _host(given[: state.weights], state)
-    if _LOOP.calls >= steps:
+    if LOOP.counted == 1:
+        LOOP.first = _host(given[: state.weights], state)
+    if LOOP.counted >= steps:
         _finish(given, state, steps)
         model.wait_for_peers()
         os._exit(0)
-    _LOOP.calls += 1
-    model.progress("loop", step=_LOOP.calls - 1)
+    LOOP.counted += 1
+    model.progress("loop", step=LOOP.counted - 1)
     out = watched._jitted(*args, **kwargs)
     returned = _arrays(out) or []
     at_out = _find(returned, state)
     if at_out is not None:
-        _LOOP.last = returned[at_out : at_out + len(state.shapes)]
+        LOOP.last = returned[at_out : at_out + len(state.shapes)]
     return out
 
 
 def _states() -> list[_State]:
     """The state of every Keras model with every built optimizer the script made."""
-    models = loop._models()
+    models = loops.models()
     optimizers = sorted(
-        (o for o in loop._instances("Optimizer") if o.variables), key=lambda o: o.name
+        (o for o in loops.instances("Optimizer") if o.variables), key=lambda o: o.name
     )
     return [_state_of(m, o) for m in models for o in optimizers]
 
@@ -231,29 +212,20 @@ def _host(leaves: list, state: _State) -> dict:
 
 
 def _finish(leaves: list, state: _State, steps: int) -> None:
-    final = _host(leaves, state)
-    first = _LOOP.first or {k: v for k, v in final.items() if k in _LOOP.initial}
-    facts = {
-        **_LOOP.facts,
-        "loop": True,
-        "replicas": _LOOP.replicas,
-        "steps_per_epoch": None,
-        "history": {},
-    }
-    model.write_result(final, _LOOP.initial, first, facts, steps)
+    loops.finish(_host(leaves, state), steps)
 
 
 def _at_exit() -> None:
     """The loop ended before N steps (the script's own end), or no step was found."""
-    if _LOOP.failed:
+    if LOOP.failed:
         return
-    if _LOOP.state is not None and _LOOP.last is not None:
-        _finish(_LOOP.last, _LOOP.state, _LOOP.calls)
+    if LOOP.state is not None and LOOP.last is not None:
+        _finish(LOOP.last, LOOP.state, LOOP.counted)
         model.wait_for_peers()
-    elif _LOOP.jitted:
+    elif LOOP.candidates:
         model.progress(
             "no-loop",
-            reason=f"it called {_LOOP.jitted} jitted function(s) of its own, but none took "
+            reason=f"it called {LOOP.candidates} jitted function(s) of its own, but none took "
             "and returned the state of a Keras model and its optimizer as the Keras "
             "guide's training step does: (trainable_variables, non_trainable_variables, "
             "optimizer_variables), arrays of the model's and optimizer's variables in that "
