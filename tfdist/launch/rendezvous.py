@@ -101,9 +101,9 @@ def static_nnodes(nnodes: str | int | None) -> int | None:
     """
     if nnodes is None:
         return None
-    if isinstance(nnodes, int) and not isinstance(nnodes, bool):
-        return nnodes  # from a --config file: LaunchOptions checks it
-    return parse_nnodes(nnodes)[0]
+    if isinstance(nnodes, str):
+        return parse_nnodes(nnodes)[0]
+    return nnodes  # from a --config file: LaunchOptions checks it
 
 
 @dataclass(frozen=True)
