@@ -122,6 +122,17 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "known_cut_wasted_all_reduce",
+        "tfdist/compat/loss_weights.py",
+        "    share = tf.cast(share, loss.dtype)\n",
+        "    share = tf.cast(share, loss.dtype)\n"
+        "    share += 0 * tf.distribute.get_replica_context().all_reduce('SUM', share)\n",
+        (
+            "tests/compat/test_no_harm.py::"
+            "test_the_loss_fix_all_reduces_only_where_the_data_decides",
+        ),
+    ),
+    Mutation(
         "jax_initialize_once_swapped",
         "tfdist/compat/jax_fixes.py",
         "return original(job_addresses, num_processes, process_id)",
