@@ -133,6 +133,16 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "full_batch_share_not_1",
+        "tfdist/compat/loss_weights.py",
+        "equal: upstream's is one device's\n                    return loss\n",
+        "equal: upstream's is one device's\n                    return _shared(loss, 0.999)\n",
+        (
+            "tests/project/test_benchmark.py::"
+            "test_partial_batch_cost_sides_train_weights_equal_bit_for_bit",
+        ),
+    ),
+    Mutation(
         "jax_initialize_once_swapped",
         "tfdist/compat/jax_fixes.py",
         "return original(job_addresses, num_processes, process_id)",
