@@ -17,10 +17,11 @@ the release range (test_versions), and the 1-device = N-device equivalence suite
 (test_distribute, test_idioms, test_clipping, test_accumulation, test_keras_callbacks,
 test_resume_world_size) with the test of their checks (test_checks_catch_faults).
 
-Each jax session runs every JAX suite (JAX_TESTS). CI's newest-jax session runs them too
+Each jax session runs the JAX suites (JAX_TESTS). CI's newest-jax session runs them too
 (CI_NEWEST_JAX_TESTS, with CI_NEWEST_JAX_OPTIONS: the mixed suites' JAX cells; .ci/run
-reads both from here and docs/testing.md says which run where); every JAX suite also runs in
-CI's main test command on the jax its interpreter installs.
+reads both from here and docs/testing.md says which run where); the other test files with JAX
+cells (JAX_CELLS_MAIN_STAGE_ONLY) run them in CI's main test command only, as every suite
+does there, on the jax its interpreter installs.
 """
 
 import os
@@ -63,7 +64,7 @@ JAX_TESTS = [
     "tests/test_custom_loops.py",
     "tests/e2e/test_idioms.py",
 ]
-# What CI's newest-jax session runs: every JAX suite, with CI_NEWEST_JAX_OPTIONS.
+# What CI's newest-jax session runs: the JAX suites (JAX_TESTS), with CI_NEWEST_JAX_OPTIONS.
 CI_NEWEST_JAX_TESTS = [
     "tests/e2e/test_jax.py",
     "tests/core/test_fix_guards.py",
@@ -76,6 +77,38 @@ CI_NEWEST_JAX_TESTS = [
     "tests/e2e/test_jax_faults.py",
     "tests/test_custom_loops.py",
     "tests/e2e/test_idioms.py",
+]
+# Test files with JAX cells (tests/project/test_docs.py's scan finds them: an import of jax,
+# the backend name "jax" or a "jax ..." cell in the code) that CI runs on the jax of its main
+# test command only, not in the newest-jax session.
+JAX_CELLS_MAIN_STAGE_ONLY = [
+    "tests/backends/test_backends.py",
+    "tests/check/test_check.py",
+    "tests/checkpoint/test_damage.py",
+    "tests/checkpoint/test_object_store.py",
+    "tests/compat/test_keras_callbacks.py",
+    "tests/compat/test_no_harm.py",
+    "tests/compat/test_partial_batches.py",
+    "tests/compat/test_steps_per_execution.py",
+    "tests/compat/test_upstream_keras.py",
+    "tests/compat/test_user_saves.py",
+    "tests/core/test_config.py",
+    "tests/core/test_storage.py",
+    "tests/data/test_global_batch.py",
+    "tests/e2e/test_checks_catch_faults.py",
+    "tests/e2e/test_kubernetes.py",
+    "tests/e2e/test_slurm.py",
+    "tests/e2e/test_unchanged_scripts.py",
+    "tests/examples/test_train_mnist.py",
+    "tests/launch/test_launch_habits.py",
+    "tests/project/test_benchmark.py",
+    "tests/project/test_docs.py",
+    "tests/project/test_lean_imports.py",
+    "tests/project/test_notebooks.py",
+    "tests/project/test_warm_start.py",
+    "tests/test_barrier.py",
+    "tests/test_batchnorm.py",
+    "tests/test_info.py",
 ]
 # The idiom suite's (and fix guards') TensorFlow cells run in CI's main stage, not twice
 # (tests/conftest.py: --backend deselects them).

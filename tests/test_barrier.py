@@ -76,6 +76,27 @@ def test_a_peer_arriving_late_but_within_the_timeout_passes_the_barrier(backend)
 
 
 @pytest.mark.multiworker
+def test_the_chief_leaves_because_a_worker_said_it_leaves(tmp_path):
+    """TensorFlow's exit hold end to end: worker 1 writes its word and then stays alive
+    (an exit hook that runs after tfdist's) until the chief has passed its hold, at most
+    45 s; TFDIST_SHUTDOWN_TIMEOUT is 120 s. Worker 1 answers the health probe throughout,
+    so the chief passing its hold while worker 1 still waits can only come from the word
+    (a word the chief does not read keeps it until worker 1 gives up and is gone)."""
+    flag = tmp_path / "chief past its hold"
+    proc = launch_cli(
+        "-n", "2", str(SCRIPTS / "exit_word_job.py"), str(flag), KERAS_BACKEND="tensorflow",
+        TFDIST_SHUTDOWN_TIMEOUT="120", EXIT_WORD_WAIT_S="45",
+    )  # fmt: skip
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out[-3000:] + err[-4000:]
+    assert "[w0] ARMED 0 True" in out and "[w1] ARMED 1 True" in out, out[-3000:]
+    assert "[w0] CHIEF PAST THE HOLD" in out, out[-3000:]
+    assert "[w1] SAW THE CHIEF LEAVE" in out, out[-3000:] + err[-3000:]
+    assert "THE CHIEF STAYED" not in out
+    assert "leaving without them" not in err, err[-3000:]
+
+
+@pytest.mark.multiworker
 @pytest.mark.slow
 def test_a_chief_only_predict_ends_with_one_line_naming_the_rule():
     """The other worker finishes; the chief's predict waits for it, then TensorFlow says

@@ -101,6 +101,48 @@ MUTATIONS = (
         ("tests/compat/test_custom_train_step.py::test_examples_own_train_steps_equal_one_device",),
     ),
     Mutation(
+        "exit_word_wrong_key",
+        "tfdist/core/exit_hold.py",
+        'upstream.tf_key_value_set(f"tfdist/exit/{self.rank}"',
+        'upstream.tf_key_value_set(f"tfdist/exits/{self.rank}"',
+        (
+            "tests/core/test_exit_hold.py::"
+            "test_tensorflow_peers_the_chief_reads_the_word_a_worker_writes",
+            "tests/test_barrier.py::test_the_chief_leaves_because_a_worker_said_it_leaves",
+        ),
+    ),
+    Mutation(
+        "exit_word_waits_15_s",
+        "tfdist/core/exit_hold.py",
+        "TELL_S = 2.0 ",
+        "TELL_S = 15.0 ",
+        (
+            "tests/core/test_exit_hold.py::"
+            "test_a_worker_whose_word_hangs_leaves_after_its_2_s_bound",
+        ),
+    ),
+    Mutation(
+        "known_cut_wasted_all_reduce",
+        "tfdist/compat/loss_weights.py",
+        "    share = tf.cast(share, loss.dtype)\n",
+        "    share = tf.cast(share, loss.dtype)\n"
+        "    share += 0 * tf.distribute.get_replica_context().all_reduce('SUM', share)\n",
+        (
+            "tests/compat/test_no_harm.py::"
+            "test_the_loss_fix_all_reduces_only_where_the_data_decides",
+        ),
+    ),
+    Mutation(
+        "full_batch_share_not_1",
+        "tfdist/compat/loss_weights.py",
+        "equal: upstream's is one device's\n                    return loss\n",
+        "equal: upstream's is one device's\n                    return _shared(loss, 0.999)\n",
+        (
+            "tests/project/test_benchmark.py::"
+            "test_partial_batch_cost_sides_train_weights_equal_bit_for_bit",
+        ),
+    ),
+    Mutation(
         "jax_initialize_once_swapped",
         "tfdist/compat/jax_fixes.py",
         "return original(job_addresses, num_processes, process_id)",

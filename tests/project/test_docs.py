@@ -27,6 +27,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -535,6 +536,51 @@ def test_testing_page_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
     )
     assert sentence, "docs/testing.md: no 'On jax X (Python Y) CI runs only ...' for .ci/run's jax"
     assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed
+
+
+def _nox_list(name: str) -> list[str]:
+    """A list assigned at noxfile.py's top level."""
+    tree = ast.parse((REPO / "noxfile.py").read_text())
+    return next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name
+    )
+
+
+def _has_jax_cells(path: Path) -> bool:
+    """Whether a test file runs something on JAX: it imports jax, or its code (docstrings
+    aside) holds the backend name ``"jax"`` or a cell named ``"jax ..."``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "jax" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax":
+            return True
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value == "jax" or node.value.startswith("jax "):
+                return True
+    return False
+
+
+def test_every_test_file_with_jax_cells_is_placed_for_the_newest_jax():
+    """A scan of tests/ for files with JAX cells: each one found is either run on the newest
+    jax in CI (noxfile.py's CI_NEWEST_JAX_TESTS) or listed as running its JAX cells in CI's
+    main test command only (JAX_CELLS_MAIN_STAGE_ONLY, which docs/testing.md's "What runs
+    where" names); the two lists are apart, name existing files, and the second holds only files
+    the scan finds. A new test file with a JAX cell fails here until it is placed."""
+    newest = _nox_list("CI_NEWEST_JAX_TESTS")
+    main_only = _nox_list("JAX_CELLS_MAIN_STAGE_ONLY")
+    found = {
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("test_*.py")
+        if _has_jax_cells(path)
+    }
+    assert not set(newest) & set(main_only)
+    assert all((REPO / name).is_file() for name in newest + main_only)
+    assert sorted(found - set(newest) - set(main_only)) == [], "place these in noxfile.py"
+    assert sorted(set(main_only) - found) == [], "no JAX cell found in these"
+    page = " ".join((REPO / "docs" / "testing.md").read_text().split())
+    assert "`JAX_CELLS_MAIN_STAGE_ONLY`" in page and "every JAX suite" not in page
 
 
 def _extra(name: str) -> list[str]:

@@ -34,8 +34,9 @@ On TensorFlow every worker then prints ``SLICES {"worker": i, "memory": [...], "
 batch of 6, in memory and read from 2 TFRecord files (ids 0-10 and 11-20).
 
 Every worker prints ``NOHARM {"worker": i, "cases": {name: {"values": {...},
-"replicas": r, "workers": w, "loss_all_reduces": n}}}``: the weights and (for compiled
-losses) the loss history, the all-reduces the loss-weight fix traced on this worker, and what the case's own model trained on (its ``distribute_strategy`` on
+"replicas": r, "workers": w, "step_collectives": [...]}}}``: the weights and (for compiled
+losses) the loss history, the collectives of each traced train step on this worker (op
+type -> count, TensorFlow; ``step_collectives``), and what the case's own model trained on (its ``distribute_strategy`` on
 TensorFlow, the devices holding its weights on JAX; not the process's). A custom ``train_step`` reports its replica's
 loss as upstream scales it (``1 / replicas``), so its history is not compared.
 A failing case reports ``{"error": ...}`` and the others still run.
@@ -48,6 +49,7 @@ import shutil
 import sys
 import tempfile
 import traceback
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
@@ -227,20 +229,48 @@ CASES = {
 JAX_CASES = ("masked GRU", "sample weights", "conv, batches of 6")
 
 
-# All-reduces the loss-weight fix issued (traced), per case (``count_loss_all_reduces``).
-LOSS_ALL_REDUCES: list[int] = []
+def _collective(op: str) -> bool:
+    """Whether a graph op of type ``op`` is a cross-replica collective (an all-reduce, a
+    gather, ...), not the set-up of one."""
+    setup = ("CollectiveAssignGroupV2", "CollectiveInitializeCommunicator")
+    return (op.startswith("Collective") and op not in setup) or op.startswith("Nccl")
 
 
-def count_loss_all_reduces() -> None:
-    """Counts the all-reduces a replica issues from the loss-weight fix (``reduce_weighted_values``)."""
-    upstream_all_reduce = tf.distribute.ReplicaContext.all_reduce
+def _traced(function, seen: set) -> list:
+    """The concrete functions of every ``tf.function`` that ``function`` holds, through
+    the closures of Keras's and tfdist's wrappers."""
+    if id(function) in seen:
+        return []
+    seen.add(id(function))
+    found = []
+    if hasattr(function, "_list_all_concrete_functions"):  # a tf.function
+        found += function._list_all_concrete_functions()
+        function = getattr(function, "_python_function", None)
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        if callable(held) and not isinstance(held, keras.Model):
+            found += _traced(held, seen)
+    return found
 
-    def all_reduce(self, reduce_op, value, options=None):
-        if sys._getframe(1).f_code.co_name == "reduce_weighted_values":
-            LOSS_ALL_REDUCES.append(1)
-        return upstream_all_reduce(self, reduce_op, value, options)
 
-    tf.distribute.ReplicaContext.all_reduce = all_reduce
+def step_collectives(model: keras.Model) -> list[dict[str, int]]:
+    """The collectives in each traced train step of ``model`` (op type -> count), whatever
+    issued them: the ops of each outermost concrete function of its train function and
+    of every function in that graph's library (the replica function, the steps loop,
+    nested ``tf.function``s and ``tf.cond`` branches)."""
+    graphs = {c.name: c.graph.as_graph_def() for c in _traced(model.train_function, set())}
+    inner = {f.signature.name for g in graphs.values() for f in g.library.function}
+    steps = []
+    for name, graph in graphs.items():
+        if name.decode() in inner:  # counted within the step that calls it
+            continue
+        nodes = [*graph.node, *(node for f in graph.library.function for node in f.node_def)]
+        found = Counter(node.op for node in nodes if _collective(node.op))
+        steps.append(dict(sorted(found.items())))
+    return steps
 
 
 def result(model: keras.Model) -> dict:
@@ -251,7 +281,9 @@ def result(model: keras.Model) -> dict:
     # processes holding its weights on JAX.
     return {
         "values": values,
-        "loss_all_reduces": len(LOSS_ALL_REDUCES),
+        "step_collectives": step_collectives(model)
+        if keras.backend.backend() == "tensorflow"
+        else None,
         **trained_on.model_topology(model),
     }
 
@@ -282,11 +314,8 @@ def slices() -> dict:
 def main() -> None:
     names = sys.argv[1:] or list(CASES if keras.backend.backend() == "tensorflow" else JAX_CASES)
     out = {}
-    if keras.backend.backend() == "tensorflow":
-        count_loss_all_reduces()
     for name in names:
         keras.utils.set_random_seed(0)
-        LOSS_ALL_REDUCES.clear()
         try:
             out[name] = result(CASES[name]())
         except Exception as error:  # a failing case is a result, not a crash of the others
