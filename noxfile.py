@@ -47,6 +47,7 @@ TESTS = [
     "tests/compat/test_keras_callbacks.py",
     "tests/e2e/test_resume_world_size.py",
     "tests/e2e/test_checks_catch_faults.py",
+    "tests/e2e/test_elastic.py",
 ]
 
 # jax release -> the interpreter it installs on (jax 0.11+ needs Python 3.12+).

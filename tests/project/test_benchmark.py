@@ -311,10 +311,10 @@ def test_partial_batch_cost_alternates_fresh_runs_and_compares_their_weights(mon
 @pytest.mark.multiworker
 def test_partial_batch_cost_sides_train_weights_equal_bit_for_bit():
     """docs/benchmarks.md: A's and B's final weights are equal bit for bit on every line.
-    The benchmark's own measure() (tools/bench_partial_batch_cost.py) at small size: one
+    The benchmark's own measure() (tools/bench/partial_batch_cost.py) at small size: one
     pair of fresh processes a line (the fixes on, the three off), 2 full batches of 128,
     2 epochs, no warm-up pair. run_config checks each side applied what it should."""
-    pbc = tool_module("bench_partial_batch_cost")
+    pbc = tool_module("bench.partial_batch_cost")
     payload = pbc.measure(pairs=1, examples=2 * pbc.GLOBAL_BATCH, epochs=2, warmup=False)
     assert sorted(payload["configs"]) == sorted(pbc.CONFIGS)
     for name, line in payload["configs"].items():
