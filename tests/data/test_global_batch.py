@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tfdist
+from tfdist.data import checks
 
 from conftest import last_json_line, run_python
 
@@ -24,6 +25,22 @@ def test_exactly_one_batch_size_is_required():
 def test_global_batch_sizes_the_batches():
     train = tfdist.data.pipeline(DATA, global_batch=8, shuffle=None)
     assert [int(b.shape[0]) for b in train] == [8, 8, 8, 8]
+
+
+def test_a_global_batch_the_replicas_cannot_divide_is_refused_with_what_divides_it():
+    """What an elastic job that restarts on 3 workers with a global batch of 32 is told
+    (tfdist.data.pipeline checks it against the replicas of the group it runs on)."""
+    with pytest.raises(ValueError) as refused:
+        checks.global_batch(32, 3)
+    assert str(refused.value) == (
+        "pipeline: global_batch must divide evenly between the 3 replicas. Received: "
+        "global_batch=32. Pass a multiple of 3, e.g. 30. A job resumed from a checkpoint "
+        "on another number of replicas (an elastic job that lost or got back a node) "
+        "trains the same model only with the same global batch: run it on a number of "
+        "replicas that divides 32 (1, 2, 4, 8, 16, 32), e.g. bound Ray's "
+        "ScalingConfig(num_workers=(min, max)) to such counts."
+    )
+    assert checks.global_batch(24, 3) == 24
 
 
 # Built before a 2x2 ModelParallel scope (DataParallel over 4 devices is in effect then),

@@ -126,9 +126,11 @@ def _namespace_pids(inode: int) -> list[int]:
 
 
 class RayCluster:
-    """The module's Ray cluster: its address, and an environment to run drivers in it."""
+    """The module's Ray cluster: its address, and an environment to run drivers in it.
+    ``holder`` and ``args``: the script that holds the cluster (tests/scripts) and its
+    arguments after the temporary folder."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, holder: str = "ray_cluster.py", args: tuple = ("4",)):
         from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
 
         try:
@@ -148,7 +150,7 @@ class RayCluster:
             PYTHONPATH=os.pathsep.join([str(SCRIPTS), str(REPO)]),
         )
         self.head = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "ray_cluster.py"), self.ray_dir, "4"],
+            [sys.executable, str(SCRIPTS / holder), self.ray_dir, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=open(root / "head.log", "w"),  # noqa: SIM115 - closed with the process
@@ -171,6 +173,12 @@ class RayCluster:
             pytest.fail(f"Ray's head node gave no address within {timeout:.0f} s:\n{log}")
         return lines[0]
 
+    def command(self, text: str, timeout: float = START_TIMEOUT_S) -> dict:
+        """Sends one command line to the holder; its JSON answer."""
+        self.head.stdin.write(text + "\n")
+        self.head.stdin.flush()
+        return json.loads(self._first_line(timeout))
+
     def driver(self, script: Path, *args: str) -> subprocess.Popen:
         """Starts ``python script ARGS`` as a Ray driver of this cluster."""
         return subprocess.Popen(
@@ -192,7 +200,8 @@ class RayCluster:
         except subprocess.TimeoutExpired:
             self.head.kill()
             self.head.wait(timeout=30)
-        deadline = time.monotonic() + 30
+        # 90 s: under load, the agents of a node removed mid-test were still there after 30.
+        deadline = time.monotonic() + 90
         while (left := _namespace_pids(self.inode)) and time.monotonic() < deadline:
             for pid in left:
                 try:
@@ -234,8 +243,9 @@ def one_device(ray_train, tmp_path_factory) -> dict:
     return reference(ray_train, tmp_path_factory.mktemp("one_device"))
 
 
-def reference(script: Path, directory: Path) -> dict:
-    """``script``'s loop in one process without Ray (tests/scripts/ray_reference.py)."""
+def reference(script: Path, directory: Path, epochs: int = 3) -> dict:
+    """``script``'s loop of ``epochs`` epochs in one process without Ray
+    (tests/scripts/ray_reference.py): its last checkpoint's weights."""
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "ray_reference.py"), str(script), str(directory)],
         env=child_env(PYTHONPATH=str(SCRIPTS)),
@@ -245,7 +255,7 @@ def reference(script: Path, directory: Path) -> dict:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "worker 0 of 1, 1 replicas, from step 0" in proc.stdout
-    return archive_weights(directory / "ckpt-3.keras")
+    return archive_weights(directory / f"ckpt-{epochs}.keras")
 
 
 def archive_weights(path: Path) -> dict:

@@ -272,6 +272,7 @@ SLOW_ONLY = {
     "tests/e2e/test_commands_quiet.py": "every command of the CLI, into a pipe",
     "tests/e2e/test_kubernetes.py": "pods in network namespaces",
     "tests/e2e/test_ray.py": "a Ray cluster; CI runs it in a stage of its own",
+    "tests/e2e/test_ray_elastic.py": "a 3-node Ray cluster losing a node; CI's Ray stage",
     "tests/e2e/test_resume_world_size.py": "one job resumed on 1, 2 and 3 replicas",
     "tests/launch/test_network.py": "hosts in network namespaces",
     "tests/project/test_readme.py": "README's Usage block trained on 1, 2 devices and 2 workers",

@@ -65,10 +65,15 @@ def global_batch(value, replicas: int) -> int:
         "Pass the examples of one training step across the whole job, e.g. 128.",
     )
     if value % replicas:
+        counts = [n for n in range(1, min(value, 64) + 1) if value % n == 0]
         raise ValueError(
             f"{_WHERE}: global_batch must divide evenly between the {replicas} replicas. "
             f"Received: global_batch={value}. Pass a multiple of {replicas}, e.g. "
-            f"{value - value % replicas or replicas}."
+            f"{value - value % replicas or replicas}. A job resumed from a checkpoint on "
+            "another number of replicas (an elastic job that lost or got back a node) "
+            f"trains the same model only with the same global batch: run it on a number "
+            f"of replicas that divides {value} ({', '.join(map(str, counts))}), e.g. "
+            "bound Ray's ScalingConfig(num_workers=(min, max)) to such counts."
         )
     return value
 
