@@ -203,8 +203,8 @@ def service(monkeypatch):
 
 @pytest.mark.parametrize("clean, word", [(True, "clean"), (False, "failed")])
 def test_tensorflow_peers_the_chief_reads_the_word_a_worker_writes(service, clean, word):
-    chief = exit_hold._TensorFlowPeers(_info(0), (1,), 60)
-    worker = exit_hold._TensorFlowPeers(_info(1), (0,), 60)
+    chief = exit_hold._TensorFlowPeers(_info(0), 0, (1,), 60)
+    worker = exit_hold._TensorFlowPeers(_info(1), 1, (0,), 60)
     assert not chief.arrived(1, 0.5)  # not said yet: the wait ran out
     worker.tell(clean)
     assert service.values == {"tfdist/exit/1": word}
@@ -220,13 +220,13 @@ def test_tensorflow_peers_a_failed_service_is_not_a_word(service, monkeypatch):
 
     monkeypatch.setattr(upstream, "tf_key_value_get", gone)
     with pytest.raises(tf.errors.UnavailableError):  # the chief's wait then ends quietly
-        exit_hold._TensorFlowPeers(_info(0), (1,), 60).arrived(1, 1.0)
+        exit_hold._TensorFlowPeers(_info(0), 0, (1,), 60).arrived(1, 1.0)
 
 
 def test_tensorflow_peers_a_worker_is_gone_only_when_nothing_answers(service):
     import tensorflow as tf
 
-    chief = exit_hold._TensorFlowPeers(_info(0, workers=3), (1, 2), 60)
+    chief = exit_hold._TensorFlowPeers(_info(0, workers=3), 0, (1, 2), 60)
     service.answers["/job:worker/replica:0/task:1"] = tf.errors.UnavailableError(
         None, None, "connection refused"
     )
@@ -245,8 +245,8 @@ def test_tensorflow_peers_a_worker_is_gone_only_when_nothing_answers(service):
 
 
 def test_tensorflow_peers_probe_the_task_of_each_rank_with_a_chief_job(service):
-    chief = exit_hold._TensorFlowPeers(_info(0, chiefs=1, workers=2), (1, 2), 60)
-    worker = exit_hold._TensorFlowPeers(_info(2, chiefs=1, workers=2), (0, 1), 60)
+    chief = exit_hold._TensorFlowPeers(_info(0, chiefs=1, workers=2), 0, (1, 2), 60)
+    worker = exit_hold._TensorFlowPeers(_info(2, chiefs=1, workers=2), 2, (0, 1), 60)
     for rank in (1, 2):
         chief.alive(rank)
     worker.alive(0)
