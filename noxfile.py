@@ -47,7 +47,6 @@ TESTS = [
     "tests/compat/test_keras_callbacks.py",
     "tests/e2e/test_resume_world_size.py",
     "tests/e2e/test_checks_catch_faults.py",
-    "tests/e2e/test_elastic.py",
 ]
 
 # jax release -> the interpreter it installs on (jax 0.11+ needs Python 3.12+).
@@ -97,6 +96,7 @@ JAX_CELLS_MAIN_STAGE_ONLY = [
     "tests/core/test_storage.py",
     "tests/data/test_global_batch.py",
     "tests/e2e/test_checks_catch_faults.py",
+    "tests/e2e/test_elastic.py",
     "tests/e2e/test_kubernetes.py",
     "tests/e2e/test_slurm.py",
     "tests/e2e/test_unchanged_scripts.py",
