@@ -30,7 +30,7 @@ and applies them.
 Example:
     >>> from tfdist import compat
     >>> compat.apply_all()  # doctest: +SKIP
-    ['keras_symbolic_build_from_spec', 'keras_multi_worker_mean', ...]
+    ['keras_tf_symbolic_build_from_spec', 'keras_tf_multi_worker_mean', ...]
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ __all__ = [
     "skipped",
     "status",
     "fix_names",
+    "RENAMED",
 ]
 
 logger = logging.getLogger(__name__)
@@ -112,11 +113,30 @@ FIXES: list[Fix] = [
 ]
 
 
+# Fix names renamed by the naming rule (docs/architecture.md), old -> new: the old name
+# is still accepted wherever a fix is named (exclude=, TFDIST_COMPAT_EXCLUDE), with one
+# FutureWarning naming the new name.
+RENAMED: dict[str, str] = {
+    "keras_symbolic_build_from_spec": "keras_tf_symbolic_build_from_spec",
+    "keras_multi_worker_mean": "keras_tf_multi_worker_mean",
+    "keras_ema_overwrite_under_strategy": "keras_tf_ema_overwrite_under_strategy",
+    "keras_gradient_accumulation": "keras_tf_gradient_accumulation",
+    "keras_progbar_chief_only": "keras_tf_progbar_chief_only",
+    "keras_clip_after_all_reduce": "keras_tf_clip_after_all_reduce",
+    "keras_predict_on_batch_copies": "keras_tf_predict_on_batch_copies",
+    "keras_loss_scale_finite_everywhere": "keras_tf_loss_scale_finite_everywhere",
+    "keras_partial_batch_loss_weights": "keras_tf_partial_batch_loss_weights",
+    "keras_jit_compile_refused_under_strategy": "keras_tf_jit_compile_refused_under_strategy",
+    "keras_steps_per_execution_under_strategy": "keras_tf_steps_per_execution_under_strategy",
+    "keras_compile_in_model_scope": "keras_tf_compile_in_model_scope",
+}
+
+
 def fix_names() -> list[str]:
     """Names of all known fixes, in the order ``apply_all`` applies them.
 
     Example:
-        >>> "keras_multi_worker_mean" in fix_names()
+        >>> "keras_tf_multi_worker_mean" in fix_names()
         True
     """
     return [fix.name for fix in FIXES]
@@ -141,6 +161,7 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
                 )
             )
         names, where, received = list(exclude), "exclude", exclude
+    names = [_current_name(name, where) for name in names]
     unknown = sorted(set(names) - set(fix_names()))
     if unknown:
         raise config.ConfigError(
@@ -148,6 +169,19 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
             f"{where}={received!r}. Known fixes: {fix_names()}."
         )
     return set(names)
+
+
+def _current_name(name: str, where: str) -> str:
+    """``name``, or the name a renamed fix has now (one FutureWarning naming it)."""
+    if name not in RENAMED:
+        return name
+    warnings.warn(
+        f"tfdist: fix {name} is now named {RENAMED[name]}; {where} accepts the old name "
+        f"for now: write {RENAMED[name]}.",
+        FutureWarning,
+        stacklevel=4,
+    )
+    return RENAMED[name]
 
 
 def apply_all(
@@ -171,8 +205,8 @@ def apply_all(
         ConfigError: ``exclude`` names a fix that does not exist.
 
     Example:
-        >>> apply_all(exclude=["keras_progbar_chief_only"])  # doctest: +SKIP
-        ['keras_symbolic_build_from_spec', 'keras_multi_worker_mean', ...]
+        >>> apply_all(exclude=["keras_tf_progbar_chief_only"])  # doctest: +SKIP
+        ['keras_tf_symbolic_build_from_spec', 'keras_tf_multi_worker_mean', ...]
     """
     skip = _excluded(exclude, os.environ if environ is None else environ)
     st = process.state()

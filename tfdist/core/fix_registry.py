@@ -409,6 +409,6 @@ def apply_registered() -> list[str]:
 
     Example:
         >>> apply_registered()  # doctest: +SKIP
-        ['keras_symbolic_build_from_spec', ...]
+        ['keras_tf_symbolic_build_from_spec', ...]
     """
     return [] if _apply_all is None else _apply_all()
