@@ -215,7 +215,7 @@ def apply_all(
             done = fix.name in st.applied_fixes or fix.name in st.skipped_fixes
             if done or fix.name in skip or (package is not None and fix.package != package):
                 continue
-            if not _needed(fix):
+            if fix_registry.fixed_upstream(fix) or not _needed(fix):
                 continue
             reason = fix_registry.apply_fix(fix)
             if reason is None:
@@ -259,7 +259,7 @@ def skipped() -> dict[str, str]:
 
 def status() -> list[dict]:
     """Every fix with its state in this process: applied, skipped (and why), not needed
-    (another backend), excluded, or pending (its package not imported yet).
+    (another backend), fixed upstream (its ``fixed_in`` release is installed), excluded, or pending (its package not imported yet).
 
     Example:
         >>> [row["state"] for row in status()]  # doctest: +SKIP
@@ -278,6 +278,8 @@ def status() -> list[dict]:
             state, why = "skipped", st.skipped_fixes[fix.name]
         elif fix.name in excluded:
             state, why = "excluded", config.COMPAT_EXCLUDE_ENV
+        elif fix_registry.fixed_upstream(fix):
+            state, why = "fixed upstream", fix_registry.fixed_upstream(fix)
         elif not _needed(fix):
             state, why = "not needed", "another backend"
         else:

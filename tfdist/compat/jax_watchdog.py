@@ -153,5 +153,6 @@ FIXES = [
             "(TFDIST_COLLECTIVE_TIMEOUT, default 45 s); one process, 0: upstream's path"
         ),
         no_harm=(),  # none yet
+        upstream_issue="https://github.com/jax-ml/jax/issues/38503",
     ),
 ]

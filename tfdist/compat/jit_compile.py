@@ -92,5 +92,6 @@ FIXES = [
             "built under a strategy with >1 replica (raises); otherwise upstream's"
         ),
         no_harm=(),  # none yet
+        upstream_issue="https://github.com/keras-team/keras/issues/19005",
     ),
 ]

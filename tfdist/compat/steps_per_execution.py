@@ -129,5 +129,6 @@ FIXES = [
             "under a strategy with >1 replica; K = 1, one replica: upstream's function"
         ),
         no_harm=(),  # none yet
+        upstream_issue="https://github.com/keras-team/keras/issues/19246",
     ),
 ]

@@ -47,6 +47,8 @@ __all__ = [
     "journal",
     "on_keras_backend",
     "on_tensorflow_backend",
+    "fixed_upstream",
+    "NOT_FILED",
 ]
 
 # Set on every function a fix installs: re-applying (even from a reloaded module) is a no-op.
@@ -90,6 +92,13 @@ def targets(*entries: str) -> tuple[Target, ...]:
     return tuple(Target(e.removesuffix(suffix), instance=e.endswith(suffix)) for e in entries)
 
 
+# A fix's ``upstream_issue`` when no report is filed upstream, and why.
+NOT_FILED = (
+    "none filed: tfdist's own tests found the defect, and its upstream_failure test is the "
+    "reproduction a report would carry"
+)
+
+
 @dataclass(frozen=True)
 class Fix:
     """One upstream defect and its fix.
@@ -110,6 +119,11 @@ class Fix:
             (``tests/...py::test_name`` or ``...::test_name[param]``) and, where only some
             cases of the matrix reach it, their names in ``tests/scripts/no_harm_job.py``'s
             ``CASES``. Empty when no such check covers it yet.
+        upstream_issue: the upstream report's URL, or a sentence saying why none is filed.
+        fixed_in: ``"<package> <version>"``, the upstream release that fixes the defect,
+            or None: from that release on the fix does not apply (``fixed_upstream``).
+        verified_against: (derived) the upstream releases its targets' fingerprints were
+            taken on, from ``fingerprints.json``.
     """
 
     name: str
@@ -120,6 +134,16 @@ class Fix:
     targets: tuple[Target, ...] = field(default=())
     acts_where: str = ""
     no_harm: tuple[str, ...] = ()
+    upstream_issue: str = NOT_FILED
+    fixed_in: str | None = None
+
+    @property
+    def verified_against(self) -> tuple[str, ...]:
+        """``("keras 3.11", ..., "tensorflow 2.21")``: the releases its targets were verified on."""
+        found = {
+            release for t in self.targets for release in verified_fingerprints().get(t.entry, {})
+        }
+        return tuple(sorted(found, key=lambda r: (r.split()[0], _version_tuple(r.split()[-1]))))
 
 
 # ------------------------------------------------------------------------- versions
@@ -134,6 +158,22 @@ def _version_tuple(text: str) -> tuple[int, ...]:
             break
         parts.append(int(match.group()))
     return tuple(parts)
+
+
+def fixed_upstream(fix: Fix) -> str | None:
+    """Why ``fix`` does not apply because the installed upstream release fixes the defect
+    (``fix.fixed_in`` reached), or None.
+
+    Example:
+        >>> fixed_upstream(Fix("noop", "nothing", lambda: True, lambda: None))  # no fixed_in
+    """
+    if not fix.fixed_in:
+        return None
+    package, _, release = fix.fixed_in.partition(" ")
+    version = versions.installed(package)
+    if version is None or _version_tuple(version) < _version_tuple(release):
+        return None
+    return f"fixed upstream in {fix.fixed_in} ({package} {version} is installed)"
 
 
 def on_keras_backend(backend: str) -> Callable[[], bool]:
