@@ -4,12 +4,15 @@ release that fixes the defect upstream (``fixed_in``: from there the fix does no
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 
 from tfdist import compat, info
 from tfdist.core import fix_registry, versions
+
+from conftest import tool_module
 
 RELEASE = re.compile(r"(tensorflow|keras|jax) \d+\.\d+")
 
@@ -66,3 +69,32 @@ def test_a_fix_applies_before_the_release_that_fixes_its_defect(monkeypatch, fix
     (row,) = compat.status()
     assert row["state"] != "fixed upstream"
 
+
+# ------------------------------------------------------------------ REQUIRED, derived
+
+
+def test_required_is_the_targets_and_the_other_uses_and_each_is_used():
+    from tfdist.core import upstream
+
+    tool = tool_module("fix_fingerprints")
+    targets = tool.target_entries()
+    required = [entry for entries in upstream.REQUIRED.values() for entry in entries]
+    assert len(required) == len(set(required))
+    assert set(required) == targets | set(upstream.OTHER_USES)
+    assert set(fix_registry.verified_fingerprints()) == targets  # pruned: nothing else
+    assert not targets & set(upstream.OTHER_USES)  # not restated
+    helpers = "".join(inspect.getsource(module) for module in upstream.HELPER_MODULES)
+    for entry in upstream.OTHER_USES:  # each spelt by a helper of tfdist.core.upstream
+        module, _, attribute = entry.partition(":")
+        spelt = (attribute.rsplit(".", 1)[-1], module.rsplit(".", 1)[-1])
+        assert any(f"{name}" in helpers for name in spelt), entry
+
+
+def test_the_fingerprint_tool_drops_what_no_target_names():
+    tool = tool_module("fix_fingerprints")
+    record = {"keras 3.15": {"signature": "()", "code": "0"}}
+    existing = {"keras.src.gone:Retired.method": record, "keras.src.kept:f": record}
+    new = {"keras.src.kept:f": {"keras 3.16": record["keras 3.15"]}}
+    assert tool.merged(existing, new, {"keras.src.kept:f"}) == {
+        "keras.src.kept:f": {"keras 3.15": record["keras 3.15"], "keras 3.16": record["keras 3.15"]}
+    }
