@@ -12,7 +12,7 @@ import pytest
 from tfdist import compat, info
 from tfdist.core import fix_registry, versions
 
-from conftest import tool_module
+from conftest import REPO, tool_module
 
 RELEASE = re.compile(r"(tensorflow|keras|jax) \d+\.\d+")
 
@@ -98,3 +98,64 @@ def test_the_fingerprint_tool_drops_what_no_target_names():
     assert tool.merged(existing, new, {"keras.src.kept:f"}) == {
         "keras.src.kept:f": {"keras 3.15": record["keras 3.15"], "keras 3.16": record["keras 3.15"]}
     }
+
+
+# ------------------------------------------------------------------ retiring a fix
+
+# A real fix, retired in a copy of the registry as upstream's repair would retire it.
+RETIRED = "keras_tf_predict_on_batch_copies"
+# Where it may be named: its module, its upstream_failure test, compat's MODULES and
+# RENAMED lines, the generated fix table and this test.
+NAMED_IN = {
+    "tfdist/compat/on_batch.py",
+    "tests/e2e/test_idioms.py",
+    "tfdist/compat/__init__.py",
+    "docs/fixes.md",
+    "tests/compat/test_fix_lifecycle.py",
+}
+
+
+def _without_retired(monkeypatch):
+    (retired,) = [fix for fix in compat.FIXES if fix.name == RETIRED]
+    module = retired.apply.__module__
+    assert compat.MODULES.count(module) == 1  # one line names its module
+    rest = [fix for fix in compat.FIXES if fix.apply.__module__ != module]
+    monkeypatch.setattr(compat, "FIXES", rest)
+    return retired, module
+
+
+def test_retiring_a_fix_leaves_the_rest_applied_and_the_generated_files_without_it(
+    monkeypatch,
+):
+    retired, module = _without_retired(monkeypatch)
+    applied = compat.apply_all(exclude=[])  # the rest applies, none steps aside
+    assert RETIRED not in applied and not compat.skipped()
+    needed = {row["name"] for row in compat.status() if row["state"] != "not needed"}
+    assert needed <= set(applied)
+    table = tool_module("fix_table").markdown()  # docs/fixes.md's table, regenerated
+    page = (REPO / "docs" / "fixes.md").read_text()
+    rows = {line for line in page.splitlines() if line.startswith("| `")}
+    assert {line for line in table.splitlines() if line.startswith("| `")} == {
+        row for row in rows if not row.startswith(f"| `{RETIRED}`")
+    }
+    tool = tool_module("fix_fingerprints")  # fingerprints.json, pruned; REQUIRED follows
+    pruned = tool.merged(fix_registry.verified_fingerprints(), {}, tool.target_entries())
+    only_its = {t.entry for t in retired.targets} - tool.target_entries()
+    assert only_its and not only_its & set(pruned)
+
+
+def test_nothing_but_its_module_its_test_and_generated_files_name_a_fix():
+    constant = RETIRED.upper()
+    module = "on_batch"
+    spellings = (RETIRED, constant, f"compat.{module}", f"compat/{module}", f"{module}.py")
+    found = set()
+    for path in [*REPO.glob("*.*"), *REPO.glob("*/**/*.*")]:
+        top = path.relative_to(REPO).parts[0]
+        if top.startswith(".") or top in {"site", "build"} or not path.is_file():
+            continue
+        if path.suffix not in {".py", ".md", ".json", ".cfg", ".toml", ".yml", ".yaml", ".ipynb"}:
+            continue
+        text = path.read_text(errors="replace")
+        if any(spelling in text for spelling in spellings):
+            found.add(str(path.relative_to(REPO)))
+    assert found <= NAMED_IN, found - NAMED_IN

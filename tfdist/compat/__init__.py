@@ -18,14 +18,9 @@ Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=na
 (``all`` for every fix: what ``tfdist launch --no-fixes`` sets).
 Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime patch.
 
-Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
-``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
-``jax_watchdog``,
-``loss_scale``, ``loss_weights``, ``partial_batches``, ``jax_partial_batches``, ``tf_inputs``, ``jit_compile``,
-``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets``
-(a dataset with a
-declared length); this module lists them
-and applies them.
+Layout: one module per fix or per family of fixes, each exporting its ``FIXES``; ``MODULES``
+lists them in the order they are applied (the ``Fix`` record, its guards and ``patch`` are
+``tfdist.core.fix_registry``'s). This module applies them.
 
 Example:
     >>> from tfdist import compat
@@ -35,35 +30,12 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 
-from tfdist.compat import (
-    added_losses,
-    batchnorm,
-    chief_writes,
-    clipping,
-    collective_keys,
-    compile_scope,
-    custom_train_step,
-    epoch_start,
-    jax_fixes,
-    jax_inputs,
-    jax_partial_batches,
-    jax_watchdog,
-    jit_compile,
-    keras_fixes,
-    loss_scale,
-    loss_weights,
-    on_batch,
-    optimizer_build,
-    partial_batches,
-    steps_per_execution,
-    tf_fixes,
-    tf_inputs,
-)
 from tfdist.core import config, fix_registry, process, validate, versions
 from tfdist.core.fix_registry import Fix
 
@@ -77,6 +49,7 @@ __all__ = [
     "status",
     "fix_names",
     "RENAMED",
+    "MODULES",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,31 +59,34 @@ class FixSkippedWarning(RuntimeWarning):
     """A fix was not applied: the upstream code it patches is missing or changed."""
 
 
-# Every fix, in the order they are applied: each module exports its records as FIXES.
-FIXES: list[Fix] = [
-    *keras_fixes.FIXES,
-    *tf_fixes.FIXES,
-    *jax_fixes.FIXES,
-    *clipping.FIXES,
-    *chief_writes.FIXES,
-    *jax_inputs.FIXES,
-    *on_batch.FIXES,
-    *loss_scale.FIXES,
-    *jax_watchdog.FIXES,
-    *loss_weights.FIXES,
-    *partial_batches.FIXES,
-    *jax_partial_batches.FIXES,
-    *tf_inputs.FIXES,
-    *jit_compile.FIXES,
-    *steps_per_execution.FIXES,
-    *epoch_start.FIXES,
-    *compile_scope.FIXES,
-    *batchnorm.FIXES,
-    *optimizer_build.FIXES,
-    *collective_keys.FIXES,
-    *custom_train_step.FIXES,
-    *added_losses.FIXES,
-]
+# The modules of fixes, in the order their fixes are applied; each exports its records as
+# FIXES. Retiring a fix's module is deleting its line here (docs/architecture.md).
+MODULES = (
+    "tfdist.compat.keras_fixes",
+    "tfdist.compat.tf_fixes",
+    "tfdist.compat.jax_fixes",
+    "tfdist.compat.clipping",
+    "tfdist.compat.chief_writes",
+    "tfdist.compat.jax_inputs",
+    "tfdist.compat.on_batch",
+    "tfdist.compat.loss_scale",
+    "tfdist.compat.jax_watchdog",
+    "tfdist.compat.loss_weights",
+    "tfdist.compat.partial_batches",
+    "tfdist.compat.jax_partial_batches",
+    "tfdist.compat.tf_inputs",
+    "tfdist.compat.jit_compile",
+    "tfdist.compat.steps_per_execution",
+    "tfdist.compat.epoch_start",
+    "tfdist.compat.compile_scope",
+    "tfdist.compat.batchnorm",
+    "tfdist.compat.optimizer_build",
+    "tfdist.compat.collective_keys",
+    "tfdist.compat.custom_train_step",
+    "tfdist.compat.added_losses",
+)
+# Every fix, in the order they are applied.
+FIXES: list[Fix] = [fix for name in MODULES for fix in importlib.import_module(name).FIXES]
 
 
 # Fix names renamed by the naming rule (docs/architecture.md), old -> new: the old name
