@@ -25,9 +25,9 @@ def _minor(package: str) -> str:
     return f"{package} {'.'.join(version.split('.')[:2])}"
 
 
-def patches() -> tuple[fix_registry.Fix, ...]:
+def patches() -> tuple[fix_registry.Fix | fix_registry.Patch, ...]:
     """Every record fix_registry.apply_fix applies: the fixes and tfdist's own hooks."""
-    return (*compat.FIXES, startup.STARTUP, unscoped.HOOK)
+    return (*compat.FIXES, *compat.HOOKS, startup.STARTUP, unscoped.HOOK)
 
 
 def target_entries() -> set[str]:

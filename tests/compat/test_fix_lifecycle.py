@@ -159,3 +159,42 @@ def test_nothing_but_its_module_its_test_and_generated_files_name_a_fix():
         if any(spelling in text for spelling in spellings):
             found.add(str(path.relative_to(REPO)))
     assert found <= NAMED_IN, found - NAMED_IN
+
+
+# ------------------------------------------------------------------ hooks, not fixes
+
+
+def test_hooks_use_the_mechanism_and_are_not_listed_as_fixes():
+    from tfdist import startup, unscoped
+
+    hooks = (*compat.HOOKS, startup.STARTUP, unscoped.HOOK)
+    assert all(type(hook) is fix_registry.Patch for hook in hooks)
+    names = {hook.name for hook in hooks}
+    assert not names & set(compat.fix_names())
+    assert not names & {row["name"] for row in compat.status()}  # tfdist info's rows
+    table = tool_module("fix_table").markdown()
+    assert not any(f"`{name}`" in table for name in names)
+    assert all(fix_registry.guard(hook) is None for hook in hooks)  # still guarded
+    # compat's hooks are still named in TFDIST_COMPAT_EXCLUDE, as before
+    compat.apply_all(exclude=[hook.name for hook in compat.HOOKS], package="no package")
+
+
+def test_apply_all_applies_the_hooks_through_the_same_record_and_applied_lists_fixes_only():
+    from tfdist.core import process
+
+    applied = compat.apply_all(exclude=[])
+    recorded = process.state().applied_fixes
+    needed = [hook.name for hook in compat.HOOKS if hook.applies()]
+    assert needed and set(needed) <= set(recorded)  # applied, journaled, recorded
+    assert not set(needed) & set(applied)  # not counted as fixes
+
+
+def test_a_patch_written_as_one_function_of_the_original():
+    class Owner:
+        def f(self, x):
+            return x + 1
+
+    original = Owner.f
+    fix_registry.wrap(Owner, "f", "test_double", lambda f, self, x: 2 * f(self, x))
+    fix_registry.wrap(Owner, "f", "test_double", lambda f, self, x: 3 * f(self, x))  # once
+    assert Owner().f(1) == 4 and Owner.f.__wrapped__ is original

@@ -22,9 +22,7 @@ PREFIXES = {
     ("keras", "jax"): "keras_jax_",
     ("keras", "tensorflow, jax"): "keras_",
 }
-# Hooks that use the fix mechanism but repair no upstream defect: they keep their names.
-HOOKS = {"keras_batchnorm_replicas", "keras_jax_watchdog"}
-FIXES = [fix for fix in compat.FIXES if fix.name not in HOOKS]
+FIXES = compat.FIXES
 # Where else a fix's name is spelt: a module below compat's layer, which may not import
 # it, and the table of renamed fixes.
 ALSO_NAMED = {
@@ -61,7 +59,6 @@ def test_no_module_spells_a_fix_name_but_its_own():
             if isinstance(node, ast.Constant) and node.value in names
         }
         own = {f.name for f in FIXES if f.apply.__module__.replace(".", "/") + ".py" == relative}
-        own |= HOOKS
         assert found <= own | ALSO_NAMED.get(relative, set()), (relative, found - own)
 
 

@@ -36,6 +36,8 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 
+from tfdist import batchnorm
+from tfdist.compat import jax_watchdog
 from tfdist.core import config, fix_registry, process, validate, versions
 from tfdist.core.fix_registry import Fix
 
@@ -50,6 +52,7 @@ __all__ = [
     "fix_names",
     "RENAMED",
     "MODULES",
+    "HOOKS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -70,7 +73,6 @@ MODULES = (
     "tfdist.compat.jax_inputs",
     "tfdist.compat.on_batch",
     "tfdist.compat.loss_scale",
-    "tfdist.compat.jax_watchdog",
     "tfdist.compat.loss_weights",
     "tfdist.compat.partial_batches",
     "tfdist.compat.jax_partial_batches",
@@ -79,7 +81,6 @@ MODULES = (
     "tfdist.compat.steps_per_execution",
     "tfdist.compat.epoch_start",
     "tfdist.compat.compile_scope",
-    "tfdist.compat.batchnorm",
     "tfdist.compat.optimizer_build",
     "tfdist.compat.collective_keys",
     "tfdist.compat.custom_train_step",
@@ -87,6 +88,11 @@ MODULES = (
 )
 # Every fix, in the order they are applied.
 FIXES: list[Fix] = [fix for name in MODULES for fix in importlib.import_module(name).FIXES]
+# tfdist's hooks that apply_all applies after the fixes, the same way (guarded, journaled,
+# recorded, named in TFDIST_COMPAT_EXCLUDE), but that repair nothing upstream: not fixes, so
+# not in FIXES, the fix table or status(). tfdist.startup and tfdist.unscoped apply their
+# own hooks, which no exclusion removes.
+HOOKS: tuple[fix_registry.Patch, ...] = (batchnorm.HOOK, jax_watchdog.HOOK)
 
 
 # Fix names renamed by the naming rule (docs/architecture.md), old -> new: the old name
@@ -124,7 +130,7 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
         names, where = config.compat_exclude(environ), config.COMPAT_EXCLUDE_ENV
         received = environ.get(config.COMPAT_EXCLUDE_ENV, "")
         if names == ["all"]:  # `tfdist launch --no-fixes`: upstream behaviour throughout
-            return set(fix_names())
+            return set(_excludable())
     else:
         if isinstance(exclude, str):
             raise TypeError(
@@ -138,13 +144,19 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
             )
         names, where, received = list(exclude), "exclude", exclude
     names = [_current_name(name, where) for name in names]
-    unknown = sorted(set(names) - set(fix_names()))
+    unknown = sorted(set(names) - set(_excludable()))
     if unknown:
         raise config.ConfigError(
             f"apply_all: {where} names unknown fixes {unknown}. Received: "
-            f"{where}={received!r}. Known fixes: {fix_names()}."
+            f"{where}={received!r}. Known fixes: {fix_names()}; hooks: "
+            f"{[hook.name for hook in HOOKS]}."
         )
     return set(names)
+
+
+def _excludable() -> list[str]:
+    """The names an exclusion may list: every fix, then every hook of ``HOOKS``."""
+    return [*fix_names(), *(hook.name for hook in HOOKS)]
 
 
 def _current_name(name: str, where: str) -> str:
@@ -187,11 +199,13 @@ def apply_all(
     skip = _excluded(exclude, os.environ if environ is None else environ)
     st = process.state()
     with st.lock:
-        for fix in FIXES:
+        for fix in (*FIXES, *HOOKS):
             done = fix.name in st.applied_fixes or fix.name in st.skipped_fixes
             if done or fix.name in skip or (package is not None and fix.package != package):
                 continue
-            if fix_registry.fixed_upstream(fix) or not _needed(fix):
+            if isinstance(fix, Fix) and fix_registry.fixed_upstream(fix):
+                continue
+            if not _needed(fix):
                 continue
             reason = fix_registry.apply_fix(fix)
             if reason is None:
@@ -204,7 +218,7 @@ def apply_all(
 fix_registry.register_apply_all(apply_all)
 
 
-def _needed(fix: Fix) -> bool:
+def _needed(fix: Fix | fix_registry.Patch) -> bool:
     try:
         return bool(fix.applies())
     except Exception as err:  # noqa: BLE001 - a guard must never break the import it runs in
@@ -212,10 +226,11 @@ def _needed(fix: Fix) -> bool:
         return False
 
 
-def _warn_skipped(fix: Fix, reason: str) -> None:
+def _warn_skipped(fix: Fix | fix_registry.Patch, reason: str) -> None:
     verified = ", ".join(f"{p} {lo}-{hi}" for p, (lo, hi) in versions.VERIFIED.items())
+    without = fix.summary if isinstance(fix, Fix) else f"tfdist's hook does not run ({fix.purpose})"
     warnings.warn(
-        f"tfdist: fix {fix.name} is skipped: {reason}. Without it: {fix.summary}. The fix "
+        f"tfdist: fix {fix.name} is skipped: {reason}. Without it: {without}. The fix "
         f"was verified on {verified}; install a verified release, or report the new "
         "upstream code to tfdist.",
         FixSkippedWarning,

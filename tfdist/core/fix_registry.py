@@ -38,6 +38,8 @@ from tfdist.core import config, versions
 
 __all__ = [
     "Fix",
+    "Patch",
+    "wrap",
     "Target",
     "targets",
     "guard",
@@ -92,6 +94,31 @@ def targets(*entries: str) -> tuple[Target, ...]:
     return tuple(Target(e.removesuffix(suffix), instance=e.endswith(suffix)) for e in entries)
 
 
+@dataclass(frozen=True)
+class Patch:
+    """The patching mechanism's record: a named change of upstream names, guarded by its
+    ``targets``, applied once under the ``journal`` and recorded (``apply_fix``). tfdist's
+    hooks (its start-up, the unscoped-models hook, sync BatchNorm, the JAX watchdog) are
+    ``Patch`` records; a ``Fix`` is one plus what makes it a repair of upstream.
+
+    Attributes:
+        name: identifier, used in logs and the process state (and, for the hooks
+            ``tfdist.compat.HOOKS`` lists, in ``TFDIST_COMPAT_EXCLUDE``).
+        apply: patches; safe to call more than once.
+        purpose: one line: what the hook does (what a skipped hook leaves undone).
+        applies: returns True when this process needs it (its backend).
+        package: the package it patches (applied as soon as that package is imported).
+        targets: every upstream name it replaces or relies on (``guard`` checks them).
+    """
+
+    name: str
+    apply: Callable[[], None]
+    purpose: str = ""
+    applies: Callable[[], bool] = field(default=lambda: True)
+    package: str = "keras"
+    targets: tuple[Target, ...] = field(default=())
+
+
 # A fix's ``upstream_issue`` when no report is filed upstream, and why.
 NOT_FILED = (
     "none filed: tfdist's own tests found the defect, and its upstream_failure test is the "
@@ -101,7 +128,9 @@ NOT_FILED = (
 
 @dataclass(frozen=True)
 class Fix:
-    """One upstream defect and its fix.
+    """One upstream defect and its fix: the fields of a ``Patch`` (name, apply, applies,
+    package, targets) and those that make it a repair (summary, acts_where, no_harm,
+    upstream_issue, fixed_in).
 
     Attributes:
         name: short identifier, used in logs, ``applied()`` and ``TFDIST_COMPAT_EXCLUDE``.
@@ -331,7 +360,7 @@ def record(target: Target) -> dict | None:
     return {"signature": _signature(value), "code": fingerprint(value)}
 
 
-def guard(fix: Fix) -> str | None:
+def guard(fix: Fix | Patch) -> str | None:
     """Why ``fix`` must not be applied in this process (a target missing or changed), or None.
 
     Never raises: an unexpected error while checking counts as a changed target.
@@ -395,7 +424,29 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
         entries.append((owner, attr, raw, raw is not None))
 
 
-def apply_fix(fix: Fix) -> str | None:
+def wrap(owner, attr: str, name: str, wrapper: Callable[..., Any]) -> None:
+    """Replaces ``owner.attr`` by ``wrapper(original, *args, **kwargs)``: a patch written as
+    one function of the original (``patch`` with the closure made here).
+
+    Example:
+        >>> class Owner:
+        ...     def f(self, x):
+        ...         return x
+        >>> wrap(Owner, "f", "double", lambda original, self, x: 2 * original(self, x))
+        >>> Owner().f(3)
+        6
+    """
+
+    def make(original):
+        def patched(*args, **kwargs):
+            return wrapper(original, *args, **kwargs)
+
+        return patched
+
+    patch(owner, attr, name, make)
+
+
+def apply_fix(fix: Fix | Patch) -> str | None:
     """The one way a patch of upstream is applied: ``fix`` unless a target is missing or
     changed (``guard``), rolled back whole if it fails half-way (``journal``), recorded
     in the process state (``applied_fixes`` / ``skipped_fixes``); at most once per
