@@ -40,6 +40,7 @@ def fixed_in_keras_3_16(monkeypatch):
         fixed_in="keras 3.16",
     )
     monkeypatch.setattr(compat, "FIXES", [fix])
+    monkeypatch.setattr(compat, "HOOKS", ())
     return fix, calls
 
 
