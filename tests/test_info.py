@@ -39,7 +39,7 @@ def test_info_json_has_every_bug_report_field():
     assert report["environment"]["TFDIST_HEARTBEAT_TIMEOUT"] == "30"
     assert report["mnist"] == {"data_dir": "/nonexistent/tfds", "present": False}
     names = {fix["name"]: fix for fix in report["fixes"]}
-    assert names["keras_multi_worker_mean"]["state"] == "applied"
+    assert names["keras_tf_multi_worker_mean"]["state"] == "applied"
     assert names["keras_jax_initialize_once"] == {
         "name": "keras_jax_initialize_once",
         "package": "keras",

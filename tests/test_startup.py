@@ -46,7 +46,7 @@ def test_fixes_are_applied_when_their_package_is_imported():
         """
     )
     before, after, applies = last_json_line(proc.stdout)
-    assert before == [] and after == applies and "keras_multi_worker_mean" in after
+    assert before == [] and after == applies and "keras_tf_multi_worker_mean" in after
 
 
 @pytest.mark.devices

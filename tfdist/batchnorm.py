@@ -24,9 +24,9 @@ models built lazily by ``fit`` (these are warned about: ``fit`` builds them afte
 ``tfdist.scope(sync_batchnorm=True)`` has closed); and it runs before ``fit`` traces its
 train step, which reads ``synchronized``. ``__init__`` would miss layers created before
 the scope; a check when the scope exits would see no layer (nothing lists what a block
-created) and come after a ``fit`` inside it. ``tfdist.compat`` registers ``install`` as the Fix ``FIX_NAME`` on the TensorFlow
+created) and come after a ``fit`` inside it. ``tfdist.compat`` applies ``install`` as the hook ``HOOK_NAME`` (``HOOK``, in ``HOOKS``) on the TensorFlow
 backend (applied when Keras is imported, so hand-built strategies are warned about too);
-``tfdist.scope()`` installs it itself when it was not applied, unless the fix was skipped
+``tfdist.scope()`` installs it itself when it was not applied, unless the hook was skipped
 (a changed target) or excluded (``TFDIST_COMPAT_EXCLUDE``; ``sync_batchnorm`` still
 installs it, the explicit argument winning).
 
@@ -50,8 +50,8 @@ import types
 from tfdist.core import config, fix_registry
 
 __all__ = [
-    "FIX_NAME",
-    "SUMMARY",
+    "HOOK",
+    "HOOK_NAME",
     "TARGETS",
     "UnsyncedBatchNormWarning",
     "install",
@@ -62,12 +62,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FIX_NAME = "keras_batchnorm_replicas"
-SUMMARY = (
-    "Keras BatchNormalization(synchronized=False) under a tf.distribute strategy with "
-    "more than one replica normalises with each replica's own statistics: the model "
-    "differs from one device, silently; tfdist.scope(sync_batchnorm=True) cannot convert"
-)
+HOOK_NAME = "keras_batchnorm_replicas"
 # What install patches (for tfdist.compat's guard). The hook also sets ``synchronized``,
 # a documented constructor argument that upstream reads when it computes the moments.
 TARGETS = ("keras.src.layers.normalization.batch_normalization:BatchNormalization.build",)
@@ -129,7 +124,7 @@ def install() -> None:
         setattr(build, _HOOK_MARK, True)
         return build
 
-    patch(_keras_class(), "build", FIX_NAME, make)
+    patch(_keras_class(), "build", HOOK_NAME, make)
 
 
 def _building(layer) -> None:
@@ -197,12 +192,12 @@ def per_replica_statistics(distribution) -> bool:
 
 
 def _why_not_hooked(required: bool) -> str | None:
-    """Why the hook is not installed, after applying its fix record ``FIX`` (the one
-    way every fix is applied) unless it is excluded and not ``required``; or None."""
+    """Why the hook is not installed, after applying its record ``HOOK`` (the one
+    way every patch is applied) unless it is excluded and not ``required``; or None."""
     excluded = config.compat_exclude()
-    if not required and (FIX_NAME in excluded or "all" in excluded):
-        return f"{FIX_NAME} is excluded by {config.COMPAT_EXCLUDE_ENV}"
-    return fix_registry.apply_fix(FIX)
+    if not required and (HOOK_NAME in excluded or "all" in excluded):
+        return f"{HOOK_NAME} is excluded by {config.COMPAT_EXCLUDE_ENV}"
+    return fix_registry.apply_fix(HOOK)
 
 
 def _ensure_hook(required: bool) -> bool:
@@ -245,17 +240,14 @@ def sync_scope(distribution, *, enabled: bool):
         _SYNC.reset(token)
 
 
-# The hook's fix record: listed in tfdist.compat.FIXES (applied with the others when Keras
-# is imported) and applied through the same fix_registry.apply_fix by ``_ensure_hook``.
-FIX = fix_registry.Fix(
-    FIX_NAME,
-    SUMMARY,
-    fix_registry.on_keras_backend("tensorflow"),
+# The hook's record: a Patch, not a fix (it repairs no upstream defect: it warns about
+# per-replica statistics and converts layers for sync_batchnorm). tfdist.compat.HOOKS
+# applies it when Keras is imported, through the same fix_registry.apply_fix as the fixes,
+# and so does ``_ensure_hook``; TFDIST_COMPAT_EXCLUDE still names it.
+HOOK = fix_registry.Patch(
+    HOOK_NAME,
     install,
+    purpose="BatchNormalization layers built under several replicas are warned about or synchronized",
+    applies=fix_registry.on_keras_backend("tensorflow"),
     targets=fix_registry.targets(*TARGETS),
-    acts_where=(
-        "BatchNormalization(synchronized=False).build under a strategy with >1 replica "
-        "(synchronized in sync_batchnorm scope, else warned once); otherwise upstream's"
-    ),
-    no_harm=(),  # none yet
 )

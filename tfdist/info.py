@@ -133,9 +133,11 @@ def _fix_lines(fixes: list[dict]) -> list[str]:
     for f in fixes:
         if f["state"] == "skipped":
             lines.append(f"  SKIPPED      {f['name']}: {f['why']}")
+        if f["state"] == "fixed upstream":
+            lines.append(f"  not applied  {f['name']}: {f['why']}")
     others: dict[str, list[str]] = {}
     for f in fixes:
-        if f["state"] not in ("applied", "skipped"):
+        if f["state"] not in ("applied", "skipped", "fixed upstream"):
             others.setdefault(f["state"], []).append(f["name"])
     lines += [f"  {state + ':':<13}{', '.join(names)}" for state, names in others.items()]
     return lines

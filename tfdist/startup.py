@@ -173,18 +173,13 @@ def _hook_context() -> None:
 def _startup_record():
     from tfdist.core import fix_registry
 
-    return fix_registry.Fix(
+    return fix_registry.Patch(
         "tfdist_startup",
-        "tfdist sets the process up (logical CPU devices, the multi-worker strategy) just "
-        "before TensorFlow creates its context, whatever op comes first",
-        lambda: True,
         _hook_context,
+        purpose="tfdist sets the process up (logical CPU devices, the multi-worker strategy) "
+        "just before TensorFlow creates its context, whatever op comes first",
         package="tensorflow",
         targets=fix_registry.targets("tensorflow.python.eager.context:Context.ensure_initialized"),
-        acts_where=(
-            "the first creation of TensorFlow's context in the process; every later call: "
-            "upstream's"
-        ),
     )
 
 

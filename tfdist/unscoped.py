@@ -203,12 +203,9 @@ _TF_TARGETS = (
 # through the same guard as every patch (a changed target: it steps aside with a warning),
 # never listed in tfdist.compat.FIXES, and no exclusion removes it (TFDIST_UNSCOPED_MODELS
 # does).
-HOOK = fix_registry.Fix(
+HOOK = fix_registry.Patch(
     NAME,
-    "models a script builds outside any scope train on the job's strategy or distribution",
-    lambda: True,
     _install,
+    purpose="models a script builds outside any scope train on the job's strategy or distribution",
     targets=fix_registry.targets("keras.src.layers.layer:Layer.__init__", *_TF_TARGETS),
-    acts_where="the first Keras layer or optimizer built outside any scope; every later one: "
-    "upstream's",
 )

@@ -1,8 +1,8 @@
 """Records what tfdist's fixes were verified against: every target's signature and code hash.
 
 Run it once per verified release pair (each nox session of ``noxfile.py``, after its tests
-pass): it adds the installed releases' records to ``tfdist/core/fingerprints.json`` and
-keeps the others. ``tfdist.core.fix_registry.guard`` reads the file: a target whose
+pass): it adds the installed releases' records to ``tfdist/core/fingerprints.json``, keeps
+the other releases' records, and drops the entries no target names any more (a retired fix's). ``tfdist.core.fix_registry.guard`` reads the file: a target whose
 signature is not a recorded one, or (outside the verified range) whose code is not a
 recorded one, makes its fix step aside with a warning.
 
@@ -25,11 +25,20 @@ def _minor(package: str) -> str:
     return f"{package} {'.'.join(version.split('.')[:2])}"
 
 
+def patches() -> tuple[fix_registry.Fix | fix_registry.Patch, ...]:
+    """Every record fix_registry.apply_fix applies: the fixes and tfdist's own hooks."""
+    return (*compat.FIXES, *compat.HOOKS, startup.STARTUP, unscoped.HOOK)
+
+
+def target_entries() -> set[str]:
+    """The entries the targets name (an instance attribute is checked in the source)."""
+    return {t.entry for fix in patches() for t in fix.targets if not t.instance}
+
+
 def current_records() -> dict[str, dict[str, dict]]:
     """``{entry: {"keras 3.15": {"signature": ..., "code": ...}}}`` for this environment."""
     records: dict[str, dict[str, dict]] = {}
-    # every record fix_registry.apply_fix applies
-    for fix in (*compat.FIXES, startup.STARTUP, unscoped.HOOK):
+    for fix in patches():
         for target in fix.targets:
             found = fix_registry.record(target)
             if found is not None:
@@ -37,8 +46,9 @@ def current_records() -> dict[str, dict[str, dict]]:
     return records
 
 
-def merged(existing: dict, new: dict) -> dict:
-    out = {entry: dict(versions_) for entry, versions_ in existing.items()}
+def merged(existing: dict, new: dict, named: set[str]) -> dict:
+    """``existing`` with ``new``'s records added, less the entries not in ``named``."""
+    out = {entry: dict(versions_) for entry, versions_ in existing.items() if entry in named}
     for entry, by_version in new.items():
         out.setdefault(entry, {}).update(by_version)
     return {entry: dict(sorted(out[entry].items())) for entry in sorted(out)}
@@ -50,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     existing = fix_registry.verified_fingerprints()
     new = current_records()
-    result = merged(existing, new)
+    result = merged(existing, new, target_entries())
     if args.check:
         if result != existing:
             missing = sorted(e for e in result if result[e] != existing.get(e))
-            print(f"fix_fingerprints: no record for this environment of {missing}")
+            unnamed = sorted(set(existing) - set(result))
+            print(
+                f"fix_fingerprints: no record for this environment of {missing}; no target names {unnamed}"
+            )
             return 1
         print(f"fix_fingerprints: {len(existing)} targets recorded")
         return 0

@@ -618,7 +618,7 @@ def test_a_partial_last_batch_is_equal_with_the_fixes_and_named_without_them(tmp
     assert proc.returncode == 0, _fail(proc)  # each example weighs what it does on one device
     assert json.loads(proc.stdout)["topologies"][1]["steps"] == 16
     # Without the fix that weighs each replica's loss by its share, the update differs.
-    fix = "keras_partial_batch_loss_weights"
+    fix = "keras_tf_partial_batch_loss_weights"
     proc = check_cli(*argv, "--examples", "501", cwd=tmp_path, TFDIST_COMPAT_EXCLUDE=fix)
     assert proc.returncode == 1, _fail(proc)
     (cause,) = json.loads(proc.stdout)["causes"]

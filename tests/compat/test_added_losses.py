@@ -35,7 +35,7 @@ def _job(out, *, devices: int = 1, exclude: str = "") -> dict:
 def test_only_the_tensors_keras_scaled_are_left_alone():
     import tensorflow as tf
 
-    added_losses.fix_added_loss_scaled_once()  # idempotent: applied already in tfdist
+    added_losses.keras_tf_added_loss_scaled_once()  # idempotent: applied already in tfdist
     from keras.src.losses import loss as loss_module
 
     one = tf.constant(1.0)

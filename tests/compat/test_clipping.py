@@ -1,7 +1,7 @@
 """Gradient clipping on 2 devices and 2 workers equals clipping on one device.
 
 Upstream Keras 3 clips each replica's part of the gradient before the all-reduce under
-Mirrored/MultiWorkerMirroredStrategy; the fix ``keras_clip_after_all_reduce`` clips the
+Mirrored/MultiWorkerMirroredStrategy; the fix ``keras_tf_clip_after_all_reduce`` clips the
 all-reduced gradient once. ``tests/scripts/clip_job.py`` trains every variant (no
 clipping, ``global_clipnorm``, ``clipnorm``, ``clipvalue``, accumulation, loss scaling,
 weight decay with a moving average, eager) in one process and prints the weights.
@@ -64,10 +64,10 @@ def one_device() -> dict:
 def test_the_fix_is_registered_and_patches_the_keras_optimizer():
     import keras
 
-    assert clipping.FIX_NAME in compat.fix_names()
-    assert clipping.FIX_NAME in compat.apply_all()
+    assert clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in compat.fix_names()
+    assert clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in compat.apply_all()
     patched = keras.optimizers.Optimizer._backend_apply_gradients
-    assert patched.__tfdist_fix__ == clipping.FIX_NAME
+    assert patched.__tfdist_fix__ == clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE
     (fix,) = clipping.FIXES
     assert "keras.src.optimizers.optimizer:Optimizer._backend_apply_gradients" in {
         target.entry for target in fix.targets
@@ -104,7 +104,7 @@ def test_two_devices_clip_as_one_device_under_tfdist_and_a_hand_built_strategy(o
     assert set(tfdist_scope["weights"]) == set(one_device)  # every variant
     assert set(hand_built["weights"]) == set(HAND_BUILT)
     for result in (tfdist_scope, hand_built):
-        assert clipping.FIX_NAME in result["applied"]
+        assert clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in result["applied"]
         assert result["replicas"] == 2 and result["strategy"] == "MirroredStrategy"
         weights = result["weights"]
         diffs = {variant: max_diff(w, one_device[variant]) for variant, w in weights.items()}
@@ -113,19 +113,21 @@ def test_two_devices_clip_as_one_device_under_tfdist_and_a_hand_built_strategy(o
 
 @pytest.mark.devices
 @pytest.mark.slow
-@pytest.mark.upstream_failure("keras_clip_after_all_reduce")
+@pytest.mark.upstream_failure("keras_tf_clip_after_all_reduce")
 def test_upstream_clips_each_replicas_gradient(one_device):
     result = run_job(
         "--variants",
         ",".join(("none", *CLIPPED)),
         TFDIST_CPU_DEVICES="2",
-        TFDIST_COMPAT_EXCLUDE=clipping.FIX_NAME,
+        TFDIST_COMPAT_EXCLUDE=clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE,
     )
-    assert clipping.FIX_NAME not in result["applied"] and result["replicas"] == 2
+    assert (
+        clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE not in result["applied"] and result["replicas"] == 2
+    )
     weights = result["weights"]
     diffs = {variant: max_diff(w, one_device[variant]) for variant, w in weights.items()}
     assert diffs["none"] < TOL, diffs  # without clipping upstream is right
-    # When this fails, upstream clips the global gradient: retire keras_clip_after_all_reduce.
+    # When this fails, upstream clips the global gradient: retire keras_tf_clip_after_all_reduce.
     assert all(diffs[variant] > 1e-4 for variant in CLIPPED), diffs
 
 
@@ -141,7 +143,10 @@ def test_two_workers_clip_as_one_device(one_device):
             results[prefix] = json.loads(rest)
     assert set(results) == {"[w0]", "[w1]"}
     for prefix, result in results.items():
-        assert result["worker"] == int(prefix[2]) and clipping.FIX_NAME in result["applied"]
+        assert (
+            result["worker"] == int(prefix[2])
+            and clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in result["applied"]
+        )
         assert result["strategy"] == "CollectiveAllReduceStrategy" and result["replicas"] == 2
         weights = result["weights"]
         diffs = {variant: max_diff(weights[variant], one_device[variant]) for variant in weights}

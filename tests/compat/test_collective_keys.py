@@ -66,7 +66,7 @@ def test_each_strategy_after_the_first_gets_its_own_keys_and_a_set_base_is_kept(
 
     from tfdist.core import upstream
 
-    collective_keys.fix_collective_keys_apart()  # idempotent: applied already in tfdist
+    collective_keys.tf_mirrored_collective_keys_apart()  # idempotent: applied already in tfdist
     first = tf.distribute.MirroredStrategy(["/cpu:0"])
     second = tf.distribute.MirroredStrategy(["/cpu:0"])
     bases = [upstream.tf_collective_key_base(s.extended) for s in (first, second)]
@@ -81,7 +81,7 @@ def test_each_strategy_after_the_first_gets_its_own_keys_and_a_set_base_is_kept(
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure("tf_mirrored_collective_keys_apart")
-@pytest.mark.parametrize("exclude", ["all", collective_keys.NAME])
+@pytest.mark.parametrize("exclude", ["all", collective_keys.TF_MIRRORED_COLLECTIVE_KEYS_APART])
 def test_models_of_two_sizes_abort_upstream_and_without_the_fix(exclude, tmp_path):
     proc = _job("tfdist-first", tmp_path / "broken.npz", devices=2, exclude=exclude, check=False)
     assert proc.returncode != 0

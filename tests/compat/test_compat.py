@@ -55,6 +55,7 @@ def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):
         return compat.Fix(name, "test fix", lambda: applies, apply)
 
     monkeypatch.setattr(compat, "FIXES", [fix("a", True), fix("old", False), fix("c", True)])
+    monkeypatch.setattr(compat, "HOOKS", ())  # a hook's Keras import applies the fixes again
     monkeypatch.setattr(process, "_STATE", process.ProcessState())
     assert compat.apply_all(environ={"TFDIST_COMPAT_EXCLUDE": "c"}) == ["a"]
     assert compat.apply_all(environ={}) == ["a", "c"]
@@ -84,7 +85,7 @@ def test_bad_exclusions_are_named():
     with pytest.raises(ValueError, match=r"exclude names unknown fixes \['nope'\]"):
         compat.apply_all(exclude=["nope"])
     with pytest.raises(ValueError, match=r"TFDIST_COMPAT_EXCLUDE names unknown fixes \['typo'\]"):
-        compat.apply_all(environ={"TFDIST_COMPAT_EXCLUDE": "keras_multi_worker_mean, typo"})
+        compat.apply_all(environ={"TFDIST_COMPAT_EXCLUDE": "keras_tf_multi_worker_mean, typo"})
 
 
 def test_fixes_apply_to_the_installed_versions_and_are_idempotent():
@@ -98,10 +99,10 @@ def test_fixes_apply_to_the_installed_versions_and_are_idempotent():
     assert compat.apply_all() == compat.apply_all()
     assert set(compat.applied()) == {fix.name for fix in tf_fixes_}
     targets = {
-        "keras_symbolic_build_from_spec": (trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
-        "keras_multi_worker_mean": (trainer, "reduce_per_replica"),
-        "keras_gradient_accumulation": (optimizer.TFOptimizer, "_backend_apply_gradients"),
-        "keras_progbar_chief_only": (progbar_logger.ProgbarLogger, "set_params"),
+        "keras_tf_symbolic_build_from_spec": (trainer.TensorFlowTrainer, "_maybe_symbolic_build"),
+        "keras_tf_multi_worker_mean": (trainer, "reduce_per_replica"),
+        "keras_tf_gradient_accumulation": (optimizer.TFOptimizer, "_backend_apply_gradients"),
+        "keras_tf_progbar_chief_only": (progbar_logger.ProgbarLogger, "set_params"),
         "tf_multi_worker_timeouts": (cars.CollectiveAllReduceExtended, "_initialize_multi_worker"),
         "tf_multi_worker_logical_cpus": (
             cars.CollectiveAllReduceExtended,
@@ -200,7 +201,9 @@ def test_bootstrap_applies_the_fixes_then_runs_the_script_or_module_as_main(tmp_
 @pytest.mark.devices
 @pytest.mark.slow
 @pytest.mark.upstream_failure(
-    "keras_symbolic_build_from_spec", "keras_gradient_accumulation", "keras_compile_in_model_scope"
+    "keras_tf_symbolic_build_from_spec",
+    "keras_tf_gradient_accumulation",
+    "keras_tf_compile_in_model_scope",
 )
 def test_mirrored_upstream_failures_and_fixes():
     proc = run_python(
@@ -212,16 +215,16 @@ def test_mirrored_upstream_failures_and_fixes():
     )
     result = last_json_line(proc.stdout)
     assert result["replicas"] == 2
-    # keras_symbolic_build_from_spec: upstream starts an extra pass over the data
+    # keras_tf_symbolic_build_from_spec: upstream starts an extra pass over the data
     assert result["iterations_unfixed"] == 3 and result["iterations_fixed"] == 2
-    # keras_gradient_accumulation: upstream cannot run it under MirroredStrategy ...
+    # keras_tf_gradient_accumulation: upstream cannot run it under MirroredStrategy ...
     assert "merge_call` called while defining a new graph" in result["accumulation_unfixed"]
     # ... fixed, it equals accumulation on one device (and accumulation did something)
     assert result["accumulation_diff"] < TOL
     assert result["accumulation_differs_from_plain"] > 1e-3
     # the spec fallback for an unknown rank builds the same model
     assert result["unknown_rank_diff"] < TOL
-    # keras_compile_in_model_scope: compiled outside the scope, upstream makes an optimizer
+    # keras_tf_compile_in_model_scope: compiled outside the scope, upstream makes an optimizer
     # named by a string outside it, and Adam fails; made in the model's scope, it trains
     # as one device does (weights, History, steps)
     assert "Mixing different tf.distribute.Strategy objects" in result["adam_outside_unfixed"]
@@ -231,11 +234,11 @@ def test_mirrored_upstream_failures_and_fixes():
 @pytest.mark.multiworker
 @pytest.mark.slow
 @pytest.mark.upstream_failure(
-    "keras_symbolic_build_from_spec",
-    "keras_multi_worker_mean",
+    "keras_tf_symbolic_build_from_spec",
+    "keras_tf_multi_worker_mean",
     "tf_multi_worker_logical_cpus",
-    "keras_progbar_chief_only",
-    "keras_compile_in_model_scope",
+    "keras_tf_progbar_chief_only",
+    "keras_tf_compile_in_model_scope",
 )
 def test_multi_worker_upstream_failures_and_fixes():
     proc = subprocess.run(
@@ -278,7 +281,7 @@ def test_multi_worker_upstream_failures_and_fixes():
         assert result["trained"] > 1e-3
     recompiled = [result["recompiled"] for result in results.values()]
     assert_upstream_recompile_reports_each_workers_own_loss(recompiled)
-    # keras_progbar_chief_only: upstream prints the epoch lines on every worker
+    # keras_tf_progbar_chief_only: upstream prints the epoch lines on every worker
     for worker, expect_fixed in (("[w0]", True), ("[w1]", False)):
         lines = [line for line in out.splitlines() if line.startswith(worker)]
         stages = [i for i, line in enumerate(lines) if "STAGE" in line]
@@ -289,7 +292,7 @@ def test_multi_worker_upstream_failures_and_fixes():
 
 
 def assert_upstream_recompile_reports_each_workers_own_loss(workers):
-    """keras_compile_in_model_scope: compiled again outside the scope, upstream's loss
+    """keras_tf_compile_in_model_scope: compiled again outside the scope, upstream's loss
     tracker is plain variables: each worker's History loss is its own (their mean is one
     device's), while the metric, built in the scope, and the weights are right."""
     reference = workers[0]["reference"]

@@ -133,7 +133,7 @@ def test_every_named_no_harm_check_exists_and_runs_with_the_fixes(name):
 
 
 def test_the_rules_refuse_what_they_should():
-    fix = FIXES["keras_partial_batch_loss_weights"]
+    fix = FIXES["keras_tf_partial_batch_loss_weights"]
     bad = {
         "tests/compat/test_no_harm.py::test_no_such_test": "defines no test",
         "tests/compat/test_no_such_file.py::test_x": "does not exist",

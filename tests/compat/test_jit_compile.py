@@ -14,7 +14,7 @@ import pytest
 from conftest import SCRIPTS, launch_cli, run_python
 
 JOB = SCRIPTS / "jit_compile_job.py"
-FIX = "keras_jit_compile_refused_under_strategy"
+FIX = "keras_tf_jit_compile_refused_under_strategy"
 
 
 def _result(stdout: str) -> dict:
@@ -52,7 +52,7 @@ def test_jit_compile_on_one_device_is_untouched():
 
 
 @pytest.mark.devices
-@pytest.mark.upstream_failure("keras_jit_compile_refused_under_strategy")
+@pytest.mark.upstream_failure("keras_tf_jit_compile_refused_under_strategy")
 def test_upstream_fails_inside_the_graph():
     result = _run("2 devices", TFDIST_COMPAT_EXCLUDE=FIX)
     assert result["fit"].startswith("InvalidArgumentError"), result["fit"]

@@ -169,7 +169,7 @@ def test_fixes_off_right_where_plain_keras_is_right(cell):
 
 
 @pytest.mark.upstream_failure(
-    "keras_partial_batch_loss_weights", "tf_distribute_partial_batch_evenly"
+    "keras_tf_partial_batch_loss_weights", "tf_distribute_partial_batch_evenly"
 )
 @pytest.mark.parametrize("cell", sorted(set().union(*UPSTREAM_DIFFERS.values())))
 def test_fixes_off_upstream_differs_from_one_device(cell):

@@ -31,7 +31,7 @@ from conftest import REPO, SCRIPTS, equivalence, launch_cli, run_python, tagged_
 
 JOB = SCRIPTS / "partial_batch_job.py"
 TOLERANCE = 1e-5
-FIXES = "keras_partial_batch_loss_weights,tf_distribute_partial_batch_evenly"
+FIXES = "keras_tf_partial_batch_loss_weights,tf_distribute_partial_batch_evenly"
 TOPOLOGIES = {
     "2 devices": {"replicas": 2, "workers": 1},
     "2 workers": {"replicas": 2, "workers": 2},
@@ -193,7 +193,7 @@ def test_mnist_tutorial_at_its_sizes_matches_one_device(backend, topology):
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure(
-    "keras_partial_batch_loss_weights", "tf_distribute_partial_batch_evenly"
+    "keras_tf_partial_batch_loss_weights", "tf_distribute_partial_batch_evenly"
 )
 def test_tutorial_upstream_failures_without_the_fixes():
     reference = _tutorial_reference("tensorflow", (7000,))["tutorial 7000"]["values"]

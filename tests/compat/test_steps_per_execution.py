@@ -11,7 +11,7 @@ the topology it ran. ``tests/scripts/ckpt_job.py`` with K = 4 on 2 workers is ki
 mid-epoch, or gets SIGTERM inside an execution, and is resumed by ``tfdist launch
 --max-restarts 1``.
 
-Without ``keras_steps_per_execution_under_strategy`` the first ``fit`` on 2 devices fails
+Without ``keras_tf_steps_per_execution_under_strategy`` the first ``fit`` on 2 devices fails
 with the placeholder error of keras#19246.
 """
 
@@ -26,7 +26,7 @@ import pytest
 from conftest import SCRIPTS, equivalence, last_json_line, launch_cli, popen_python, tagged_reports
 
 JOB = SCRIPTS / "spe_job.py"
-FIX = "keras_steps_per_execution_under_strategy"
+FIX = "keras_tf_steps_per_execution_under_strategy"
 TOLERANCE = 1e-5
 TF_KINDS = ["bn", "conv", "mlp"]  # the model kinds whose fit ran the fix's function
 CELLS = {
@@ -155,7 +155,7 @@ def test_logs_are_averaged_across_workers_once_per_execution(matrix):
 
 
 @pytest.mark.devices
-@pytest.mark.upstream_failure("keras_steps_per_execution_under_strategy")
+@pytest.mark.upstream_failure("keras_tf_steps_per_execution_under_strategy")
 def test_upstream_fails_with_a_placeholder_error(tmp_path):
     proc = _start("tensorflow", "2 devices", str(tmp_path), "mlp numpy", TFDIST_COMPAT_EXCLUDE=FIX)
     report = _finish(proc)

@@ -150,10 +150,10 @@ def run_upstream(cwd: Path, keywords: str, files: list[str]) -> subprocess.Compl
 def test_upstream_keras_tests_pass_with_every_fix_applied(tmp_path):
     # Includes OptimizerDistributeTest.test_gradient_accumulation: upstream's eager
     # strategy.run(apply_gradients) path, which works upstream and which the
-    # keras_gradient_accumulation fix therefore leaves alone.
+    # keras_tf_gradient_accumulation fix therefore leaves alone.
     proc = run_upstream(tmp_path, KEYWORDS, SELECTED)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    assert "keras_gradient_accumulation" in proc.stdout  # the plugin's header: fixes on
+    assert "keras_tf_gradient_accumulation" in proc.stdout  # the plugin's header: fixes on
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed, proc.stdout[-3000:]
     expected = EXPECTED_PASSED.get(keras.__version__)

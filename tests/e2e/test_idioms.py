@@ -166,7 +166,7 @@ def test_idiom_table_is_generated():
 
 
 @pytest.mark.devices
-@pytest.mark.upstream_failure("keras_predict_on_batch_copies")
+@pytest.mark.upstream_failure("keras_tf_predict_on_batch_copies")
 def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
     code = """
     import json
@@ -180,7 +180,7 @@ def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
     fixed = last_json_line(run_python(code, TFDIST_CPU_DEVICES="2").stdout)
     upstream = last_json_line(
         run_python(
-            code, TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE="keras_predict_on_batch_copies"
+            code, TFDIST_CPU_DEVICES="2", TFDIST_COMPAT_EXCLUDE="keras_tf_predict_on_batch_copies"
         ).stdout
     )
     assert (upstream["rows"], fixed["rows"]) == (16, 8)
@@ -188,7 +188,7 @@ def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
 
 @pytest.mark.slow
 @pytest.mark.devices
-@pytest.mark.upstream_failure("keras_ema_overwrite_under_strategy")
+@pytest.mark.upstream_failure("keras_tf_ema_overwrite_under_strategy")
 def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fix():
     code = f"""
     import json, sys
@@ -205,7 +205,7 @@ def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fi
         run_python(
             code,
             TFDIST_CPU_DEVICES="2",
-            TFDIST_COMPAT_EXCLUDE="keras_ema_overwrite_under_strategy",
+            TFDIST_COMPAT_EXCLUDE="keras_tf_ema_overwrite_under_strategy",
         ).stdout
     )
     assert "merge_call` called while defining a new graph" in upstream["error"]
@@ -238,14 +238,14 @@ print(json.dumps({"weight": float(weight.numpy()[0]),
 
 
 @pytest.mark.devices
-@pytest.mark.upstream_failure("keras_loss_scale_finite_everywhere")
+@pytest.mark.upstream_failure("keras_tf_loss_scale_finite_everywhere")
 def test_a_step_that_overflows_on_one_replica_is_skipped_on_every_replica():
     fixed = last_json_line(run_python(_OVERFLOW_ON_ONE_REPLICA, TFDIST_CPU_DEVICES="2").stdout)
     upstream = last_json_line(
         run_python(
             _OVERFLOW_ON_ONE_REPLICA,
             TFDIST_CPU_DEVICES="2",
-            TFDIST_COMPAT_EXCLUDE="keras_loss_scale_finite_everywhere",
+            TFDIST_COMPAT_EXCLUDE="keras_tf_loss_scale_finite_everywhere",
         ).stdout
     )
     # Upstream: the first replica's "finite" applies the all-reduced inf to the weight.

@@ -124,7 +124,7 @@ def _without(fix: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_custom_metrics_give_the_one_device_values_on_two_workers():
     script = str(SCRIPTS / "mw_user_metrics.py")
-    upstream = results(launch(script, TFDIST_COMPAT_EXCLUDE="keras_multi_worker_mean"))
+    upstream = results(launch(script, TFDIST_COMPAT_EXCLUDE="keras_tf_multi_worker_mean"))
     assert all(w["compiled"]["error"] for w in upstream)
     for worker in results(launch(script)):
         compiled, tracked = worker["compiled"], worker["tracked"]

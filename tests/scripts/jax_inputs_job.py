@@ -151,7 +151,7 @@ def main(args):
         return
     with tfdist.scope() as distribution:
         share = jax_inputs._share_of(distribution)
-    fixes = [jax_inputs.INPUTS_FIX, jax_inputs.PREDICT_FIX]
+    fixes = [jax_inputs.KERAS_JAX_MULTI_PROCESS_INPUTS, jax_inputs.KERAS_JAX_MULTI_PROCESS_PREDICT]
     emit(
         "setup",
         applied=[name for name in compat.applied() if name in fixes],

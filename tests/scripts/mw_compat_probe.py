@@ -6,11 +6,11 @@ Run as ``tfdist launch -n 2 --no-fixes mw_compat_probe.py`` (optionally with
 then, on every worker:
 
 1. ``fit`` with no fix: records the upstream error (PerReplica conversion);
-2. with only ``keras_symbolic_build_from_spec``: records the next upstream error
+2. with only ``keras_tf_symbolic_build_from_spec``: records the next upstream error
    (invalid reduction dimension);
-3. with the two fit fixes but not ``keras_progbar_chief_only``: ``fit(verbose=2)``
+3. with the two fit fixes but not ``keras_tf_progbar_chief_only``: ``fit(verbose=2)``
    between the markers ``STAGE progbar-unfixed`` / ``STAGE progbar-fixed`` prints an
-   epoch line on every worker; nor ``keras_compile_in_model_scope``: a model compiled
+   epoch line on every worker; nor ``keras_tf_compile_in_model_scope``: a model compiled
    again outside the scope (a plain-function loss, ``optimizer="sgd"``) reports each
    worker's own loss;
 4. with every fix: ``fit`` with validation data and a metric, ``evaluate``,
@@ -102,10 +102,12 @@ def max_diff(a, b):
 
 
 errors = {"unfixed": failure(lambda: train(in_scope()))}
-compat.apply_all(exclude=[n for n in compat.fix_names() if n != "keras_symbolic_build_from_spec"])
+compat.apply_all(
+    exclude=[n for n in compat.fix_names() if n != "keras_tf_symbolic_build_from_spec"]
+)
 errors["symbolic_build_fixed"] = failure(lambda: train(in_scope()))
 
-compat.apply_all(exclude=["keras_progbar_chief_only", "keras_compile_in_model_scope"])
+compat.apply_all(exclude=["keras_tf_progbar_chief_only", "keras_tf_compile_in_model_scope"])
 print("STAGE progbar-unfixed", flush=True)
 train(in_scope(), verbose=2)
 sys.stdout.flush()

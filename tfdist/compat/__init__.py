@@ -18,52 +18,26 @@ Switch fixes off with ``apply_all(exclude=[...])`` or ``TFDIST_COMPAT_EXCLUDE=na
 (``all`` for every fix: what ``tfdist launch --no-fixes`` sets).
 Each fix is guarded by its backend: a JAX process gets no TensorFlow runtime patch.
 
-Layout: ``registry`` (the Fix record, targets and guards, ``patch``), ``keras_fixes``,
-``tf_fixes``, ``jax_fixes``, ``clipping``, ``chief_writes``, ``jax_inputs``, ``on_batch``,
-``jax_watchdog``,
-``loss_scale``, ``loss_weights``, ``partial_batches``, ``jax_partial_batches``, ``tf_inputs``, ``jit_compile``,
-``steps_per_execution``, ``epoch_start``, ``compile_scope``, ``optimizer_build``, ``datasets``
-(a dataset with a
-declared length); this module lists them
-and applies them.
+Layout: one module per fix or per family of fixes, each exporting its ``FIXES``; ``MODULES``
+lists them in the order they are applied (the ``Fix`` record, its guards and ``patch`` are
+``tfdist.core.fix_registry``'s). This module applies them.
 
 Example:
     >>> from tfdist import compat
     >>> compat.apply_all()  # doctest: +SKIP
-    ['keras_symbolic_build_from_spec', 'keras_multi_worker_mean', ...]
+    ['keras_tf_symbolic_build_from_spec', 'keras_tf_multi_worker_mean', ...]
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
 
-from tfdist.compat import (
-    added_losses,
-    batchnorm,
-    chief_writes,
-    clipping,
-    collective_keys,
-    compile_scope,
-    custom_train_step,
-    epoch_start,
-    jax_fixes,
-    jax_inputs,
-    jax_partial_batches,
-    jax_watchdog,
-    jit_compile,
-    keras_fixes,
-    loss_scale,
-    loss_weights,
-    on_batch,
-    optimizer_build,
-    partial_batches,
-    steps_per_execution,
-    tf_fixes,
-    tf_inputs,
-)
+from tfdist import batchnorm
+from tfdist.compat import jax_watchdog
 from tfdist.core import config, fix_registry, process, validate, versions
 from tfdist.core.fix_registry import Fix
 
@@ -76,6 +50,9 @@ __all__ = [
     "skipped",
     "status",
     "fix_names",
+    "RENAMED",
+    "MODULES",
+    "HOOKS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -85,38 +62,63 @@ class FixSkippedWarning(RuntimeWarning):
     """A fix was not applied: the upstream code it patches is missing or changed."""
 
 
-# Every fix, in the order they are applied: each module exports its records as FIXES.
-FIXES: list[Fix] = [
-    *keras_fixes.FIXES,
-    *tf_fixes.FIXES,
-    *jax_fixes.FIXES,
-    *clipping.FIXES,
-    *chief_writes.FIXES,
-    *jax_inputs.FIXES,
-    *on_batch.FIXES,
-    *loss_scale.FIXES,
-    *jax_watchdog.FIXES,
-    *loss_weights.FIXES,
-    *partial_batches.FIXES,
-    *jax_partial_batches.FIXES,
-    *tf_inputs.FIXES,
-    *jit_compile.FIXES,
-    *steps_per_execution.FIXES,
-    *epoch_start.FIXES,
-    *compile_scope.FIXES,
-    *batchnorm.FIXES,
-    *optimizer_build.FIXES,
-    *collective_keys.FIXES,
-    *custom_train_step.FIXES,
-    *added_losses.FIXES,
-]
+# The modules of fixes, in the order their fixes are applied; each exports its records as
+# FIXES. Retiring a fix's module is deleting its line here (docs/architecture.md).
+MODULES = (
+    "tfdist.compat.keras_fixes",
+    "tfdist.compat.tf_fixes",
+    "tfdist.compat.jax_fixes",
+    "tfdist.compat.clipping",
+    "tfdist.compat.chief_writes",
+    "tfdist.compat.jax_inputs",
+    "tfdist.compat.on_batch",
+    "tfdist.compat.loss_scale",
+    "tfdist.compat.loss_weights",
+    "tfdist.compat.partial_batches",
+    "tfdist.compat.jax_partial_batches",
+    "tfdist.compat.tf_inputs",
+    "tfdist.compat.jit_compile",
+    "tfdist.compat.steps_per_execution",
+    "tfdist.compat.epoch_start",
+    "tfdist.compat.compile_scope",
+    "tfdist.compat.optimizer_build",
+    "tfdist.compat.collective_keys",
+    "tfdist.compat.custom_train_step",
+    "tfdist.compat.added_losses",
+)
+# Every fix, in the order they are applied.
+FIXES: list[Fix] = [fix for name in MODULES for fix in importlib.import_module(name).FIXES]
+# tfdist's hooks that apply_all applies after the fixes, the same way (guarded, journaled,
+# recorded, named in TFDIST_COMPAT_EXCLUDE), but that repair nothing upstream: not fixes, so
+# not in FIXES, the fix table or status(). tfdist.startup and tfdist.unscoped apply their
+# own hooks, which no exclusion removes.
+HOOKS: tuple[fix_registry.Patch, ...] = (batchnorm.HOOK, jax_watchdog.HOOK)
+
+
+# Fix names renamed by the naming rule (docs/architecture.md), old -> new: the old name
+# is still accepted wherever a fix is named (exclude=, TFDIST_COMPAT_EXCLUDE), with one
+# FutureWarning naming the new name.
+RENAMED: dict[str, str] = {
+    "keras_symbolic_build_from_spec": "keras_tf_symbolic_build_from_spec",
+    "keras_multi_worker_mean": "keras_tf_multi_worker_mean",
+    "keras_ema_overwrite_under_strategy": "keras_tf_ema_overwrite_under_strategy",
+    "keras_gradient_accumulation": "keras_tf_gradient_accumulation",
+    "keras_progbar_chief_only": "keras_tf_progbar_chief_only",
+    "keras_clip_after_all_reduce": "keras_tf_clip_after_all_reduce",
+    "keras_predict_on_batch_copies": "keras_tf_predict_on_batch_copies",
+    "keras_loss_scale_finite_everywhere": "keras_tf_loss_scale_finite_everywhere",
+    "keras_partial_batch_loss_weights": "keras_tf_partial_batch_loss_weights",
+    "keras_jit_compile_refused_under_strategy": "keras_tf_jit_compile_refused_under_strategy",
+    "keras_steps_per_execution_under_strategy": "keras_tf_steps_per_execution_under_strategy",
+    "keras_compile_in_model_scope": "keras_tf_compile_in_model_scope",
+}
 
 
 def fix_names() -> list[str]:
     """Names of all known fixes, in the order ``apply_all`` applies them.
 
     Example:
-        >>> "keras_multi_worker_mean" in fix_names()
+        >>> "keras_tf_multi_worker_mean" in fix_names()
         True
     """
     return [fix.name for fix in FIXES]
@@ -128,7 +130,7 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
         names, where = config.compat_exclude(environ), config.COMPAT_EXCLUDE_ENV
         received = environ.get(config.COMPAT_EXCLUDE_ENV, "")
         if names == ["all"]:  # `tfdist launch --no-fixes`: upstream behaviour throughout
-            return set(fix_names())
+            return set(_excludable())
     else:
         if isinstance(exclude, str):
             raise TypeError(
@@ -141,13 +143,33 @@ def _excluded(exclude: Sequence[str] | None, environ: Mapping[str, str]) -> set[
                 )
             )
         names, where, received = list(exclude), "exclude", exclude
-    unknown = sorted(set(names) - set(fix_names()))
+    names = [_current_name(name, where) for name in names]
+    unknown = sorted(set(names) - set(_excludable()))
     if unknown:
         raise config.ConfigError(
             f"apply_all: {where} names unknown fixes {unknown}. Received: "
-            f"{where}={received!r}. Known fixes: {fix_names()}."
+            f"{where}={received!r}. Known fixes: {fix_names()}; hooks: "
+            f"{[hook.name for hook in HOOKS]}."
         )
     return set(names)
+
+
+def _excludable() -> list[str]:
+    """The names an exclusion may list: every fix, then every hook of ``HOOKS``."""
+    return [*fix_names(), *(hook.name for hook in HOOKS)]
+
+
+def _current_name(name: str, where: str) -> str:
+    """``name``, or the name a renamed fix has now (one FutureWarning naming it)."""
+    if name not in RENAMED:
+        return name
+    warnings.warn(
+        f"tfdist: fix {name} is now named {RENAMED[name]}; {where} accepts the old name "
+        f"for now: write {RENAMED[name]}.",
+        FutureWarning,
+        stacklevel=4,
+    )
+    return RENAMED[name]
 
 
 def apply_all(
@@ -171,15 +193,17 @@ def apply_all(
         ConfigError: ``exclude`` names a fix that does not exist.
 
     Example:
-        >>> apply_all(exclude=["keras_progbar_chief_only"])  # doctest: +SKIP
-        ['keras_symbolic_build_from_spec', 'keras_multi_worker_mean', ...]
+        >>> apply_all(exclude=["keras_tf_progbar_chief_only"])  # doctest: +SKIP
+        ['keras_tf_symbolic_build_from_spec', 'keras_tf_multi_worker_mean', ...]
     """
     skip = _excluded(exclude, os.environ if environ is None else environ)
     st = process.state()
     with st.lock:
-        for fix in FIXES:
+        for fix in (*FIXES, *HOOKS):
             done = fix.name in st.applied_fixes or fix.name in st.skipped_fixes
             if done or fix.name in skip or (package is not None and fix.package != package):
+                continue
+            if isinstance(fix, Fix) and fix_registry.fixed_upstream(fix):
                 continue
             if not _needed(fix):
                 continue
@@ -194,7 +218,7 @@ def apply_all(
 fix_registry.register_apply_all(apply_all)
 
 
-def _needed(fix: Fix) -> bool:
+def _needed(fix: Fix | fix_registry.Patch) -> bool:
     try:
         return bool(fix.applies())
     except Exception as err:  # noqa: BLE001 - a guard must never break the import it runs in
@@ -202,10 +226,11 @@ def _needed(fix: Fix) -> bool:
         return False
 
 
-def _warn_skipped(fix: Fix, reason: str) -> None:
+def _warn_skipped(fix: Fix | fix_registry.Patch, reason: str) -> None:
     verified = ", ".join(f"{p} {lo}-{hi}" for p, (lo, hi) in versions.VERIFIED.items())
+    without = fix.summary if isinstance(fix, Fix) else f"tfdist's hook does not run ({fix.purpose})"
     warnings.warn(
-        f"tfdist: fix {fix.name} is skipped: {reason}. Without it: {fix.summary}. The fix "
+        f"tfdist: fix {fix.name} is skipped: {reason}. Without it: {without}. The fix "
         f"was verified on {verified}; install a verified release, or report the new "
         "upstream code to tfdist.",
         FixSkippedWarning,
@@ -225,7 +250,7 @@ def skipped() -> dict[str, str]:
 
 def status() -> list[dict]:
     """Every fix with its state in this process: applied, skipped (and why), not needed
-    (another backend), excluded, or pending (its package not imported yet).
+    (another backend), fixed upstream (its ``fixed_in`` release is installed), excluded, or pending (its package not imported yet).
 
     Example:
         >>> [row["state"] for row in status()]  # doctest: +SKIP
@@ -244,6 +269,8 @@ def status() -> list[dict]:
             state, why = "skipped", st.skipped_fixes[fix.name]
         elif fix.name in excluded:
             state, why = "excluded", config.COMPAT_EXCLUDE_ENV
+        elif fix_registry.fixed_upstream(fix):
+            state, why = "fixed upstream", fix_registry.fixed_upstream(fix)
         elif not _needed(fix):
             state, why = "not needed", "another backend"
         else:

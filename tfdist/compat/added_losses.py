@@ -23,16 +23,16 @@ import threading
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "NAME", "fix_added_loss_scaled_once"]
+__all__ = ["FIXES", "KERAS_TF_ADDED_LOSS_SCALED_ONCE", "keras_tf_added_loss_scaled_once"]
 
-NAME = "keras_tf_added_loss_scaled_once"
+KERAS_TF_ADDED_LOSS_SCALED_ONCE = "keras_tf_added_loss_scaled_once"
 # Per replica thread: the tensors (by id, kept alive here for the trace) that Keras's
 # scale_loss_for_distribution returned.
 _SCALED = threading.local()
 _KEPT = 256
 
 
-def fix_added_loss_scaled_once() -> None:
+def keras_tf_added_loss_scaled_once() -> None:
     """Scales an added loss for the replicas once, not twice.
 
     Upstream's ``TensorFlowTrainer._aggregate_additional_loss`` sums an added loss and
@@ -43,9 +43,11 @@ def fix_added_loss_scaled_once() -> None:
     of several replicas neither function divides, and nothing changes.
     """
     loss_module = upstream.keras_loss_module()
-    patch(loss_module, "scale_loss_for_distribution", NAME, _noting_scaled)
+    patch(
+        loss_module, "scale_loss_for_distribution", KERAS_TF_ADDED_LOSS_SCALED_ONCE, _noting_scaled
+    )
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
-    patch(trainer, "_aggregate_additional_loss", NAME, _scaling_once)
+    patch(trainer, "_aggregate_additional_loss", KERAS_TF_ADDED_LOSS_SCALED_ONCE, _scaling_once)
 
 
 def _noting_scaled(original):
@@ -73,12 +75,12 @@ def _scaling_once(original):
 
 FIXES = [
     Fix(
-        NAME,
+        KERAS_TF_ADDED_LOSS_SCALED_ONCE,
         "Keras 3 under a tf.distribute strategy divides a Keras loss object's value given to "
         "add_loss (an endpoint layer) by the replicas twice: 1/N of one device's gradient "
         "and logged loss",
         on_keras_backend("tensorflow"),
-        fix_added_loss_scaled_once,
+        keras_tf_added_loss_scaled_once,
         targets=targets(
             "keras.src.losses.loss:scale_loss_for_distribution",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._aggregate_additional_loss",

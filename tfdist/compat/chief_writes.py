@@ -52,15 +52,27 @@ from tfdist.core import atomic, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
+    "KERAS_USER_SAVES_CHIEF_WRITES",
+    "KERAS_TENSORBOARD_CHIEF_ONLY",
+    "KERAS_CSV_LOGGER_CHIEF_ONLY",
+    "KERAS_BACKUP_AND_RESTORE_CHIEF_WRITES",
+    "KERAS_MODEL_CHECKPOINT_CHIEF_WRITES",
     "FIXES",
     "BACKUP_ATTRIBUTE",
     "embedded_position",
-    "fix_model_checkpoint",
-    "fix_backup_and_restore",
-    "fix_csv_logger",
-    "fix_tensorboard",
-    "fix_user_saves",
+    "keras_model_checkpoint_chief_writes",
+    "keras_backup_and_restore_chief_writes",
+    "keras_csv_logger_chief_only",
+    "keras_tensorboard_chief_only",
+    "keras_user_saves_chief_writes",
 ]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_MODEL_CHECKPOINT_CHIEF_WRITES = "keras_model_checkpoint_chief_writes"
+KERAS_BACKUP_AND_RESTORE_CHIEF_WRITES = "keras_backup_and_restore_chief_writes"
+KERAS_CSV_LOGGER_CHIEF_ONLY = "keras_csv_logger_chief_only"
+KERAS_TENSORBOARD_CHIEF_ONLY = "keras_tensorboard_chief_only"
+KERAS_USER_SAVES_CHIEF_WRITES = "keras_user_saves_chief_writes"
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +124,7 @@ def _checkpoint_save(callback, epoch: int, batch, logs) -> None:
         print(f"\nEpoch {epoch + 1}: finished saving model to {filepath}", flush=True)
 
 
-def fix_model_checkpoint() -> None:
+def keras_model_checkpoint_chief_writes() -> None:
     """Makes ``ModelCheckpoint`` save once per checkpoint, from the chief, atomically.
 
     Upstream ``_save_model`` has every worker of a multi-worker job (TensorFlow's
@@ -146,7 +158,7 @@ def fix_model_checkpoint() -> None:
     patch(
         keras.callbacks.ModelCheckpoint,
         "_save_model",
-        "keras_model_checkpoint_chief_writes",
+        KERAS_MODEL_CHECKPOINT_CHIEF_WRITES,
         make,
     )
 
@@ -250,7 +262,7 @@ def _backup_delete(callback, original, logs) -> None:
     saving.sync_workers("BackupAndRestore delete", model=model)
 
 
-def fix_backup_and_restore() -> None:
+def keras_backup_and_restore_chief_writes() -> None:
     """Makes ``BackupAndRestore`` back up from the chief only, atomically, and restore alike.
 
     Upstream, every worker of a multi-worker job runs ``_save_model``: each checks that
@@ -276,7 +288,7 @@ def fix_backup_and_restore() -> None:
     import keras
 
     owner = keras.callbacks.BackupAndRestore
-    name = "keras_backup_and_restore_chief_writes"
+    name = KERAS_BACKUP_AND_RESTORE_CHIEF_WRITES
 
     def make_save(original):
         def _save_model(self):
@@ -313,7 +325,7 @@ def fix_backup_and_restore() -> None:
 # ------------------------------------------------------------------ CSVLogger
 
 
-def fix_csv_logger() -> None:
+def keras_csv_logger_chief_only() -> None:
     """Makes ``CSVLogger`` write its file on the chief only.
 
     Upstream every worker of a multi-worker job opens ``filename`` at train begin and
@@ -344,7 +356,7 @@ def fix_csv_logger() -> None:
 
         return on_train_begin
 
-    patch(keras.callbacks.CSVLogger, "on_train_begin", "keras_csv_logger_chief_only", make)
+    patch(keras.callbacks.CSVLogger, "on_train_begin", KERAS_CSV_LOGGER_CHIEF_ONLY, make)
 
 
 # ------------------------------------------------------------------ TensorBoard
@@ -371,7 +383,7 @@ def _tensorboard_set_model(callback, original, model) -> None:
         callback.log_dir = log_dir
 
 
-def fix_tensorboard() -> None:
+def keras_tensorboard_chief_only() -> None:
     """Makes ``TensorBoard`` write event files on the chief only.
 
     Upstream every worker of a multi-worker job writes its own event files into the same
@@ -392,7 +404,7 @@ def fix_tensorboard() -> None:
     import keras
 
     owner = keras.callbacks.TensorBoard
-    name = "keras_tensorboard_chief_only"
+    name = KERAS_TENSORBOARD_CHIEF_ONLY
 
     def make_set_model(original):
         def set_model(self, model):
@@ -450,7 +462,7 @@ def _user_save(what: str):
     return make
 
 
-def fix_user_saves() -> None:
+def keras_user_saves_chief_writes() -> None:
     """Makes a script's own saves atomic on any worker, with no wait for the others.
 
     Keras's guides end with ``model.save(path)``, run by every worker of a multi-worker
@@ -476,7 +488,7 @@ def fix_user_saves() -> None:
     unchanged.
     """
     model_class = upstream.keras_model_class()
-    name = "keras_user_saves_chief_writes"
+    name = KERAS_USER_SAVES_CHIEF_WRITES
     for method in ("save", "save_weights", "export"):
         patch(model_class, method, name, _user_save(f"Model.{method}"))
     for module in upstream.keras_save_model_modules():
@@ -491,11 +503,11 @@ _MODEL = "keras.src.models.model:Model."
 
 FIXES: list[Fix] = [
     Fix(
-        "keras_model_checkpoint_chief_writes",
+        KERAS_MODEL_CHECKPOINT_CHIEF_WRITES,
         "Keras 3 ModelCheckpoint in a multi-worker job: every worker writes the same file "
         "('unable to lock file' from h5py, or a corrupt checkpoint)",
         _tensorflow_or_jax,
-        fix_model_checkpoint,
+        keras_model_checkpoint_chief_writes,
         targets=targets(
             _MC + "_save_model",
             _MC + "_get_file_path",
@@ -510,11 +522,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_backup_and_restore_chief_writes",
+        KERAS_BACKUP_AND_RESTORE_CHIEF_WRITES,
         "Keras 3 BackupAndRestore in a multi-worker job: every worker creates and writes "
         "the backup (FileExistsError on backup_dir, h5py lock errors, a torn backup)",
         _tensorflow_or_jax,
-        fix_backup_and_restore,
+        keras_backup_and_restore_chief_writes,
         targets=targets(
             _BR + "_save_model",
             _BR + "_load_model",
@@ -536,11 +548,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_csv_logger_chief_only",
+        KERAS_CSV_LOGGER_CHIEF_ONLY,
         "Keras 3 CSVLogger in a multi-worker job: every worker writes the same CSV file "
         "(rows and headers repeated, or overwritten)",
         _tensorflow_or_jax,
-        fix_csv_logger,
+        keras_csv_logger_chief_only,
         targets=targets(
             "keras.src.callbacks.csv_logger:CSVLogger.on_train_begin",
             "keras.src.callbacks.csv_logger:CSVLogger.on_epoch_end",
@@ -552,11 +564,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_tensorboard_chief_only",
+        KERAS_TENSORBOARD_CHIEF_ONLY,
         "Keras 3 TensorBoard in a multi-worker job: every worker writes event files into "
         "log_dir (every curve shown once per worker)",
         _tensorflow_or_jax,
-        fix_tensorboard,
+        keras_tensorboard_chief_only,
         targets=targets(
             "keras.src.callbacks.tensorboard:TensorBoard.set_model",
             "keras.src.callbacks.tensorboard:TensorBoard.on_train_end",
@@ -568,12 +580,12 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_user_saves_chief_writes",
+        KERAS_USER_SAVES_CHIEF_WRITES,
         "Keras 3 model.save / save_weights / export / keras.saving.save_model called by "
         "every worker of a multi-worker job: one file written by all (BadZipFile, h5py "
         "lock errors; on JAX the job aborts)",
         _tensorflow_or_jax,
-        fix_user_saves,
+        keras_user_saves_chief_writes,
         targets=targets(
             _MODEL + "save",
             _MODEL + "save_weights",

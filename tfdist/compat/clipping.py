@@ -4,15 +4,15 @@ Keras 3 on TensorFlow clips (``clipnorm``, ``clipvalue``, ``global_clipnorm``) i
 context, before its optimizer all-reduces: each replica clips its own part of the batch's
 gradient, so N replicas sum N clipped parts where one device clips the sum. Training runs
 and silently ends elsewhere (``Adam(1e-2, global_clipnorm=0.5)``: ~1e-2 after 2 epochs on
-2 replicas). The fix ``keras_clip_after_all_reduce`` all-reduces first, clips once, and
+2 replicas). The fix ``keras_tf_clip_after_all_reduce`` all-reduces first, clips once, and
 updates without a second reduction; without clipping, with one replica, or with gradient
-accumulation (``keras_gradient_accumulation`` already reduces before it clips) upstream's
+accumulation (``keras_tf_gradient_accumulation`` already reduces before it clips) upstream's
 code runs unchanged.
 
 Example:
     >>> from tfdist.compat import clipping
     >>> [fix.name for fix in clipping.FIXES]
-    ['keras_clip_after_all_reduce']
+    ['keras_tf_clip_after_all_reduce']
 """
 
 from __future__ import annotations
@@ -20,9 +20,14 @@ from __future__ import annotations
 from tfdist.core import cross_replica, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "FIX_NAME", "fix_clip_after_all_reduce", "clips_per_replica_upstream"]
+__all__ = [
+    "FIXES",
+    "KERAS_TF_CLIP_AFTER_ALL_REDUCE",
+    "keras_tf_clip_after_all_reduce",
+    "clips_per_replica_upstream",
+]
 
-FIX_NAME = "keras_clip_after_all_reduce"
+KERAS_TF_CLIP_AFTER_ALL_REDUCE = "keras_tf_clip_after_all_reduce"
 _PATCHED = "_backend_apply_gradients"
 
 
@@ -72,7 +77,7 @@ def _apply_global_clipped(optimizer, grads, variables) -> None:
     upstream.tf_maybe_merge_call(update, tf.distribute.get_strategy(), clipped)
 
 
-def fix_clip_after_all_reduce() -> None:
+def keras_tf_clip_after_all_reduce() -> None:
     """Clips the all-reduced gradient under Mirrored/MultiWorkerMirrored, as on one device.
 
     Upstream ``BaseOptimizer._backend_apply_gradients`` runs in replica context: it
@@ -95,7 +100,7 @@ def fix_clip_after_all_reduce() -> None:
     clip, decay and update are the ones one device computes.
 
     Without clipping, with one replica, with gradient accumulation (handled by
-    ``keras_gradient_accumulation``, which also reduces before clipping) or under
+    ``keras_tf_gradient_accumulation``, which also reduces before clipping) or under
     another strategy, the next implementation in line runs unchanged.
     """
     import keras
@@ -107,7 +112,7 @@ def fix_clip_after_all_reduce() -> None:
         def inherited(self, grads, trainable_variables):
             if owned:
                 return original(self, grads, trainable_variables)
-            # Looked up at call time: keras_gradient_accumulation's patch of TFOptimizer is
+            # Looked up at call time: keras_tf_gradient_accumulation's patch of TFOptimizer is
             # found whichever of the two fixes was applied first.
             return getattr(super(owner, self), _PATCHED)(grads, trainable_variables)
 
@@ -119,7 +124,7 @@ def fix_clip_after_all_reduce() -> None:
 
         return _backend_apply_gradients
 
-    patch(owner, _PATCHED, FIX_NAME, make)
+    patch(owner, _PATCHED, KERAS_TF_CLIP_AFTER_ALL_REDUCE, make)
 
 
 _KOPT = "keras.src.optimizers."
@@ -128,15 +133,15 @@ _KB = _KOPT + "base_optimizer:BaseOptimizer."
 
 FIXES: list[Fix] = [
     Fix(
-        FIX_NAME,
+        KERAS_TF_CLIP_AFTER_ALL_REDUCE,
         "Keras 3 under Mirrored/MultiWorkerMirroredStrategy clips (clipnorm, clipvalue, "
         "global_clipnorm) each replica's gradient before the all-reduce: weights differ "
         "from one device's, silently",
         on_keras_backend("tensorflow"),
-        fix_clip_after_all_reduce,
+        keras_tf_clip_after_all_reduce,
         targets=targets(
             # First (tests/core/test_fix_guards.py removes each fix's first target): the upstream
-            # step whose all-reduce comes after the clip; keras_gradient_accumulation's
+            # step whose all-reduce comes after the clip; keras_tf_gradient_accumulation's
             # first target is the method both fixes replace.
             _KO + "_backend_update_step",
             _KOPT + "optimizer:Optimizer._backend_apply_gradients",

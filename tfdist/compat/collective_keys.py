@@ -25,9 +25,14 @@ import itertools
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "NAME", "KEY_SPAN", "fix_collective_keys_apart"]
+__all__ = [
+    "FIXES",
+    "TF_MIRRORED_COLLECTIVE_KEYS_APART",
+    "KEY_SPAN",
+    "tf_mirrored_collective_keys_apart",
+]
 
-NAME = "tf_mirrored_collective_keys_apart"
+TF_MIRRORED_COLLECTIVE_KEYS_APART = "tf_mirrored_collective_keys_apart"
 # Group keys a strategy may use before the next one's start: one per device set it
 # all-reduces over (a handful), so 10,000 never overlaps.
 KEY_SPAN = 10_000
@@ -36,7 +41,7 @@ KEY_SPAN = 10_000
 _MADE = itertools.count()
 
 
-def fix_collective_keys_apart() -> None:
+def tf_mirrored_collective_keys_apart() -> None:
     """Gives each MirroredStrategy after the process's first group keys of its own.
 
     Upstream's ``MirroredExtended._make_collective_ops_with_fallbacks`` builds
@@ -58,19 +63,19 @@ def fix_collective_keys_apart() -> None:
     patch(
         upstream.tf_mirrored_extended_class(),
         "_make_collective_ops_with_fallbacks",
-        NAME,
+        TF_MIRRORED_COLLECTIVE_KEYS_APART,
         make,
     )
 
 
 FIXES = [
     Fix(
-        NAME,
+        TF_MIRRORED_COLLECTIVE_KEYS_APART,
         "several tf.distribute.MirroredStrategy objects in one process share collective "
         "keys: a second strategy whose first all-reduce has another shape aborts ('Shape "
         "mismatch in the collective instance 100')",
         on_keras_backend("tensorflow"),
-        fix_collective_keys_apart,
+        tf_mirrored_collective_keys_apart,
         package="tensorflow",
         targets=targets(
             "tensorflow.python.distribute.mirrored_strategy:"

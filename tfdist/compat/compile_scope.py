@@ -23,12 +23,12 @@ import functools
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "FIX_NAME", "fix_compile_in_model_scope"]
+__all__ = ["FIXES", "KERAS_TF_COMPILE_IN_MODEL_SCOPE", "keras_tf_compile_in_model_scope"]
 
-FIX_NAME = "keras_compile_in_model_scope"
+KERAS_TF_COMPILE_IN_MODEL_SCOPE = "keras_tf_compile_in_model_scope"
 
 
-def fix_compile_in_model_scope() -> None:
+def keras_tf_compile_in_model_scope() -> None:
     """Runs ``compile`` in the scope of the strategy the model was built under, when it is
     called outside any strategy scope.
 
@@ -64,18 +64,18 @@ def fix_compile_in_model_scope() -> None:
     # Trainer.compile itself, not an override on TensorFlowTrainer: Keras's loading skips
     # compile_from_config when ``cls.compile != Trainer.compile`` ("compile() was not
     # called as part of model loading"), which an override would make every model fail.
-    patch(upstream.keras_trainer_class(), "compile", FIX_NAME, make)
+    patch(upstream.keras_trainer_class(), "compile", KERAS_TF_COMPILE_IN_MODEL_SCOPE, make)
 
 
 FIXES = [
     Fix(
-        FIX_NAME,
+        KERAS_TF_COMPILE_IN_MODEL_SCOPE,
         "Keras 3 compile() outside the model's strategy scope (a second compile, or the "
         "TensorFlow guide's layout) under MultiWorkerMirroredStrategy: History's and "
         "evaluate's loss is each worker's own, not the global mean; under MirroredStrategy "
         "optimizer='adam' fails ('Mixing different tf.distribute.Strategy objects')",
         on_keras_backend("tensorflow"),
-        fix_compile_in_model_scope,
+        keras_tf_compile_in_model_scope,
         targets=targets(
             "keras.src.trainers.trainer:Trainer.compile",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",

@@ -31,10 +31,14 @@ import threading
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "BUILD_NAME", "AVERAGE_NAME"]
+__all__ = [
+    "FIXES",
+    "KERAS_TF_FIT_BUILDS_MODELS_WITHOUT_CALL",
+    "KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS",
+]
 
-BUILD_NAME = "keras_tf_fit_builds_models_without_call"
-AVERAGE_NAME = "keras_tf_custom_train_step_averages_gradients"
+KERAS_TF_FIT_BUILDS_MODELS_WITHOUT_CALL = "keras_tf_fit_builds_models_without_call"
+KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS = "keras_tf_custom_train_step_averages_gradients"
 
 # Strategies (by id) whose fit trains a model with its own train_step now: the replica
 # threads of MirroredStrategy do not see the fit's context, so they look here.
@@ -54,7 +58,7 @@ def _has_own_train_step(model) -> bool:
     return type(model).train_step is not trainer.train_step
 
 
-def fix_builds_models_without_call() -> None:
+def keras_tf_fit_builds_models_without_call() -> None:
     """Skips fit's symbolic build for a model that has no ``call`` of its own.
 
     Upstream's ``_maybe_symbolic_build`` returns at once without a strategy (the step
@@ -75,10 +79,10 @@ def fix_builds_models_without_call() -> None:
         return _symbolic_build
 
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
-    patch(trainer, "_symbolic_build", BUILD_NAME, make)
+    patch(trainer, "_symbolic_build", KERAS_TF_FIT_BUILDS_MODELS_WITHOUT_CALL, make)
 
 
-def fix_custom_train_step_averages_gradients() -> None:
+def keras_tf_custom_train_step_averages_gradients() -> None:
     """Divides by N the gradients of a user's train_step whose loss Keras did not scale.
 
     Upstream sums the replicas' gradients in ``optimizer.apply``, which is right for a loss
@@ -91,12 +95,17 @@ def fix_custom_train_step_averages_gradients() -> None:
     runs as it is.
     """
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
-    patch(trainer, "fit", AVERAGE_NAME, _noting_custom_fits)
-    patch(upstream.keras_loss_module(), "scale_loss_for_distribution", AVERAGE_NAME, _noting_scale)
+    patch(trainer, "fit", KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS, _noting_custom_fits)
+    patch(
+        upstream.keras_loss_module(),
+        "scale_loss_for_distribution",
+        KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS,
+        _noting_scale,
+    )
     # TFOptimizer.apply, where keras_tf_optimizer_built_across_replicas wraps it too
     # (Keras's optimizers reach BaseOptimizer.apply through it).
     optimizer = upstream.keras_tf_optimizer_module().TFOptimizer
-    patch(optimizer, "apply", AVERAGE_NAME, _averaging_apply)
+    patch(optimizer, "apply", KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS, _averaging_apply)
 
 
 def _noting_custom_fits(original):
@@ -159,12 +168,12 @@ _TRAINER = "keras.src.backend.tensorflow.trainer:TensorFlowTrainer."
 
 FIXES = [
     Fix(
-        BUILD_NAME,
+        KERAS_TF_FIT_BUILDS_MODELS_WITHOUT_CALL,
         "Keras 3 fit under a tf.distribute strategy of a Model subclass with its own "
         "train_step and no call() (the Keras examples' VAE, GAN): 'Unable to automatically "
         "build the model'",
         on_keras_backend("tensorflow"),
-        fix_builds_models_without_call,
+        keras_tf_fit_builds_models_without_call,
         targets=targets(_TRAINER + "_symbolic_build", "keras.src.models.model:Model.call"),
         acts_where=(
             "fit, evaluate and predict of a model whose class has no call() of its own, under "
@@ -175,12 +184,12 @@ FIXES = [
         ),
     ),
     Fix(
-        AVERAGE_NAME,
+        KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS,
         "Keras 3 fit under a tf.distribute strategy of a model with its own train_step whose "
         "loss is a plain mean (the VAE example's ops.mean): the replicas' gradients are "
         "summed, so every update is N times one device's",
         on_keras_backend("tensorflow"),
-        fix_custom_train_step_averages_gradients,
+        keras_tf_custom_train_step_averages_gradients,
         targets=targets(
             _TRAINER + "fit",
             _TRAINER + "train_step",

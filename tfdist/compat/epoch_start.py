@@ -32,9 +32,14 @@ from __future__ import annotations
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_tensorflow_backend, patch, targets
 
-__all__ = ["FIXES", "fix_multi_device_iterators_end_promptly", "without_autotuning"]
+__all__ = [
+    "TF_MULTI_DEVICE_ITERATORS_END_PROMPTLY",
+    "FIXES",
+    "tf_multi_device_iterators_end_promptly",
+    "without_autotuning",
+]
 
-NAME = "tf_multi_device_iterators_end_promptly"
+TF_MULTI_DEVICE_ITERATORS_END_PROMPTLY = "tf_multi_device_iterators_end_promptly"
 
 
 def without_autotuning(dataset, *, unless_chosen: bool = False):
@@ -55,7 +60,7 @@ def without_autotuning(dataset, *, unless_chosen: bool = False):
     return dataset.with_options(options)
 
 
-def fix_multi_device_iterators_end_promptly() -> None:
+def tf_multi_device_iterators_end_promptly() -> None:
     """Turns tf.data's autotuning off in what tf.distribute's multi-device iterator reads.
 
     Keras's ``fit`` destroys the previous epoch's ``OwnedMultiDeviceIterator`` on the main
@@ -83,20 +88,30 @@ def fix_multi_device_iterators_end_promptly() -> None:
 
         return _create_device_dataset
 
-    patch(module.OwnedMultiDeviceIterator, "__init__", NAME, make_init)
-    patch(module, "_create_device_dataset", NAME, make_device_dataset)
+    patch(
+        module.OwnedMultiDeviceIterator,
+        "__init__",
+        TF_MULTI_DEVICE_ITERATORS_END_PROMPTLY,
+        make_init,
+    )
+    patch(
+        module,
+        "_create_device_dataset",
+        TF_MULTI_DEVICE_ITERATORS_END_PROMPTLY,
+        make_device_dataset,
+    )
 
 
 _MDI = "tensorflow.python.data.ops.multi_device_iterator_ops:"
 
 FIXES = [
     Fix(
-        NAME,
+        TF_MULTI_DEVICE_ITERATORS_END_PROMPTLY,
         "tf.distribute's multi-device data iterator waits for tf.data's autotuning threads "
         "when it is destroyed, which Keras fit does at each epoch's first step: first steps "
         "of seconds to tens of seconds (median step 0.05 s)",
         on_tensorflow_backend(),
-        fix_multi_device_iterators_end_promptly,
+        tf_multi_device_iterators_end_promptly,
         package="tensorflow",
         targets=targets(
             _MDI + "OwnedMultiDeviceIterator.__init__",

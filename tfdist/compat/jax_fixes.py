@@ -11,11 +11,21 @@ from tfdist.core import roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
-    "fix_initialize_once",
-    "fix_model_keeps_distribution",
-    "fix_distributed_lookahead",
-    "fix_sharded_epoch_length",
+    "KERAS_JAX_SHARDED_EPOCH_LENGTH",
+    "KERAS_JAX_DISTRIBUTED_LOOKAHEAD",
+    "KERAS_JAX_MODEL_KEEPS_DISTRIBUTION",
+    "KERAS_JAX_INITIALIZE_ONCE",
+    "keras_jax_initialize_once",
+    "keras_jax_model_keeps_distribution",
+    "keras_jax_distributed_lookahead",
+    "keras_jax_sharded_epoch_length",
 ]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_JAX_INITIALIZE_ONCE = "keras_jax_initialize_once"
+KERAS_JAX_MODEL_KEEPS_DISTRIBUTION = "keras_jax_model_keeps_distribution"
+KERAS_JAX_DISTRIBUTED_LOOKAHEAD = "keras_jax_distributed_lookahead"
+KERAS_JAX_SHARDED_EPOCH_LENGTH = "keras_jax_sharded_epoch_length"
 
 _ENTRY_POINTS = (
     "fit",
@@ -29,7 +39,7 @@ _ENTRY_POINTS = (
 logger = logging.getLogger(__name__)
 
 
-def fix_initialize_once() -> None:
+def keras_jax_initialize_once() -> None:
     """Lets ``keras.distribution.initialize()`` join a job jax was already initialised for.
 
     ``tfdist launch`` (and any script importing tfdist in a multi-process job) calls
@@ -58,7 +68,7 @@ def fix_initialize_once() -> None:
 
         return initialize
 
-    patch(module, "initialize", "keras_jax_initialize_once", make)
+    patch(module, "initialize", KERAS_JAX_INITIALIZE_ONCE, make)
 
 
 def _check_same_job(num_processes, process_id) -> None:
@@ -74,7 +84,7 @@ def _check_same_job(num_processes, process_id) -> None:
         )
 
 
-def fix_model_keeps_distribution() -> None:
+def keras_jax_model_keeps_distribution() -> None:
     """Runs ``fit``/``evaluate``/``predict`` under the distribution a model was built in.
 
     On TensorFlow a model remembers the strategy it was built under, so the guides'
@@ -108,14 +118,12 @@ def fix_model_keeps_distribution() -> None:
 
         return entry
 
-    patch(
-        upstream.keras_trainer_class(), "__init__", "keras_jax_model_keeps_distribution", make_init
-    )
+    patch(upstream.keras_trainer_class(), "__init__", KERAS_JAX_MODEL_KEEPS_DISTRIBUTION, make_init)
     for name in _ENTRY_POINTS:
-        patch(trainer_class, name, "keras_jax_model_keeps_distribution", make_entry)
+        patch(trainer_class, name, KERAS_JAX_MODEL_KEEPS_DISTRIBUTION, make_entry)
 
 
-def fix_distributed_lookahead() -> None:
+def keras_jax_distributed_lookahead() -> None:
     """Copies the next batch to the accelerators while the current step runs, as without
     a distribution.
 
@@ -145,7 +153,7 @@ def fix_distributed_lookahead() -> None:
     patch(
         upstream.keras_jax_epoch_iterator_class(),
         "_get_distributed_iterator",
-        "keras_jax_distributed_lookahead",
+        KERAS_JAX_DISTRIBUTED_LOOKAHEAD,
         make,
     )
 
@@ -161,7 +169,7 @@ def _one_ahead(batches):
         yield pending
 
 
-def fix_sharded_epoch_length() -> None:
+def keras_jax_sharded_epoch_length() -> None:
     """Keeps a dataset's declared epoch length through Keras's per-process sharding.
 
     In a multi-process job ``Distribution.distribute_tf_dataset`` gives each process its
@@ -188,7 +196,7 @@ def fix_sharded_epoch_length() -> None:
     patch(
         upstream.keras_distribution_class(),
         "distribute_tf_dataset",
-        "keras_jax_sharded_epoch_length",
+        KERAS_JAX_SHARDED_EPOCH_LENGTH,
         make,
     )
 
@@ -199,11 +207,11 @@ _DS = "tensorflow.python.data.ops.dataset_ops:"
 
 FIXES: list[Fix] = [
     Fix(
-        "keras_jax_initialize_once",
+        KERAS_JAX_INITIALIZE_ONCE,
         "Keras 3 on JAX: keras.distribution.initialize() after jax was initialised (by "
         "tfdist, with timeouts) fails: 'distributed.initialize should only be called once'",
         on_keras_backend("jax"),
-        fix_initialize_once,
+        keras_jax_initialize_once,
         targets=targets(
             "keras.src.backend.jax.distribution_lib:initialize",
             "keras.src.backend.jax.distribution_lib:initialize_rng",
@@ -215,11 +223,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_jax_model_keeps_distribution",
+        KERAS_JAX_MODEL_KEEPS_DISTRIBUTION,
         "Keras 3 on JAX: fit after `with distribution.scope():` is no longer data "
         "parallel (the model does not remember its distribution, as it does on TensorFlow)",
         on_keras_backend("jax"),
-        fix_model_keeps_distribution,
+        keras_jax_model_keeps_distribution,
         targets=targets(
             "keras.src.trainers.trainer:Trainer.__init__",
             _KJ + "JAXTrainer.fit",
@@ -236,11 +244,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_jax_distributed_lookahead",
+        KERAS_JAX_DISTRIBUTED_LOOKAHEAD,
         "Keras 3 on JAX: under a keras.distribution each batch is copied to the devices "
         "just before its step (no look-ahead): up to 1.76x slower per step on one H100",
         on_keras_backend("jax"),
-        fix_distributed_lookahead,
+        keras_jax_distributed_lookahead,
         targets=targets(
             _KJ + "JAXEpochIterator._get_distributed_iterator",
         ),
@@ -251,11 +259,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_jax_sharded_epoch_length",
+        KERAS_JAX_SHARDED_EPOCH_LENGTH,
         "Keras 3 on JAX, multi-process: sharding a dataset per process loses its declared "
         "length, so after a mid-epoch resume every later epoch is cut short",
         on_keras_backend("jax"),
-        fix_sharded_epoch_length,
+        keras_jax_sharded_epoch_length,
         targets=targets(
             "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
             _DS + "DatasetV2._variant_tensor",

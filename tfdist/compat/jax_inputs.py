@@ -42,17 +42,17 @@ from tfdist.core import config, roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
+    "KERAS_JAX_MULTI_PROCESS_PREDICT",
+    "KERAS_JAX_MULTI_PROCESS_INPUTS",
     "FIXES",
-    "INPUTS_FIX",
-    "PREDICT_FIX",
     "ProcessShare",
-    "fix_multi_process_inputs",
-    "fix_multi_process_predict",
+    "keras_jax_multi_process_inputs",
+    "keras_jax_multi_process_predict",
     "agree_random_state",
 ]
 
-INPUTS_FIX = "keras_jax_multi_process_inputs"
-PREDICT_FIX = "keras_jax_multi_process_predict"
+KERAS_JAX_MULTI_PROCESS_INPUTS = "keras_jax_multi_process_inputs"
+KERAS_JAX_MULTI_PROCESS_PREDICT = "keras_jax_multi_process_predict"
 _GATHERS = "__tfdist_gathers__"  # set on a predict function that gathers its outputs
 
 logger = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ def _process_share_adapter(original, x, kwargs, share: _Share):
     return ProcessShare(adapter, share, shuffle=kwargs.get("shuffle"))
 
 
-def fix_multi_process_inputs() -> None:
+def keras_jax_multi_process_inputs() -> None:
     """Feeds numpy arrays, ``PyDataset`` and generators to a multi-process JAX job.
 
     Upstream's ``get_data_adapter`` refuses every input but a ``tf.data.Dataset`` when a
@@ -365,7 +365,7 @@ def fix_multi_process_inputs() -> None:
 
         return get_data_adapter
 
-    patch(module, "get_data_adapter", INPUTS_FIX, make)
+    patch(module, "get_data_adapter", KERAS_JAX_MULTI_PROCESS_INPUTS, make)
 
 
 # ---------------------------------------------------------------- predict
@@ -393,7 +393,7 @@ def _gathering(predict_function):
     return gathered
 
 
-def fix_multi_process_predict() -> None:
+def keras_jax_multi_process_predict() -> None:
     """Returns every prediction, in order, on every process of a multi-process JAX job.
 
     Under a ``keras.distribution`` spanning several processes each batch's outputs are
@@ -423,7 +423,7 @@ def fix_multi_process_predict() -> None:
     patch(
         upstream.keras_jax_trainer_class(),
         "make_predict_function",
-        PREDICT_FIX,
+        KERAS_JAX_MULTI_PROCESS_PREDICT,
         make,
     )
 
@@ -433,12 +433,12 @@ _KJ = "keras.src.backend.jax.trainer:"
 
 FIXES: list[Fix] = [
     Fix(
-        INPUTS_FIX,
+        KERAS_JAX_MULTI_PROCESS_INPUTS,
         "Keras 3 on JAX with several processes refuses numpy arrays, PyDataset and "
         "generators in fit/evaluate/predict: 'the data must be provided as a "
         "`tf.data.Dataset` instance'",
         on_keras_backend("jax"),
-        fix_multi_process_inputs,
+        keras_jax_multi_process_inputs,
         targets=targets(
             _DA + ":get_data_adapter",
             _DA + ":is_tf_dataset",
@@ -462,11 +462,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        PREDICT_FIX,
+        KERAS_JAX_MULTI_PROCESS_PREDICT,
         "Keras 3 on JAX with several processes: predict fails for every input "
         "('Fetching value for `jax.Array` that spans non-addressable ... devices')",
         on_keras_backend("jax"),
-        fix_multi_process_predict,
+        keras_jax_multi_process_predict,
         targets=targets(
             _KJ + "JAXTrainer.make_predict_function",
             _KJ + "JAXTrainer.predict",

@@ -28,11 +28,17 @@ from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
+    "KERAS_JAX_PARTIAL_BATCH_SHARE",
+    "KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST",
     "FIXES",
-    "fix_jax_process_share",
-    "fix_jax_uneven_batch_refused_first",
+    "keras_jax_partial_batch_share",
+    "keras_jax_uneven_batch_refused_first",
     "process_share",
 ]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST = "keras_jax_uneven_batch_refused_first"
+KERAS_JAX_PARTIAL_BATCH_SHARE = "keras_jax_partial_batch_share"
 
 
 def process_share(dataset, index: int, parts: int, replicas: int):
@@ -91,7 +97,7 @@ def _refuse_uneven_batch_size(dataset, share) -> None:
     )
 
 
-def fix_jax_process_share() -> None:
+def keras_jax_partial_batch_share() -> None:
     """Feeds each JAX process an equal, contiguous part of every global batch.
 
     Upstream's ``distribute_tf_dataset`` rebatches a ``tf.data.Dataset`` into
@@ -129,7 +135,7 @@ def fix_jax_process_share() -> None:
     patch(
         upstream.keras_distribution_class(),
         "distribute_tf_dataset",
-        "keras_jax_partial_batch_share",
+        KERAS_JAX_PARTIAL_BATCH_SHARE,
         make,
     )
 
@@ -146,7 +152,7 @@ def _one_process_replicas() -> int:
     return int(distribution.num_model_replicas)
 
 
-def fix_jax_uneven_batch_refused_first() -> None:
+def keras_jax_uneven_batch_refused_first() -> None:
     """Refuses, before the first step, a batch that one JAX process cannot split evenly
     between its devices, when the batch sizes are known.
 
@@ -181,7 +187,7 @@ def fix_jax_uneven_batch_refused_first() -> None:
 
         return get_data_adapter
 
-    patch(module, "get_data_adapter", "keras_jax_uneven_batch_refused_first", make)
+    patch(module, "get_data_adapter", KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST, make)
 
 
 def _adapter_batch_sizes(adapter, x) -> set[int] | None:
@@ -202,12 +208,12 @@ def _adapter_batch_sizes(adapter, x) -> set[int] | None:
 
 FIXES = [
     Fix(
-        "keras_jax_uneven_batch_refused_first",
+        KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST,
         "Keras on JAX, one process, several devices: a batch that cannot be split evenly "
         "between them fails only when it comes, with jax's IndivisibleError, after "
         "an epoch of training",
         on_keras_backend("jax"),
-        fix_jax_uneven_batch_refused_first,
+        keras_jax_uneven_batch_refused_first,
         targets=targets(
             "keras.src.trainers.data_adapters:get_data_adapter",
             "keras.src.trainers.data_adapters.array_data_adapter:ArrayDataAdapter.partial_batch_size",
@@ -223,12 +229,12 @@ FIXES = [
         ),
     ),
     Fix(
-        "keras_jax_partial_batch_share",
+        KERAS_JAX_PARTIAL_BATCH_SHARE,
         "Keras on JAX, several processes: a partial last tf.data batch is dealt out as one "
         "full part and a short one (the processes train apart, silently), and a batch "
         "size only the data knows is refused",
         on_keras_backend("jax"),
-        fix_jax_process_share,
+        keras_jax_partial_batch_share,
         targets=targets(
             "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
             "keras.src.distribution.distribution_lib:Distribution.data_shard_id",

@@ -1,23 +1,27 @@
 """The JAX watchdog's hook into Keras: ``fit``/``evaluate``/``predict`` report their batches.
 
-``tfdist.core.watchdog`` owns the mechanism (the thread, the verdict, the exit); this fix only
-runs each call inside ``watchdog.watched`` and adds two callbacks that report to it:
+``tfdist.core.watchdog`` owns the mechanism (the thread, the verdict, the exit); this hook (a
+``Patch``, not a fix: it repairs no upstream defect, it adds tfdist's watchdog) only runs
+each call inside ``watchdog.watched`` and adds two callbacks that report to it:
 one first in the list (an epoch's end starts a longer allowance, before any other
 callback saves) and one last (a batch is finished when all its callbacks are).
 
 Example:
-    >>> [fix.name for fix in FIXES]
-    ['keras_jax_watchdog']
+    >>> HOOK.name
+    'keras_jax_watchdog'
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from tfdist.core import upstream, watchdog
-from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
+from tfdist.core.fix_registry import Patch, on_keras_backend, targets, wrap
 
-__all__ = ["FIXES", "fix_watchdog"]
+__all__ = ["HOOK", "NAME", "install"]
+
+NAME = "keras_jax_watchdog"
 
 _ENTRY_POINTS = ("fit", "evaluate", "predict")
 _KJ = "keras.src.backend.jax.trainer:"
@@ -87,71 +91,59 @@ def _with_callbacks(position: int, args: tuple, kwargs: dict, first, last):
     return args, kwargs, restore
 
 
-def fix_watchdog() -> None:
+def install() -> None:
     """Ends every process of a multi-process JAX job when one is stuck or lost in a step.
 
     Upstream, a process that stays alive but never joins the next collective (stuck in
     a callback, a data read, a lock) leaves every other process waiting in that
     collective forever: jax's CPU collectives have no timeout (jax#38503) and its
     heartbeats still arrive from the stuck process. And a peer that dies mid-step ends
-    the others with a gloo traceback, then jax's abort at exit. The fix runs
+    the others with a gloo traceback, then jax's abort at exit. The hook runs
     ``fit``/``evaluate``/``predict`` of a multi-process job inside
     ``tfdist.core.watchdog.watched`` with two callbacks reporting each finished batch and
     each epoch's end; the watchdog's thread ends the process with one line naming the
     peers it waits for after ``TFDIST_JAX_STALL_TIMEOUT`` s without progress (default
-    45; 0 turns the fix off), and a lost peer's failed collective with one line naming
+    45; 0 turns it off), and a lost peer's failed collective with one line naming
     that peer. The callbacks read nothing and change nothing (``async_safe``: Keras keeps
     dispatching batch ends as it did), so training gives the same model; in one process,
     or with the watchdog off, upstream runs unchanged.
     """
     trainer_class = upstream.keras_jax_trainer_class()
-    first_class, last_class = _callback_classes()
-
-    def make(name):
-        def make_entry(original):
-            # Where `callbacks` is among the positional arguments (after self).
-            position = list(inspect.signature(original).parameters).index("callbacks") - 1
-
-            def entry(self, *args, **kwargs):
-                if not watchdog.enabled():
-                    return original(self, *args, **kwargs)
-                args, kwargs, restore = _with_callbacks(
-                    position, args, kwargs, first_class(), last_class()
-                )
-                try:
-                    with watchdog.watched(name):
-                        return original(self, *args, **kwargs)
-                finally:
-                    restore()
-
-            return entry
-
-        return make_entry
-
+    reporters = _callback_classes()  # made once: fit's own list is recognised by its class
     for name in _ENTRY_POINTS:
-        patch(trainer_class, name, "keras_jax_watchdog", make(name))
+        wrap(trainer_class, name, NAME, functools.partial(_watched, name, reporters))
 
 
-FIXES = [
-    Fix(
-        "keras_jax_watchdog",
-        "Keras 3 on JAX, several processes: a process that is alive but stops joining "
-        "collectives (stuck in a callback) leaves every other one waiting forever "
-        "(jax's CPU collectives have no timeout, jax#38503)",
-        on_keras_backend("jax"),
-        fix_watchdog,
-        targets=targets(
-            _KJ + "JAXTrainer.fit",
-            _KJ + "JAXTrainer.evaluate",
-            _KJ + "JAXTrainer.predict",
-            "jax._src.distributed:State.client",
-            "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
-            "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
-        ),
-        acts_where=(
-            "fit/evaluate/predict in a multi-process JAX job with the watchdog on "
-            "(TFDIST_COLLECTIVE_TIMEOUT, default 45 s); one process, 0: upstream's path"
-        ),
-        no_harm=(),  # none yet
+def _watched(entry: str, reporters, original, self, *args, **kwargs):
+    """``original`` (``fit``/``evaluate``/``predict``) run inside ``watchdog.watched``, with
+    the two reporters around its callbacks; upstream's call when the watchdog is off."""
+    if not watchdog.enabled():
+        return original(self, *args, **kwargs)
+    # Where `callbacks` is among the positional arguments (after self).
+    position = list(inspect.signature(original).parameters).index("callbacks") - 1
+    first_class, last_class = reporters
+    args, kwargs, restore = _with_callbacks(position, args, kwargs, first_class(), last_class())
+    try:
+        with watchdog.watched(entry):
+            return original(self, *args, **kwargs)
+    finally:
+        restore()
+
+
+# A hook, not a fix: applied by tfdist.compat.HOOKS through the same guard as the fixes;
+# TFDIST_COMPAT_EXCLUDE=keras_jax_watchdog still turns it off.
+HOOK = Patch(
+    NAME,
+    install,
+    purpose="a stuck or lost process of a multi-process JAX job ends the job with one line "
+    "(jax's CPU collectives have no timeout, https://github.com/jax-ml/jax/issues/38503)",
+    applies=on_keras_backend("jax"),
+    targets=targets(
+        _KJ + "JAXTrainer.fit",
+        _KJ + "JAXTrainer.evaluate",
+        _KJ + "JAXTrainer.predict",
+        "jax._src.distributed:State.client",
+        "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
+        "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
     ),
-]
+)

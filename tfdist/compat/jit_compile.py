@@ -16,7 +16,15 @@ from __future__ import annotations
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_jit_compile_refused", "model_replicas"]
+__all__ = [
+    "KERAS_TF_JIT_COMPILE_REFUSED_UNDER_STRATEGY",
+    "FIXES",
+    "keras_tf_jit_compile_refused_under_strategy",
+    "model_replicas",
+]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_JIT_COMPILE_REFUSED_UNDER_STRATEGY = "keras_tf_jit_compile_refused_under_strategy"
 
 
 def model_replicas(model) -> int:
@@ -25,7 +33,7 @@ def model_replicas(model) -> int:
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
-def fix_jit_compile_refused() -> None:
+def keras_tf_jit_compile_refused_under_strategy() -> None:
     """Refuses ``jit_compile=True`` for ``fit``/``evaluate`` on several replicas, naming
     ``jit_compile=False``, when Keras builds the step function (before the first step).
 
@@ -63,18 +71,18 @@ def fix_jit_compile_refused() -> None:
     patch(
         upstream.keras_tf_trainer_module().TensorFlowTrainer,
         "_make_function",
-        "keras_jit_compile_refused_under_strategy",
+        KERAS_TF_JIT_COMPILE_REFUSED_UNDER_STRATEGY,
         make,
     )
 
 
 FIXES = [
     Fix(
-        "keras_jit_compile_refused_under_strategy",
+        KERAS_TF_JIT_COMPILE_REFUSED_UNDER_STRATEGY,
         "Keras 3 compile(jit_compile=True) under a tf.distribute strategy with several "
         "replicas: fit/evaluate fail after start-up with a graph-execution error",
         on_keras_backend("tensorflow"),
-        fix_jit_compile_refused,
+        keras_tf_jit_compile_refused_under_strategy,
         targets=targets(
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
@@ -84,5 +92,6 @@ FIXES = [
             "built under a strategy with >1 replica (raises); otherwise upstream's"
         ),
         no_harm=(),  # none yet
+        upstream_issue="https://github.com/keras-team/keras/issues/19005",
     ),
 ]

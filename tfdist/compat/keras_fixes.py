@@ -18,12 +18,24 @@ from tfdist.core.cross_replica import (
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
-    "fix_ema_overwrite",
-    "fix_symbolic_build",
-    "fix_multi_worker_mean",
-    "fix_gradient_accumulation",
-    "fix_progbar_chief_only",
+    "KERAS_TF_PROGBAR_CHIEF_ONLY",
+    "KERAS_TF_GRADIENT_ACCUMULATION",
+    "KERAS_TF_EMA_OVERWRITE_UNDER_STRATEGY",
+    "KERAS_TF_MULTI_WORKER_MEAN",
+    "KERAS_TF_SYMBOLIC_BUILD_FROM_SPEC",
+    "keras_tf_ema_overwrite_under_strategy",
+    "keras_tf_symbolic_build_from_spec",
+    "keras_tf_multi_worker_mean",
+    "keras_tf_gradient_accumulation",
+    "keras_tf_progbar_chief_only",
 ]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_SYMBOLIC_BUILD_FROM_SPEC = "keras_tf_symbolic_build_from_spec"
+KERAS_TF_MULTI_WORKER_MEAN = "keras_tf_multi_worker_mean"
+KERAS_TF_EMA_OVERWRITE_UNDER_STRATEGY = "keras_tf_ema_overwrite_under_strategy"
+KERAS_TF_GRADIENT_ACCUMULATION = "keras_tf_gradient_accumulation"
+KERAS_TF_PROGBAR_CHIEF_ONLY = "keras_tf_progbar_chief_only"
 
 
 # ------------------------------------------------- fix: symbolic build from the spec
@@ -82,7 +94,7 @@ def _local_batch(strategy, iterator):
     return tf.nest.map_structure(local, batch)
 
 
-def fix_symbolic_build() -> None:
+def keras_tf_symbolic_build_from_spec() -> None:
     """Builds the model for ``fit``/``evaluate`` from the dataset's spec, not a real batch.
 
     Upstream ``TensorFlowTrainer._maybe_symbolic_build`` pulls one batch from the
@@ -119,7 +131,7 @@ def fix_symbolic_build() -> None:
     patch(
         tf_trainer.TensorFlowTrainer,
         "_maybe_symbolic_build",
-        "keras_symbolic_build_from_spec",
+        KERAS_TF_SYMBOLIC_BUILD_FROM_SPEC,
         make,
     )
 
@@ -128,7 +140,7 @@ def fix_symbolic_build() -> None:
 
 
 def _multi_worker_mean(strategy, value):
-    """The mean of ``value`` over all replicas of all workers (see ``fix_multi_worker_mean``)."""
+    """The mean of ``value`` over all replicas of all workers (see ``keras_tf_multi_worker_mean``)."""
     if upstream.tf_is_distributed_variable(tf_var(value)):
         # A metric whose result() returns its variable: reading it in cross-replica
         # context already gives the value every replica agrees on (a SyncOnRead
@@ -171,7 +183,7 @@ def _multi_worker_means(strategy, values, tree) -> Any:
     return tree.pack_sequence_as(values, reduced)
 
 
-def fix_multi_worker_mean() -> None:
+def keras_tf_multi_worker_mean() -> None:
     """Averages per-replica step results across workers with ``axis=None``.
 
     ``train_function``/``test_function`` return each replica's metric results and
@@ -208,13 +220,13 @@ def fix_multi_worker_mean() -> None:
 
         return reduce_per_replica
 
-    patch(tf_trainer, "reduce_per_replica", "keras_multi_worker_mean", make)
+    patch(tf_trainer, "reduce_per_replica", KERAS_TF_MULTI_WORKER_MEAN, make)
 
 
 # ------------------------------------------------- fix: gradient accumulation
 
 
-def fix_gradient_accumulation() -> None:
+def keras_tf_gradient_accumulation() -> None:
     """Makes ``gradient_accumulation_steps`` work under Mirrored/MultiWorkerMirrored.
 
     Upstream ``BaseOptimizer._backend_apply_gradients`` wraps "update" and
@@ -271,7 +283,9 @@ def fix_gradient_accumulation() -> None:
     # Set on the TensorFlow optimizer class (the original is found through its bases), so
     # it shadows BaseOptimizer's method for every Keras optimizer on this backend only.
     tf_optimizer = upstream.keras_tf_optimizer_module()
-    patch(tf_optimizer.TFOptimizer, "_backend_apply_gradients", "keras_gradient_accumulation", make)
+    patch(
+        tf_optimizer.TFOptimizer, "_backend_apply_gradients", KERAS_TF_GRADIENT_ACCUMULATION, make
+    )
 
     def make_save(original):
         def save_own_variables(self, store):
@@ -283,13 +297,13 @@ def fix_gradient_accumulation() -> None:
 
         return save_own_variables
 
-    patch(tf_optimizer.TFOptimizer, "save_own_variables", "keras_gradient_accumulation", make_save)
+    patch(tf_optimizer.TFOptimizer, "save_own_variables", KERAS_TF_GRADIENT_ACCUMULATION, make_save)
 
 
 # ------------------------------------------------- fix: progress bars on the chief only
 
 
-def fix_progbar_chief_only() -> None:
+def keras_tf_progbar_chief_only() -> None:
     """Silences Keras' progress bar on the non-chief workers of a multi-worker job.
 
     Every worker of a MultiWorkerMirroredStrategy job runs the same ``fit`` and computes
@@ -312,7 +326,7 @@ def fix_progbar_chief_only() -> None:
 
         return set_params
 
-    patch(upstream.keras_progbar_logger_class(), "set_params", "keras_progbar_chief_only", make)
+    patch(upstream.keras_progbar_logger_class(), "set_params", KERAS_TF_PROGBAR_CHIEF_ONLY, make)
 
 
 # ------------------------------------------------- fix: EMA overwrite under a strategy
@@ -328,7 +342,7 @@ def _in_replica_context_of_a_strategy() -> bool:
     )
 
 
-def fix_ema_overwrite() -> None:
+def keras_tf_ema_overwrite_under_strategy() -> None:
     """Makes ``use_ema`` with ``ema_overwrite_frequency`` work under a tf.distribute strategy.
 
     Upstream ``BaseOptimizer._backend_apply_gradients`` ends with the moving average of
@@ -338,7 +352,7 @@ def fix_ema_overwrite() -> None:
     mirrored variable is a ``merge_call``, which is not allowed inside a cond branch:
     ``fit`` fails ("merge_call called while defining a new graph"). In that case only
     (replica context of a strategy, an overwrite frequency, no gradient accumulation,
-    which ``keras_gradient_accumulation`` handles), the fix runs upstream's own steps of
+    which ``keras_tf_gradient_accumulation`` handles), the fix runs upstream's own steps of
     the non-accumulating branch (clip, weight decay, ``_backend_update_step``, the moving
     average) and then the same condition and overwrite in one ``merge_call``, in
     cross-replica context, where each assignment updates every replica's copy with the
@@ -366,7 +380,7 @@ def fix_ema_overwrite() -> None:
     patch(
         upstream.keras_base_optimizer_class(),
         "_backend_apply_gradients",
-        "keras_ema_overwrite_under_strategy",
+        KERAS_TF_EMA_OVERWRITE_UNDER_STRATEGY,
         make,
     )
 
@@ -379,11 +393,11 @@ _CARS = "tensorflow.python.distribute.collective_all_reduce_strategy:"
 
 FIXES: list[Fix] = [
     Fix(
-        "keras_symbolic_build_from_spec",
+        KERAS_TF_SYMBOLIC_BUILD_FROM_SPEC,
         "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Attempt to convert a "
         "value (PerReplica...)' in TensorFlowTrainer._maybe_symbolic_build",
         on_keras_backend("tensorflow"),
-        fix_symbolic_build,
+        keras_tf_symbolic_build_from_spec,
         targets=targets(
             _KT + "TensorFlowTrainer._maybe_symbolic_build",
             _KT + "TensorFlowTrainer._symbolic_build",
@@ -401,11 +415,11 @@ FIXES: list[Fix] = [
         ),
     ),
     Fix(
-        "keras_multi_worker_mean",
+        KERAS_TF_MULTI_WORKER_MEAN,
         "Keras 3 fit/evaluate under MultiWorkerMirroredStrategy: 'Invalid reduction "
         "dimension 0 for input with 0 dimensions' in reduce_per_replica",
         on_keras_backend("tensorflow"),
-        fix_multi_worker_mean,
+        keras_tf_multi_worker_mean,
         targets=targets(
             _KT + "reduce_per_replica",
             "keras.src.tree:flatten",
@@ -424,11 +438,11 @@ FIXES: list[Fix] = [
         ),
     ),
     Fix(
-        "keras_ema_overwrite_under_strategy",
+        KERAS_TF_EMA_OVERWRITE_UNDER_STRATEGY,
         "Keras 3 Optimizer(use_ema=True, ema_overwrite_frequency=k) under Mirrored/Multi"
         "WorkerMirroredStrategy: 'merge_call called while defining a new graph'",
         on_keras_backend("tensorflow"),
-        fix_ema_overwrite,
+        keras_tf_ema_overwrite_under_strategy,
         targets=targets(
             _KB + "BaseOptimizer._backend_apply_gradients",
             _KB + "BaseOptimizer._clip_gradients",
@@ -447,11 +461,11 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_gradient_accumulation",
+        KERAS_TF_GRADIENT_ACCUMULATION,
         "Keras 3 Optimizer(gradient_accumulation_steps=k) under Mirrored/MultiWorker"
         "MirroredStrategy: 'merge_call called while defining a new graph'",
         on_keras_backend("tensorflow"),
-        fix_gradient_accumulation,
+        keras_tf_gradient_accumulation,
         targets=targets(
             _KO + "TFOptimizer._backend_apply_gradients",
             _KB + "BaseOptimizer.save_own_variables",
@@ -474,10 +488,10 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_progbar_chief_only",
+        KERAS_TF_PROGBAR_CHIEF_ONLY,
         "Keras 3 prints progress bars on every worker of a multi-worker job",
         on_keras_backend("tensorflow"),
-        fix_progbar_chief_only,
+        keras_tf_progbar_chief_only,
         targets=targets(
             "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
             _CARS + "CollectiveAllReduceExtended._in_multi_worker_mode",

@@ -8,14 +8,21 @@ from __future__ import annotations
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_loss_scale_finite_everywhere"]
+__all__ = [
+    "KERAS_TF_LOSS_SCALE_FINITE_EVERYWHERE",
+    "FIXES",
+    "keras_tf_loss_scale_finite_everywhere",
+]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_LOSS_SCALE_FINITE_EVERYWHERE = "keras_tf_loss_scale_finite_everywhere"
 
 
 def _several_replicas(context) -> bool:
     return context is not None and context.num_replicas_in_sync > 1
 
 
-def fix_loss_scale_finite_everywhere() -> None:
+def keras_tf_loss_scale_finite_everywhere() -> None:
     """Makes every replica of every worker take the same loss-scale decision.
 
     ``LossScaleOptimizer`` (what Keras wraps the optimizer in under ``mixed_float16``)
@@ -52,19 +59,19 @@ def fix_loss_scale_finite_everywhere() -> None:
     patch(
         upstream.keras_loss_scale_optimizer_class(),
         "check_finite",
-        "keras_loss_scale_finite_everywhere",
+        KERAS_TF_LOSS_SCALE_FINITE_EVERYWHERE,
         make,
     )
 
 
 FIXES = [
     Fix(
-        "keras_loss_scale_finite_everywhere",
+        KERAS_TF_LOSS_SCALE_FINITE_EVERYWHERE,
         "Keras 3 LossScaleOptimizer (mixed_float16) under a tf.distribute strategy decides "
         "to skip a step from one replica's own gradient: inf reaches the weights, and two "
         "workers that decide differently hang",
         on_keras_backend("tensorflow"),
-        fix_loss_scale_finite_everywhere,
+        keras_tf_loss_scale_finite_everywhere,
         targets=targets(
             "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer.check_finite",
             "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",

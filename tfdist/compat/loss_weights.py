@@ -1,5 +1,5 @@
 """A loss averaged on several TensorFlow replicas weighs each example as one device does
-(``keras_partial_batch_loss_weights``; the cut of the batches themselves:
+(``keras_tf_partial_batch_loss_weights``; the cut of the batches themselves:
 ``partial_batches``).
 
 Keras averages each replica's loss over its own examples (its own valid tokens, under a
@@ -22,7 +22,10 @@ from tfdist.compat import partial_batches
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_loss_weights"]
+__all__ = ["KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS", "FIXES", "keras_tf_partial_batch_loss_weights"]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS = "keras_tf_partial_batch_loss_weights"
 
 # Keras's reductions that divide a sum by a count or a weight sum (keras.src.losses.loss).
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -107,7 +110,7 @@ def _shared(loss, share):
     return fixed + share * (loss - fixed)
 
 
-def fix_loss_weights() -> None:
+def keras_tf_partial_batch_loss_weights() -> None:
     """Weighs each replica's mean loss by its share of the global batch, for the gradient.
 
     Upstream, a replica's loss is ``sum_r / d_r / N`` (``d_r`` its count of entries, of
@@ -184,12 +187,12 @@ def fix_loss_weights() -> None:
     patch(
         upstream.keras_loss_module(),
         "reduce_weighted_values",
-        "keras_partial_batch_loss_weights",
+        KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS,
         make,
     )
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
-    patch(trainer, "fit", "keras_partial_batch_loss_weights", _make_fit)
-    patch(trainer, "make_train_function", "keras_partial_batch_loss_weights", _make_train_function)
+    patch(trainer, "fit", KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS, _make_fit)
+    patch(trainer, "make_train_function", KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS, _make_train_function)
 
 
 def _make_fit(original):
@@ -229,12 +232,12 @@ def _make_train_function(original):
 
 FIXES = [
     Fix(
-        "keras_partial_batch_loss_weights",
+        KERAS_TF_PARTIAL_BATCH_LOSS_WEIGHTS,
         "Keras 3 under a tf.distribute strategy averages the replicas' mean losses: a "
         "partial last batch split unevenly (64 + 24) weighs some examples more than one "
         "device does",
         on_keras_backend("tensorflow"),
-        fix_loss_weights,
+        keras_tf_partial_batch_loss_weights,
         targets=targets(
             "keras.src.losses.loss:reduce_values",
             "keras.src.losses.loss:reduce_weighted_values",

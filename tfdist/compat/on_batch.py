@@ -8,7 +8,10 @@ from __future__ import annotations
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_predict_on_batch"]
+__all__ = ["KERAS_TF_PREDICT_ON_BATCH_COPIES", "FIXES", "keras_tf_predict_on_batch_copies"]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_PREDICT_ON_BATCH_COPIES = "keras_tf_predict_on_batch_copies"
 
 
 def _rows(x) -> int | None:
@@ -31,7 +34,7 @@ def _first_copy(outputs, rows: int, copies: int):
     return tree.map_structure(first, outputs)
 
 
-def fix_predict_on_batch() -> None:
+def keras_tf_predict_on_batch_copies() -> None:
     """Returns one prediction per example from ``predict_on_batch`` under a strategy.
 
     Upstream ``TensorFlowTrainer.predict_on_batch`` hands the whole batch to
@@ -61,18 +64,18 @@ def fix_predict_on_batch() -> None:
     patch(
         upstream.keras_tf_trainer_module().TensorFlowTrainer,
         "predict_on_batch",
-        "keras_predict_on_batch_copies",
+        KERAS_TF_PREDICT_ON_BATCH_COPIES,
         make,
     )
 
 
 FIXES = [
     Fix(
-        "keras_predict_on_batch_copies",
+        KERAS_TF_PREDICT_ON_BATCH_COPIES,
         "Keras 3 predict_on_batch under a tf.distribute strategy with N replicas returns N "
         "stacked copies of the predictions (16 inputs -> 32 rows with 2 replicas)",
         on_keras_backend("tensorflow"),
-        fix_predict_on_batch,
+        keras_tf_predict_on_batch_copies,
         targets=targets(
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.predict_on_batch",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy"

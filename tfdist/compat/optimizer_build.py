@@ -25,9 +25,13 @@ from __future__ import annotations
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_optimizer_built_across_replicas"]
+__all__ = [
+    "KERAS_TF_OPTIMIZER_BUILT_ACROSS_REPLICAS",
+    "FIXES",
+    "keras_tf_optimizer_built_across_replicas",
+]
 
-NAME = "keras_tf_optimizer_built_across_replicas"
+KERAS_TF_OPTIMIZER_BUILT_ACROSS_REPLICAS = "keras_tf_optimizer_built_across_replicas"
 
 
 def _replica_context_of_several():
@@ -40,7 +44,7 @@ def _replica_context_of_several():
     return context
 
 
-def fix_optimizer_built_across_replicas() -> None:
+def keras_tf_optimizer_built_across_replicas() -> None:
     """Builds an unbuilt optimizer in the cross-replica context before its first ``apply``
     on several replicas.
 
@@ -65,7 +69,12 @@ def fix_optimizer_built_across_replicas() -> None:
 
         return apply
 
-    patch(upstream.keras_tf_optimizer_module().TFOptimizer, "apply", NAME, make)
+    patch(
+        upstream.keras_tf_optimizer_module().TFOptimizer,
+        "apply",
+        KERAS_TF_OPTIMIZER_BUILT_ACROSS_REPLICAS,
+        make,
+    )
 
 
 def _build_in_scope(strategy, optimizer, variables) -> None:
@@ -82,12 +91,12 @@ _KB = "keras.src.optimizers.base_optimizer:BaseOptimizer."
 
 FIXES = [
     Fix(
-        NAME,
+        KERAS_TF_OPTIMIZER_BUILT_ACROSS_REPLICAS,
         "Keras 3 optimizers built by their first apply_gradients inside strategy.run (the "
         "tf.distribute custom-loop guide) on several replicas: the first step fails with "
         "'You must feed a value for placeholder tensor'",
         on_keras_backend("tensorflow"),
-        fix_optimizer_built_across_replicas,
+        keras_tf_optimizer_built_across_replicas,
         targets=targets(
             _KB + "apply",
             _KB + "build",

@@ -44,9 +44,11 @@ from tfdist.core.batch_order import (
 from tfdist.core.fix_registry import Fix, on_keras_backend, on_tensorflow_backend, patch, targets
 
 __all__ = [
+    "KERAS_TF_FIT_REFUSES_EMPTY_REPLICAS",
+    "TF_DISTRIBUTE_PARTIAL_BATCH_EVENLY",
     "FIXES",
-    "fix_even_split",
-    "fix_fit_marks_training_input",
+    "tf_distribute_partial_batch_evenly",
+    "keras_tf_fit_refuses_empty_replicas",
     "split_balanced",
     "KnownCut",
     "fit_cut",
@@ -58,6 +60,10 @@ __all__ = [
     "ordered_batching",
     "epoch_slices",
 ]
+
+# The fixes' names, declared once (other layers import them).
+TF_DISTRIBUTE_PARTIAL_BATCH_EVENLY = "tf_distribute_partial_batch_evenly"
+KERAS_TF_FIT_REFUSES_EMPTY_REPLICAS = "keras_tf_fit_refuses_empty_replicas"
 
 
 def split_balanced(dataset, pieces: int):
@@ -237,7 +243,7 @@ def _empty_replica_guard(
     return guard
 
 
-def fix_even_split() -> None:
+def tf_distribute_partial_batch_evenly() -> None:
     """Splits each global batch between the replicas as evenly as possible, and refuses a
     training batch that would still leave a replica empty.
 
@@ -328,7 +334,7 @@ def fix_even_split() -> None:
     patch(
         upstream.tf_distributed_dataset_class(),
         "_make_rebatch_fn",
-        "tf_distribute_partial_batch_evenly",
+        TF_DISTRIBUTE_PARTIAL_BATCH_EVENLY,
         make,
     )
 
@@ -367,10 +373,10 @@ def takes_empty_replicas(model) -> bool:
     return True
 
 
-def fix_fit_marks_training_input() -> None:
+def keras_tf_fit_refuses_empty_replicas() -> None:
     """Tells the even-split fix which dataset ``fit`` trains on (and, for arrays, its
     batch sizes), so that a training batch leaving a replica empty is refused (see
-    ``fix_even_split``) when the model cannot train on an empty batch
+    ``tf_distribute_partial_batch_evenly``) when the model cannot train on an empty batch
     (``takes_empty_replicas``: a model of Dense, Embedding, Dropout, ... layers can, and
     trains as before). ``fit`` itself runs unchanged; without this fix the even split
     guards nothing and an empty replica reaches the kernels as upstream lets it.
@@ -394,19 +400,19 @@ def fix_fit_marks_training_input() -> None:
     patch(
         upstream.keras_tf_trainer_module().TensorFlowTrainer,
         "fit",
-        "keras_tf_fit_refuses_empty_replicas",
+        KERAS_TF_FIT_REFUSES_EMPTY_REPLICAS,
         make_fit,
     )
 
 
 FIXES = [
     Fix(
-        "tf_distribute_partial_batch_evenly",
+        TF_DISTRIBUTE_PARTIAL_BATCH_EVENLY,
         "tf.distribute splits a partial last batch by fixed per-replica sizes (56 of 128 "
         "-> 56 + 0 on 2 replicas) and, over workers, full batches too (6 -> 2 + 2 + 2 + 0 on "
         "4 replicas of 2 workers): an empty replica aborts oneDNN's MaxPool gradient",
         on_tensorflow_backend(),
-        fix_even_split,
+        tf_distribute_partial_batch_evenly,
         package="tensorflow",
         targets=targets(
             "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
@@ -428,12 +434,12 @@ FIXES = [
         ),
     ),
     Fix(
-        "keras_tf_fit_refuses_empty_replicas",
+        KERAS_TF_FIT_REFUSES_EMPTY_REPLICAS,
         "Keras on several TensorFlow replicas trains on a batch with fewer examples than "
         "replicas (1 on 2): an empty replica makes BatchNormalization's moving statistics "
         "NaN, silently, and aborts oneDNN's pooling gradients",
         on_keras_backend("tensorflow"),
-        fix_fit_marks_training_input,
+        keras_tf_fit_refuses_empty_replicas,
         targets=targets(
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.fit",
             "keras.src.trainers.data_adapters.array_slicing:train_validation_split",

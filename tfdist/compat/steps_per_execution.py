@@ -18,9 +18,14 @@ from tfdist.compat.jit_compile import model_replicas
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "FIX_NAME", "fix_steps_per_execution", "take"]
+__all__ = [
+    "FIXES",
+    "KERAS_TF_STEPS_PER_EXECUTION_UNDER_STRATEGY",
+    "keras_tf_steps_per_execution_under_strategy",
+    "take",
+]
 
-FIX_NAME = "keras_steps_per_execution_under_strategy"
+KERAS_TF_STEPS_PER_EXECUTION_UNDER_STRATEGY = "keras_tf_steps_per_execution_under_strategy"
 
 
 def take(iterator, count: int) -> list:
@@ -49,7 +54,7 @@ def _is_iterator(value) -> bool:
     return isinstance(value, (tf.data.Iterator, tf.distribute.DistributedIterator))
 
 
-def fix_steps_per_execution() -> None:
+def keras_tf_steps_per_execution_under_strategy() -> None:
     """Runs the K steps of one execution in one ``tf.function`` with no conditional.
 
     Upstream's function, given an iterator, traces ``strategy.run`` inside a ``tf.cond``
@@ -99,17 +104,22 @@ def fix_steps_per_execution() -> None:
 
         return _make_function
 
-    patch(upstream.keras_tf_trainer_module().TensorFlowTrainer, "_make_function", FIX_NAME, make)
+    patch(
+        upstream.keras_tf_trainer_module().TensorFlowTrainer,
+        "_make_function",
+        KERAS_TF_STEPS_PER_EXECUTION_UNDER_STRATEGY,
+        make,
+    )
 
 
 FIXES = [
     Fix(
-        FIX_NAME,
+        KERAS_TF_STEPS_PER_EXECUTION_UNDER_STRATEGY,
         "Keras 3 compile(steps_per_execution>1) under Mirrored/MultiWorkerMirroredStrategy "
         "with several replicas: fit/evaluate fail with 'You must feed a value for "
         "placeholder tensor ... while/cond/Placeholder' (keras#19246)",
         on_keras_backend("tensorflow"),
-        fix_steps_per_execution,
+        keras_tf_steps_per_execution_under_strategy,
         targets=targets(
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
             "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._distribute_strategy (instance)",
@@ -119,5 +129,6 @@ FIXES = [
             "under a strategy with >1 replica; K = 1, one replica: upstream's function"
         ),
         no_harm=(),  # none yet
+        upstream_issue="https://github.com/keras-team/keras/issues/19246",
     ),
 ]

@@ -12,10 +12,18 @@ from tfdist.core import config, process, shard_policy, startup_watch, upstream
 from tfdist.core.fix_registry import Fix, on_tensorflow_backend, patch, targets
 
 __all__ = [
-    "fix_multi_worker_timeouts",
-    "fix_multi_worker_logical_cpus",
-    "fix_multi_worker_auto_shard",
+    "TF_MULTI_WORKER_AUTO_SHARD",
+    "TF_MULTI_WORKER_LOGICAL_CPUS",
+    "TF_MULTI_WORKER_TIMEOUTS",
+    "tf_multi_worker_timeouts",
+    "tf_multi_worker_logical_cpus",
+    "tf_multi_worker_auto_shard",
 ]
+
+# The fixes' names, declared once (other layers import them).
+TF_MULTI_WORKER_TIMEOUTS = "tf_multi_worker_timeouts"
+TF_MULTI_WORKER_LOGICAL_CPUS = "tf_multi_worker_logical_cpus"
+TF_MULTI_WORKER_AUTO_SHARD = "tf_multi_worker_auto_shard"
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +81,7 @@ def _watched(start, cluster_resolver):
         ) from (err if config.debug() else None)
 
 
-def fix_multi_worker_timeouts() -> None:
+def tf_multi_worker_timeouts() -> None:
     """Bounds every wait of a multi-worker job: start-up, dead peers, shutdown.
 
     Upstream MultiWorkerMirroredStrategy configures TensorFlow's coordination service
@@ -108,7 +116,7 @@ def fix_multi_worker_timeouts() -> None:
     patch(
         upstream.tf_collective_extended_class(),
         "_initialize_multi_worker",
-        "tf_multi_worker_timeouts",
+        TF_MULTI_WORKER_TIMEOUTS,
         make,
     )
 
@@ -127,7 +135,7 @@ def _logical_cpus(worker_device: str, wanted: int) -> tuple[str, ...]:
     return tuple(f"{worker_device}/device:CPU:{i}" for i in range(wanted))
 
 
-def fix_multi_worker_logical_cpus() -> None:
+def tf_multi_worker_logical_cpus() -> None:
     """Lets a CPU-only multi-worker job use K logical CPU devices per worker.
 
     Upstream ``CollectiveAllReduceExtended._initialize_local_devices`` gives each worker
@@ -169,8 +177,8 @@ def fix_multi_worker_logical_cpus() -> None:
         return _initialize_strategy
 
     owner = upstream.tf_collective_extended_class()
-    patch(owner, "_initialize_local_devices", "tf_multi_worker_logical_cpus", make)
-    patch(owner, "_initialize_strategy", "tf_multi_worker_logical_cpus", make_start)
+    patch(owner, "_initialize_local_devices", TF_MULTI_WORKER_LOGICAL_CPUS, make)
+    patch(owner, "_initialize_strategy", TF_MULTI_WORKER_LOGICAL_CPUS, make_start)
 
 
 # Reasons already logged: "said once", not once per fit/evaluate/predict call.
@@ -207,7 +215,7 @@ def explicit_shard_policy(dataset, num_workers: int):
     return dataset.with_options(options)
 
 
-def fix_multi_worker_auto_shard() -> None:
+def tf_multi_worker_auto_shard() -> None:
     """Shards a dataset with fewer files than workers by DATA instead of failing.
 
     ``MultiWorkerMirroredStrategy.experimental_distribute_dataset`` (what Keras'
@@ -239,7 +247,7 @@ def fix_multi_worker_auto_shard() -> None:
     patch(
         upstream.tf_collective_extended_class(),
         "_experimental_distribute_dataset",
-        "tf_multi_worker_auto_shard",
+        TF_MULTI_WORKER_AUTO_SHARD,
         make,
     )
 
@@ -251,10 +259,10 @@ _DS = "tensorflow.python.data.ops.dataset_ops:"
 
 FIXES: list[Fix] = [
     Fix(
-        "tf_multi_worker_timeouts",
+        TF_MULTI_WORKER_TIMEOUTS,
         "MultiWorkerMirroredStrategy waits forever for a worker that never starts",
         on_tensorflow_backend(),
-        fix_multi_worker_timeouts,
+        tf_multi_worker_timeouts,
         "tensorflow",
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._initialize_multi_worker",
@@ -278,10 +286,10 @@ FIXES: list[Fix] = [
         ),
     ),
     Fix(
-        "tf_multi_worker_logical_cpus",
+        TF_MULTI_WORKER_LOGICAL_CPUS,
         "MultiWorkerMirroredStrategy uses one CPU device per worker, ignoring logical CPUs",
         on_tensorflow_backend(),
-        fix_multi_worker_logical_cpus,
+        tf_multi_worker_logical_cpus,
         "tensorflow",
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._initialize_local_devices",
@@ -295,12 +303,12 @@ FIXES: list[Fix] = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "tf_multi_worker_auto_shard",
+        TF_MULTI_WORKER_AUTO_SHARD,
         "MultiWorkerMirroredStrategy: a dataset with fewer files than workers (tfds MNIST, "
         "one TFRecord) fails: 'Could not apply FILE based sharding: the dataset only has "
         "1 file(s)'",
         on_tensorflow_backend(),
-        fix_multi_worker_auto_shard,
+        tf_multi_worker_auto_shard,
         "tensorflow",
         targets=targets(
             _CARS + "CollectiveAllReduceExtended._experimental_distribute_dataset",

@@ -39,7 +39,18 @@ import random
 from tfdist.core import config, exit_hold, roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
-__all__ = ["FIXES", "fix_workers_agree_shuffle", "agree_python_random", "fix_batches_copied"]
+__all__ = [
+    "KERAS_TF_WORKERS_AGREE_SHUFFLE",
+    "KERAS_TF_GENERATOR_BATCHES_COPIED",
+    "FIXES",
+    "keras_tf_workers_agree_shuffle",
+    "agree_python_random",
+    "keras_tf_generator_batches_copied",
+]
+
+# The fixes' names, declared once (other layers import them).
+KERAS_TF_WORKERS_AGREE_SHUFFLE = "keras_tf_workers_agree_shuffle"
+KERAS_TF_GENERATOR_BATCHES_COPIED = "keras_tf_generator_batches_copied"
 
 _AGREEMENTS = itertools.count()
 
@@ -92,7 +103,7 @@ def _spans_workers(strategy) -> bool:
     return upstream.tf_extended_num_workers(extended) > 1 and _cluster() is not None
 
 
-def fix_workers_agree_shuffle() -> None:
+def keras_tf_workers_agree_shuffle() -> None:
     """Agrees the chief's Python random state right before each shuffled epoch's draw of
     a model that trains across the workers.
 
@@ -147,16 +158,14 @@ def fix_workers_agree_shuffle() -> None:
     patch(
         upstream.keras_py_dataset_adapter_class(),
         "_finite_generator",
-        "keras_tf_workers_agree_shuffle",
+        KERAS_TF_WORKERS_AGREE_SHUFFLE,
         make_generator,
     )
-    patch(
-        upstream.keras_ordered_enqueuer_class(), "_run", "keras_tf_workers_agree_shuffle", make_run
-    )
+    patch(upstream.keras_ordered_enqueuer_class(), "_run", KERAS_TF_WORKERS_AGREE_SHUFFLE, make_run)
     patch(
         upstream.keras_tf_trainer_module().TFEpochIterator,
         "__init__",
-        "keras_tf_workers_agree_shuffle",
+        KERAS_TF_WORKERS_AGREE_SHUFFLE,
         make_epoch_iterator,
     )
 
@@ -180,7 +189,7 @@ def _copying(generator_function):
     return batches
 
 
-def fix_batches_copied() -> None:
+def keras_tf_generator_batches_copied() -> None:
     """Copies the numpy arrays a ``PyDataset`` or a generator yields to TensorFlow.
 
     Both adapters hand their batches to ``tf.data.Dataset.from_generator``, whose
@@ -193,7 +202,7 @@ def fix_batches_copied() -> None:
     """
     adapters = upstream.keras_shareable_adapter_classes()
     py_dataset, generator = adapters[1], adapters[2]
-    patch(py_dataset, "_get_iterator", "keras_tf_generator_batches_copied", _copying)
+    patch(py_dataset, "_get_iterator", KERAS_TF_GENERATOR_BATCHES_COPIED, _copying)
 
     def make(original):
         def get_tf_dataset(self):
@@ -203,16 +212,16 @@ def fix_batches_copied() -> None:
 
         return get_tf_dataset
 
-    patch(generator, "get_tf_dataset", "keras_tf_generator_batches_copied", make)
+    patch(generator, "get_tf_dataset", KERAS_TF_GENERATOR_BATCHES_COPIED, make)
 
 
 FIXES = [
     Fix(
-        "keras_tf_workers_agree_shuffle",
+        KERAS_TF_WORKERS_AGREE_SHUFFLE,
         "Keras 3 fit(PyDataset) under MultiWorkerMirroredStrategy shuffles each worker's "
         "batch order with its own Python random state: examples trained twice or never",
         on_keras_backend("tensorflow"),
-        fix_workers_agree_shuffle,
+        keras_tf_workers_agree_shuffle,
         targets=targets(
             "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
             "keras.src.trainers.data_adapters.py_dataset_adapter:OrderedEnqueuer._run",
@@ -225,12 +234,12 @@ FIXES = [
         no_harm=(),  # none yet
     ),
     Fix(
-        "keras_tf_generator_batches_copied",
+        KERAS_TF_GENERATOR_BATCHES_COPIED,
         "Keras 3 fit(PyDataset or generator) on TensorFlow with several replicas: the "
         "step's ops overwrite the numpy arrays the generator yields (when 64-byte "
         "aligned), so later epochs train on corrupted labels",
         on_keras_backend("tensorflow"),
-        fix_batches_copied,
+        keras_tf_generator_batches_copied,
         targets=targets(
             "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._get_iterator",
             "keras.src.trainers.data_adapters.generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",

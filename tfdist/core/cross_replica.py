@@ -2,7 +2,7 @@
 
 Under a tf.distribute strategy Keras's optimizer reaches ``merge_call`` from inside a
 ``cond`` branch; these helpers accumulate in replica context and update the variables
-once, in cross-replica context (``keras_gradient_accumulation``, ``keras_clip_after_all_reduce``,
+once, in cross-replica context (``keras_tf_gradient_accumulation``, ``keras_tf_clip_after_all_reduce``,
 and ``tfdist.loops`` for a custom loop's accumulated gradients).
 
 Example:

@@ -38,6 +38,8 @@ from tfdist.core import config, versions
 
 __all__ = [
     "Fix",
+    "Patch",
+    "wrap",
     "Target",
     "targets",
     "guard",
@@ -47,6 +49,8 @@ __all__ = [
     "journal",
     "on_keras_backend",
     "on_tensorflow_backend",
+    "fixed_upstream",
+    "NOT_FILED",
 ]
 
 # Set on every function a fix installs: re-applying (even from a reloaded module) is a no-op.
@@ -91,8 +95,42 @@ def targets(*entries: str) -> tuple[Target, ...]:
 
 
 @dataclass(frozen=True)
+class Patch:
+    """The patching mechanism's record: a named change of upstream names, guarded by its
+    ``targets``, applied once under the ``journal`` and recorded (``apply_fix``). tfdist's
+    hooks (its start-up, the unscoped-models hook, sync BatchNorm, the JAX watchdog) are
+    ``Patch`` records; a ``Fix`` is one plus what makes it a repair of upstream.
+
+    Attributes:
+        name: identifier, used in logs and the process state (and, for the hooks
+            ``tfdist.compat.HOOKS`` lists, in ``TFDIST_COMPAT_EXCLUDE``).
+        apply: patches; safe to call more than once.
+        purpose: one line: what the hook does (what a skipped hook leaves undone).
+        applies: returns True when this process needs it (its backend).
+        package: the package it patches (applied as soon as that package is imported).
+        targets: every upstream name it replaces or relies on (``guard`` checks them).
+    """
+
+    name: str
+    apply: Callable[[], None]
+    purpose: str = ""
+    applies: Callable[[], bool] = field(default=lambda: True)
+    package: str = "keras"
+    targets: tuple[Target, ...] = field(default=())
+
+
+# A fix's ``upstream_issue`` when no report is filed upstream, and why.
+NOT_FILED = (
+    "none filed: tfdist's own tests found the defect, and its upstream_failure test is the "
+    "reproduction a report would carry"
+)
+
+
+@dataclass(frozen=True)
 class Fix:
-    """One upstream defect and its fix.
+    """One upstream defect and its fix: the fields of a ``Patch`` (name, apply, applies,
+    package, targets) and those that make it a repair (summary, acts_where, no_harm,
+    upstream_issue, fixed_in).
 
     Attributes:
         name: short identifier, used in logs, ``applied()`` and ``TFDIST_COMPAT_EXCLUDE``.
@@ -110,6 +148,11 @@ class Fix:
             (``tests/...py::test_name`` or ``...::test_name[param]``) and, where only some
             cases of the matrix reach it, their names in ``tests/scripts/no_harm_job.py``'s
             ``CASES``. Empty when no such check covers it yet.
+        upstream_issue: the upstream report's URL, or a sentence saying why none is filed.
+        fixed_in: ``"<package> <version>"``, the upstream release that fixes the defect,
+            or None: from that release on the fix does not apply (``fixed_upstream``).
+        verified_against: (derived) the upstream releases its targets' fingerprints were
+            taken on, from ``fingerprints.json``.
     """
 
     name: str
@@ -120,6 +163,16 @@ class Fix:
     targets: tuple[Target, ...] = field(default=())
     acts_where: str = ""
     no_harm: tuple[str, ...] = ()
+    upstream_issue: str = NOT_FILED
+    fixed_in: str | None = None
+
+    @property
+    def verified_against(self) -> tuple[str, ...]:
+        """``("keras 3.11", ..., "tensorflow 2.21")``: the releases its targets were verified on."""
+        found = {
+            release for t in self.targets for release in verified_fingerprints().get(t.entry, {})
+        }
+        return tuple(sorted(found, key=lambda r: (r.split()[0], _version_tuple(r.split()[-1]))))
 
 
 # ------------------------------------------------------------------------- versions
@@ -134,6 +187,22 @@ def _version_tuple(text: str) -> tuple[int, ...]:
             break
         parts.append(int(match.group()))
     return tuple(parts)
+
+
+def fixed_upstream(fix: Fix) -> str | None:
+    """Why ``fix`` does not apply because the installed upstream release fixes the defect
+    (``fix.fixed_in`` reached), or None.
+
+    Example:
+        >>> fixed_upstream(Fix("noop", "nothing", lambda: True, lambda: None))  # no fixed_in
+    """
+    if not fix.fixed_in:
+        return None
+    package, _, release = fix.fixed_in.partition(" ")
+    version = versions.installed(package)
+    if version is None or _version_tuple(version) < _version_tuple(release):
+        return None
+    return f"fixed upstream in {fix.fixed_in} ({package} {version} is installed)"
 
 
 def on_keras_backend(backend: str) -> Callable[[], bool]:
@@ -291,7 +360,7 @@ def record(target: Target) -> dict | None:
     return {"signature": _signature(value), "code": fingerprint(value)}
 
 
-def guard(fix: Fix) -> str | None:
+def guard(fix: Fix | Patch) -> str | None:
     """Why ``fix`` must not be applied in this process (a target missing or changed), or None.
 
     Never raises: an unexpected error while checking counts as a changed target.
@@ -355,7 +424,29 @@ def patch(owner, attr: str, name: str, make: Callable[[Callable], Callable]) -> 
         entries.append((owner, attr, raw, raw is not None))
 
 
-def apply_fix(fix: Fix) -> str | None:
+def wrap(owner, attr: str, name: str, wrapper: Callable[..., Any]) -> None:
+    """Replaces ``owner.attr`` by ``wrapper(original, *args, **kwargs)``: a patch written as
+    one function of the original (``patch`` with the closure made here).
+
+    Example:
+        >>> class Owner:
+        ...     def f(self, x):
+        ...         return x
+        >>> wrap(Owner, "f", "double", lambda original, self, x: 2 * original(self, x))
+        >>> Owner().f(3)
+        6
+    """
+
+    def make(original):
+        def patched(*args, **kwargs):
+            return wrapper(original, *args, **kwargs)
+
+        return patched
+
+    patch(owner, attr, name, make)
+
+
+def apply_fix(fix: Fix | Patch) -> str | None:
     """The one way a patch of upstream is applied: ``fix`` unless a target is missing or
     changed (``guard``), rolled back whole if it fails half-way (``journal``), recorded
     in the process state (``applied_fixes`` / ``skipped_fixes``); at most once per
@@ -409,6 +500,6 @@ def apply_registered() -> list[str]:
 
     Example:
         >>> apply_registered()  # doctest: +SKIP
-        ['keras_symbolic_build_from_spec', ...]
+        ['keras_tf_symbolic_build_from_spec', ...]
     """
     return [] if _apply_all is None else _apply_all()

@@ -44,6 +44,7 @@ from tfdist.checkpoint.sharded import (
     sharded_name,
 )
 from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
+from tfdist.compat.keras_fixes import KERAS_TF_GRADIENT_ACCUMULATION
 from tfdist.core import atomic, config, cross_replica, roles, storage, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
@@ -77,7 +78,7 @@ def _steps_per_epoch(pipeline, steps_per_epoch) -> int | None:
 
 
 def _optimizer_bytes(optimizer) -> bytes:
-    if "keras_gradient_accumulation" in compat.applied():
+    if KERAS_TF_GRADIENT_ACCUMULATION in compat.applied():
         # Mid-window, each replica's accumulator copy holds its own share: made equal
         # (the window's sum so far) before they are read, as Keras saves do under the fix.
         cross_replica.consolidate_accumulators(optimizer)

@@ -5,7 +5,7 @@ The ``multi-worker-accumulation`` row of tools/bench/suite.py. The job (this fil
 MNIST-sized synthetic data with ``SGD(gradient_accumulation_steps=4)``, global batch 128
 per micro-step, under ``tfdist.strategy()``. A: 2 workers (``tfdist launch -n 2``, gRPC
 all-reduce between processes); B: 2 logical CPU devices in one process. Since
-``keras_gradient_accumulation`` all-reduces once per window of 4 micro-steps, A pays the
+``keras_tf_gradient_accumulation`` all-reduces once per window of 4 micro-steps, A pays the
 gRPC all-reduce once every 4 micro-steps (goal: A/B <= 1.2; ``multi-worker-step`` is the
 same comparison without accumulation). Runs alternate A B B A ... after a warm-up pair;
 each times whole windows after warm-up windows.

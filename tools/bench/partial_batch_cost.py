@@ -1,6 +1,6 @@
 """What the partial-batch fixes cost on full batches: ms per training step, fixes on and off.
 
-tfdist's fix ``keras_partial_batch_loss_weights`` all-reduces one scalar per loss per
+tfdist's fix ``keras_tf_partial_batch_loss_weights`` all-reduces one scalar per loss per
 training step (each replica's share of the global batch), though only an epoch's last
 batch can be partial; ``tf_distribute_partial_batch_evenly`` cuts every batch into slices
 whose sizes differ by at most one and ``keras_tf_fit_refuses_empty_replicas`` reads the
@@ -51,7 +51,7 @@ TIMEOUT_S = 900  # one run
 GLOBAL_BATCH = 128
 WEIGHTS_ATOL = 1e-6
 FIXES = (
-    "keras_partial_batch_loss_weights",
+    "keras_tf_partial_batch_loss_weights",
     "tf_distribute_partial_batch_evenly",
     "keras_tf_fit_refuses_empty_replicas",
 )

@@ -18,7 +18,7 @@ timing every part once, so load drift hits all parts alike):
 ``steps_per_execution > 1`` and ``jit_compile=True`` are not columns.
 steps_per_execution fails upstream under Mirrored and MultiWorkerMirrored (Keras 3.15.1,
 TF 2.21: "You must feed a value for placeholder tensor", keras#19246) and runs with
-tfdist's fix ``keras_steps_per_execution_under_strategy``, which still reduces the loss
+tfdist's fix ``keras_tf_steps_per_execution_under_strategy``, which still reduces the loss
 after every step (docs/scaling.md). jit_compile fails on CPUs under MirroredStrategy on
 logical CPUs ("Trying to access resource ... located in device CPU:1 from device CPU:0")
 and under MultiWorkerMirroredStrategy ("Collectives are not yet implemented for CPU

@@ -11,13 +11,15 @@ Heavy imports happen inside the helpers: importing this package is free.
 
 Example:
     >>> from tfdist.core import upstream
-    >>> upstream.REQUIRED["tensorflow"][0]
-    'tensorflow.python.eager.context:Context.ensure_initialized'
+    >>> "keras.src.tree:flatten" in upstream.REQUIRED["keras"]
+    True
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 from tfdist.core.upstream import jax_names, keras_names, tf_names
 from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __all__
@@ -119,12 +121,12 @@ from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __al
 
 # Module prefixes of the private names below.
 _CALLBACKS = "keras.src.callbacks."
-_KERAS_OPTIMIZERS = "keras.src.optimizers."
 _DATA_ADAPTERS = "keras.src.trainers.data_adapters"
 
 
 __all__ = [
     "REQUIRED",
+    "OTHER_USES",
     "INSTANCE_ATTRIBUTES",
     "SOURCE_ATTRIBUTES",
     "resolve",
@@ -206,99 +208,54 @@ __all__ = [
 ]
 
 
-# "module:attribute.path" of every private name used below, per package (tested).
-REQUIRED = {
-    "jax": [
-        "keras.src.backend.jax.distribution_lib:initialize",
-        "keras.src.backend.jax.distribution_lib:initialize_rng",
-        "keras.src.backend.jax.trainer:JAXTrainer.fit",
-        "keras.src.backend.jax.trainer:JAXEpochIterator._get_distributed_iterator",
-        "keras.src.distribution.distribution_lib:Distribution.distribute_tf_dataset",
-        "keras.src.trainers.trainer:Trainer.__init__",
-        "jax._src.distributed:State.client",
-    ],
-    "tensorflow": [
-        "tensorflow.python.eager.context:Context.ensure_initialized",
-        "tensorflow.python.eager.context:Context.configure_coordination_service",
-        "tensorflow.python.eager.context:Context.coordination_service",
-        "tensorflow.python.eager.context:Context.set_config_key_value",
-        "tensorflow.python.eager.context:Context.get_config_key_value",
-        "tensorflow.python.eager.context:Context.wait_at_barrier",
-        "tensorflow.python.distribute.collective_all_reduce_strategy:"
-        "CollectiveAllReduceExtended._initialize_multi_worker",
-        "tensorflow.python.distribute.collective_all_reduce_strategy:"
-        "CollectiveAllReduceExtended._initialize_local_devices",
-        "tensorflow.python.distribute.collective_all_reduce_strategy:"
-        "CollectiveAllReduceExtended._initialize_strategy",
-        "tensorflow.python.distribute.collective_all_reduce_strategy:"
-        "CollectiveAllReduceExtended._in_multi_worker_mode",
-        "tensorflow.python.distribute.collective_util:Options",
-        "tensorflow.python.distribute.multi_worker_util:normalize_cluster_spec",
-        "tensorflow.python.distribute.multi_worker_util:coordination_leader",
-        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2:CoordinatedJob",
-        "tensorflow.python.data.ops.dataset_ops:DatasetV2._variant_tensor",
-        "tensorflow.python.data.ops.dataset_ops:DatasetV2._as_serialized_graph",
-        # tfdist.core.full_epochs.FullEpochs implements this abstract method of tf.data.Dataset.
-        "tensorflow.python.data.ops.dataset_ops:DatasetV2._inputs",
-        "tensorflow.python.distribute.values:PerReplicaSpec._component_specs",
-        "tensorflow.python.distribute.collective_all_reduce_strategy:"
-        "CollectiveAllReduceExtended._experimental_distribute_dataset",
-        "tensorflow.python.distribute.input_lib:DistributedDataset._make_rebatch_fn",
-        "tensorflow.python.data.experimental.ops.distribute:compute_batch_size",
-        "tensorflow.python.distribute.input_lib:DistributedDataset."
-        "_create_cloned_datasets_from_dataset",
-        # tf_multi_device_iterators_end_promptly (tfdist.compat.epoch_start)
-        "tensorflow.python.data.ops.multi_device_iterator_ops:OwnedMultiDeviceIterator.__init__",
-        "tensorflow.python.data.ops.multi_device_iterator_ops:_create_device_dataset",
-        # tfdist.unscoped: the process default strategy, and a script's own strategy beside it
-        "tensorflow.python.distribute.distribute_lib:"
-        "_require_cross_replica_or_default_context_extended",
-        "tensorflow.python.distribute.distribute_lib:StrategyBase.scope",
-        "tensorflow.python.framework.ops:Graph._global_distribute_strategy_scope",
-        # tf_mirrored_collective_keys_apart (tfdist.compat.collective_keys)
-        "tensorflow.python.distribute.mirrored_strategy:"
-        "MirroredExtended._make_collective_ops_with_fallbacks",
-    ],
-    "keras": [
-        "keras.src.saving.saving_api:save_model",
-        "keras.src.saving.saving_lib:get_attr_skipset",
-        "keras.src.backend.common.global_state:get_global_attribute",
-        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._maybe_symbolic_build",
-        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._symbolic_build",
-        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._make_function",
-        "keras.src.backend.tensorflow.trainer:reduce_per_replica",
-        "keras.src.losses.loss:reduce_weighted_values",
-        "keras.src.losses.loss:apply_mask",
-        "keras.src.losses.loss:standardize_reduction",
-        "keras.src.trainers.data_adapters.py_dataset_adapter:PyDatasetAdapter._finite_generator",
-        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer.predict_on_batch",
-        "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_apply_gradients",
-        "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
-        "keras.src.tree:map_structure",
-        "keras.src.tree:flatten",
-        "keras.src.tree:pack_sequence_as",
-        "keras.src.ops:cond",
-        "keras.src.backend:Variable",
-        "keras.src.callbacks.progbar_logger:ProgbarLogger.set_params",
-        "keras.src.layers.layer:Layer._flatten_layers",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._get_variable_index",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._apply_weight_decay",
-        "keras.src.optimizers.loss_scale_optimizer:LossScaleOptimizer._tf_apply",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._backend_update_step",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._clip_gradients",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._use_weight_decay",
-        "keras.src.optimizers.base_optimizer:BaseOptimizer._update_model_variables_moving_average",
-        "keras.src.optimizers.base_optimizer:"
-        "BaseOptimizer._overwrite_model_variables_with_average_value",
-        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._get_file_path",
-        "keras.src.callbacks.model_checkpoint:ModelCheckpoint._save_model",
-        "keras.src.layers.layer:Layer.__init__",
-        # keras_tf_added_loss_scaled_once (tfdist.compat.added_losses)
-        "keras.src.backend.tensorflow.trainer:TensorFlowTrainer._aggregate_additional_loss",
-        "keras.src.trainers.trainer:Trainer._aggregate_additional_loss",
-        "keras.src.backend.tensorflow.optimizer:TFOptimizer.__init__",
-    ],
+# The private names tfdist uses besides the fixes' targets, with who uses them. The targets
+# (of tfdist.compat.FIXES and of the hooks applied the same way) are the entries of
+# fingerprints.json, which tools/fix_fingerprints.py writes from them and prunes.
+OTHER_USES = [
+    # sharded checkpoints in a bucket (tfdist.checkpoint.remote_orbax; epath_tf_check_cache_clear)
+    "etils.epath.gpath:_is_tf_installed",
+    "orbax.checkpoint._src.path.gcs_utils:get_kvstore_for_gcs",
+    "orbax.checkpoint._src.serialization.tensorstore_utils:_normalize_path",
+    "orbax.checkpoint._src.serialization.tensorstore_utils:_use_gcs_driver",
+    # jax's coordination store (preemption agreement, the JAX watchdog)
+    "jax._src.lib:_jax.DistributedRuntimeClient.blocking_key_value_get",
+    # TensorFlow's coordination service: key-value store and barriers
+    "tensorflow.python.eager.context:Context.get_config_key_value",
+    "tensorflow.python.eager.context:Context.set_config_key_value",
+    "tensorflow.python.eager.context:Context.wait_at_barrier",
+    # a process default strategy (tf_process_default_scope, for tfdist.unscoped)
+    "tensorflow.python.framework.ops:Graph._global_distribute_strategy_scope",
+    # where a cross-replica reduction may be issued (tf_can_reduce_across_replicas_here)
+    "tensorflow.python.distribute.mirrored_run:_MirroredReplicaThread",
+    # a tf.data batch's size (tf_dataset_batching, for tfdist.core.batch_order)
+    "tensorflow.python.data.experimental.ops.distribute:compute_batch_size",
+    # Keras's saves, its global state, a model's seed generators (keras_names)
+    "keras.src.saving.saving_lib:get_attr_skipset",
+    "keras.src.backend.common.global_state:get_global_attribute",
+    "keras.src.layers.layer:Layer._flatten_layers",
+    # the adapters tfdist.compat.jax_inputs shares between processes on JAX
+    "keras.src.trainers.data_adapters:ArrayDataAdapter.get_jax_iterator",
+    "keras.src.trainers.data_adapters:GeneratorDataAdapter.get_jax_iterator",
+    "keras.src.trainers.data_adapters:PyDatasetAdapter.get_jax_iterator",
+]
+
+# The file of the fixes' targets (tfdist.core.fix_registry reads it too).
+TARGETS_FILE = Path(__file__).resolve().parents[1] / "fingerprints.json"
+# The package a name belongs to -> its group in REQUIRED.
+_GROUPS = {
+    "tensorflow": "tensorflow",
+    "keras": "keras",
+    "jax": "jax",
+    "orbax": "jax",
+    "etils": "jax",
 }
+
+
+# "module:attribute.path" of every private name tfdist uses, per package (tested): derived,
+# OTHER_USES and the fixes' targets (jax's group holds orbax and etils).
+REQUIRED: dict[str, list[str]] = {"tensorflow": [], "keras": [], "jax": []}
+for _entry in sorted(set(json.loads(TARGETS_FILE.read_text())) | set(OTHER_USES)):
+    REQUIRED[_GROUPS[_entry.split(".", 1)[0]]].append(_entry)
 
 
 # Private attributes that exist only on instances: "what: attribute" (the test builds
@@ -362,16 +319,6 @@ def resolve(entry: str):
 # The store of jax's distributed runtime (preemption agreement under JAX).
 __all__ += ["jax_key_value_set", "jax_key_value_get"]
 
-REQUIRED["jax"] += [
-    # Sharded checkpoints in an s3:// bucket (tfdist.checkpoint.remote_orbax).
-    "orbax.checkpoint._src.serialization.tensorstore_utils:_normalize_path",
-    "orbax.checkpoint._src.serialization.tensorstore_utils:_use_gcs_driver",
-    "orbax.checkpoint._src.path.gcs_utils:get_kvstore_for_gcs",
-    "etils.epath.gpath:_is_tf_installed",
-    "jax._src.lib:_jax.DistributedRuntimeClient.key_value_set",
-    "jax._src.lib:_jax.DistributedRuntimeClient.blocking_key_value_get",
-]
-
 
 # ======================================== section: chief-only writes of Keras callbacks
 # (tfdist.compat.chief_writes) ModelCheckpoint and BackupAndRestore keep their file names,
@@ -388,11 +335,6 @@ __all__ += [
     "keras_set_initial_epoch",
 ]
 
-REQUIRED["keras"] += [
-    _CALLBACKS + "model_checkpoint:ModelCheckpoint._should_save_model",
-    _CALLBACKS + "backup_and_restore:BackupAndRestore._save_model",
-    _CALLBACKS + "backup_and_restore:BackupAndRestore._load_model",
-]
 
 SOURCE_ATTRIBUTES += [
     _CALLBACKS + "backup_and_restore:BackupAndRestore._weights_path",
@@ -415,18 +357,6 @@ SOURCE_ATTRIBUTES += [
 
 __all__ += ["tf_maybe_merge_call", "tf_can_reduce_across_replicas_here"]
 
-REQUIRED["tensorflow"] += [
-    "tensorflow.python.distribute.merge_call_interim:maybe_merge_call",
-    "tensorflow.python.distribute.mirrored_run:_MirroredReplicaThread",
-]
-
-REQUIRED["keras"] += [
-    _KERAS_OPTIMIZERS + "optimizer:Optimizer._backend_apply_gradients",
-    _KERAS_OPTIMIZERS + "base_optimizer:BaseOptimizer._backend_apply_gradients",
-    "keras.src.backend.tensorflow.optimizer:TFOptimizer._backend_update_step",
-    "keras.src.backend.tensorflow.optimizer:TFOptimizer._apply_weight_decay",
-    _KERAS_OPTIMIZERS + "loss_scale_optimizer:LossScaleOptimizer._stateful_handle_finite_grads",
-]
 
 # ======================================== end of section: clipping the global gradient
 
@@ -443,46 +373,13 @@ __all__ += [
     "keras_shareable_adapter_classes",
 ]
 
-REQUIRED["keras"] += [
-    _DATA_ADAPTERS + ":get_data_adapter",
-    _DATA_ADAPTERS + ":is_tf_dataset",
-    _DATA_ADAPTERS + ":ArrayDataAdapter.get_jax_iterator",
-    _DATA_ADAPTERS + ":PyDatasetAdapter.get_jax_iterator",
-    _DATA_ADAPTERS + ":GeneratorDataAdapter.get_jax_iterator",
-    _DATA_ADAPTERS + ".data_adapter:DataAdapter",
-]
-
-# What the fix relies on (tfdist.compat.jax_inputs's targets): where a shuffled epoch
-# draws its order, that on_epoch_begin precedes each epoch's iterator, and that Keras
-# assembles the global batch from each process's part.
-REQUIRED["keras"] += [
-    _DATA_ADAPTERS + ".array_data_adapter:ArrayDataAdapter._get_iterator",
-    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter._finite_generator",
-    "keras.src.trainers.epoch_iterator:EpochIterator._enumerate_iterator",
-]
-
-REQUIRED["jax"] += [
-    "keras.src.backend.jax.trainer:JAXTrainer.make_predict_function",
-]
 
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter.enqueuer",
 ]
-# keras_tf_workers_agree_shuffle (tfdist.compat.tf_inputs): where a PyDataset fed by an
-# enqueuer draws its order, and where that thread reports an error.
-REQUIRED["keras"] += [
-    _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer._run",
-    "keras.src.backend.tensorflow.trainer:TFEpochIterator.__init__",
-]
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer.future_queue",
     _DATA_ADAPTERS + ".py_dataset_adapter:OrderedEnqueuer.shuffle",
-]
-# What keras_tf_generator_batches_copied wraps (tfdist.compat.tf_inputs): the function
-# from_generator iterates for a PyDataset, and the generator adapter's batch source.
-REQUIRED["keras"] += [
-    _DATA_ADAPTERS + ".py_dataset_adapter:PyDatasetAdapter._get_iterator",
-    _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.get_tf_dataset",
 ]
 SOURCE_ATTRIBUTES += [
     _DATA_ADAPTERS + ".generator_data_adapter:GeneratorDataAdapter.generator",
@@ -499,9 +396,6 @@ SOURCE_ATTRIBUTES += [
 
 __all__ += ["jax_key_value_put", "jax_key_value_try_get"]
 
-REQUIRED["jax"] += [
-    "jax._src.lib:_jax.DistributedRuntimeClient.key_value_try_get",
-]
 
 # The modules that define the helpers (tests/core/test_private.py checks each is exported).
 HELPER_MODULES = (jax_names, keras_names, tf_names)
