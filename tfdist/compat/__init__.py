@@ -199,7 +199,8 @@ def apply_all(
     skip = _excluded(exclude, os.environ if environ is None else environ)
     st = process.state()
     with st.lock:
-        for fix in (*FIXES, *HOOKS):
+        patches: list[Fix | fix_registry.Patch] = [*FIXES, *HOOKS]
+        for fix in patches:
             done = fix.name in st.applied_fixes or fix.name in st.skipped_fixes
             if done or fix.name in skip or (package is not None and fix.package != package):
                 continue
@@ -269,8 +270,8 @@ def status() -> list[dict]:
             state, why = "skipped", st.skipped_fixes[fix.name]
         elif fix.name in excluded:
             state, why = "excluded", config.COMPAT_EXCLUDE_ENV
-        elif fix_registry.fixed_upstream(fix):
-            state, why = "fixed upstream", fix_registry.fixed_upstream(fix)
+        elif release := fix_registry.fixed_upstream(fix):
+            state, why = "fixed upstream", release
         elif not _needed(fix):
             state, why = "not needed", "another backend"
         else:
