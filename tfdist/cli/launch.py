@@ -54,30 +54,37 @@ def launch_options(args: argparse.Namespace, *, elastic: bool = False):
     from tfdist.launch import LaunchOptions
     from tfdist.launch.rendezvous import static_nnodes
 
+    return _checked(
+        LaunchOptions.from_flags,
+        nproc=args.nproc,
+        target=args.script,
+        hosts=None if elastic else args.hosts,
+        nnodes=None if elastic else static_nnodes(args.nnodes),
+        standalone=args.standalone,
+        args=tuple(args.args),
+        module=args.module,
+        devices_per_worker=args.devices_per_worker,
+        max_restarts=args.max_restarts,
+        port=args.port,
+        node_rank=args.node_rank,
+        allow_remote=args.allow_remote,
+        shared_network=True if args.shared_network else None,  # None: TFDIST_SHARED_NETWORK
+        private_egress=False if args.no_private_egress else None,  # TFDIST_PRIVATE_EGRESS
+        firewall=args.firewall == "apply",
+        fixes=not args.no_fixes,
+        grace=args.grace,
+        finish_timeout=args.finish_timeout,
+        log_dir=args.log_dir,
+        tee=args.tee,
+        verbose=args.verbose,
+    )
+
+
+def _checked(build, **fields):
+    """``build(**fields)``; its ``TypeError`` (a wrong-typed ``--config`` value) becomes a
+    ``ConfigError``: one line and exit code 2, as for any other bad option."""
     try:
-        return LaunchOptions.from_flags(
-            nproc=args.nproc,
-            target=args.script,
-            hosts=None if elastic else args.hosts,
-            nnodes=None if elastic else static_nnodes(args.nnodes),
-            standalone=args.standalone,
-            args=tuple(args.args),
-            module=args.module,
-            devices_per_worker=args.devices_per_worker,
-            max_restarts=args.max_restarts,
-            port=args.port,
-            node_rank=args.node_rank,
-            allow_remote=args.allow_remote,
-            shared_network=True if args.shared_network else None,  # None: TFDIST_SHARED_NETWORK
-            private_egress=False if args.no_private_egress else None,  # TFDIST_PRIVATE_EGRESS
-            firewall=args.firewall == "apply",
-            fixes=not args.no_fixes,
-            grace=args.grace,
-            finish_timeout=args.finish_timeout,
-            log_dir=args.log_dir,
-            tee=args.tee,
-            verbose=args.verbose,
-        )
+        return build(**fields)
     except TypeError as err:
         raise ConfigError(str(err)) from None
 
@@ -86,19 +93,17 @@ def _elastic_options(args: argparse.Namespace):
     """``tfdist.launch.elastic.ElasticOptions`` from the parsed flags (it checks them)."""
     from tfdist.launch.elastic import ElasticOptions
 
-    try:
-        return ElasticOptions.from_flags(
-            nnodes=args.nnodes,
-            rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id,
-            rdzv_conf=args.rdzv_conf,
-            local_addr=args.local_addr,
-            hosts=args.hosts,
-            node_rank=args.node_rank,
-            standalone=args.standalone,
-        )
-    except TypeError as err:
-        raise ConfigError(str(err)) from None
+    return _checked(
+        ElasticOptions.from_flags,
+        nnodes=args.nnodes,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
+        local_addr=args.local_addr,
+        hosts=args.hosts,
+        node_rank=args.node_rank,
+        standalone=args.standalone,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
