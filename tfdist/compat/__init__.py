@@ -75,6 +75,7 @@ MODULES = (
     "tfdist.compat.loss_scale",
     "tfdist.compat.loss_weights",
     "tfdist.compat.partial_batches",
+    "tfdist.compat.empty_replicas",
     "tfdist.compat.jax_partial_batches",
     "tfdist.compat.tf_inputs",
     "tfdist.compat.jit_compile",

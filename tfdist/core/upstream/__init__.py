@@ -79,6 +79,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_tf_trainer_module,
     keras_trainer_class,
     keras_tree,
+    keras_unpack_x_y_sample_weight,
     keras_warm_save_skipsets,
 )
 from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __all__

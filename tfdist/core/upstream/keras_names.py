@@ -101,6 +101,13 @@ def keras_tree():
     return importlib.import_module("keras.src.tree")
 
 
+def keras_unpack_x_y_sample_weight(data) -> tuple:
+    """``(x, y, sample_weight)`` of a step's ``data``, as Keras's own steps unpack it."""
+    return importlib.import_module(_DATA_ADAPTERS + ".data_adapter_utils").unpack_x_y_sample_weight(
+        data
+    )
+
+
 def keras_backend_variable_class():
     """``keras.src.backend.Variable``: unwrapped to its tf.Variable for strategy updates."""
     return importlib.import_module("keras.src.backend").Variable
