@@ -86,6 +86,7 @@ JAX_CELLS_MAIN_STAGE_ONLY = [
     "tests/check/test_check.py",
     "tests/checkpoint/test_damage.py",
     "tests/checkpoint/test_object_store.py",
+    "tests/compat/test_empty_replicas.py",
     "tests/compat/test_fix_names.py",
     "tests/compat/test_keras_callbacks.py",
     "tests/compat/test_no_harm.py",

@@ -1,4 +1,4 @@
-"""evaluate and predict on batches with fewer examples than replicas (TensorFlow).
+"""evaluate and predict on batches with fewer examples than replicas, or than devices.
 
 tests/scripts/small_batches_job.py, as a user writes it (no tfdist, no strategy), run cold
 as a user runs it: ``python`` (one device), ``TFDIST_CPU_DEVICES=N python -m
@@ -7,6 +7,11 @@ one, 3 examples on 4 replicas: every result within 1e-5 of one device, on every 
 count. With the fix excluded the Conv models' cases with an empty replica fail in its
 kernel, as upstream's MirroredStrategy does, and every other case is unchanged: the fix
 changes only what upstream gets wrong.
+
+On JAX the same script on 2 devices of one process and on 2 processes: a batch the
+replicas cannot split evenly is placed whole on every device, and every result equals one
+device's (over processes, a ``tf.data`` batch is still refused, naming its size); without
+``keras_jax_evaluate_predict_uneven_batches`` tfdist's refusal (or jax's error) comes back.
 """
 
 from __future__ import annotations
@@ -22,14 +27,30 @@ import pytest
 from conftest import REPO, SCRIPTS, child_env, equivalence
 
 JOB = str(SCRIPTS / "small_batches_job.py")
+CASES = (
+    "conv predict one image",
+    "conv predict last batch of one",
+    "conv predict 3 at batch 3",
+    "conv predict_on_batch one image",
+    "conv evaluate one image",
+    "conv evaluate last batch of one, weighted",
+    "conv evaluate tf.data last batch of one",
+    "conv test_on_batch one image",
+    "conv1d predict last batch of one",
+    "conv1d evaluate last batch of one",
+    "named predict one example",
+    "named evaluate last batch of one",
+)
 # float32 values up to ~4.4: one device and a multi-worker cut round apart by up to 8.6e-6
 # (the Conv1D autoencoder on 2 workers, measured).
 TOLERANCE = 1e-5
 
 
-def _run(argv: list[str], out: Path, **env: str) -> list[dict]:
+def _run(argv: list[str], out: Path, backend: str = "tensorflow", **env: str) -> list[dict]:
     """``python *argv JOB OUT`` in a fresh interpreter with a user's environment."""
-    environment = child_env(TFDIST_LAUNCH_PYTHON=None, TFDIST_UNSCOPED_MODELS="job", **env)
+    environment = child_env(
+        TFDIST_LAUNCH_PYTHON=None, TFDIST_UNSCOPED_MODELS="job", KERAS_BACKEND=backend, **env
+    )
     environment.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [sys.executable, *argv, JOB, str(out)],
@@ -72,7 +93,7 @@ def _cases(run: dict) -> dict:
 def reference(tmp_path_factory) -> dict:
     (one,) = _run([], tmp_path_factory.mktemp("one") / "run")
     assert int(one["replicas"]) == 1 and json.loads(str(one["errors"])) == {}
-    assert len(_cases(one)) == 12
+    assert tuple(_cases(one)) == CASES
     return _cases(one)
 
 
@@ -127,3 +148,69 @@ def _empty(case: str) -> bool:
     """Whether ``case`` hands one of 2 replicas no example (``*_on_batch`` calls give
     each replica the whole batch)."""
     return ("one image" in case or "last batch of one" in case) and "on_batch" not in case
+
+
+@pytest.fixture(scope="module")
+def jax_reference(tmp_path_factory) -> dict:
+    (one,) = _run([], tmp_path_factory.mktemp("jax-one") / "run", "jax")
+    assert int(one["replicas"]) == 1 and json.loads(str(one["errors"])) == {}
+    assert tuple(_cases(one)) == CASES
+    return _cases(one)
+
+
+# Over several processes a tf.data batch is cut in the pipeline, before any call can
+# feed it whole: still refused, with the sizes and what to do.
+TF_DATA_REFUSED = (
+    "conv evaluate tf.data last batch of one",
+    "Received: global_batch_size=1 (the dataset's last batch)",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+@pytest.mark.multiworker
+@pytest.mark.parametrize(
+    "argv, env, replicas",
+    [
+        (["-m", "tfdist.bootstrap"], {"TFDIST_CPU_DEVICES": "2"}, [2]),
+        (["-m", "tfdist", "launch", "-n", "2"], {}, [2, 2]),
+    ],
+    ids=["2 devices", "2 processes"],
+)
+def test_jax_evaluates_and_predicts_uneven_batches_as_one_device(
+    jax_reference, tmp_path, argv, env, replicas
+):
+    runs = _run(argv, tmp_path / "run", "jax", **env)
+    assert [int(run["replicas"]) for run in runs] == replicas
+    for run in runs:
+        errors, cases = json.loads(str(run["errors"])), _cases(run)
+        if len(replicas) > 1:
+            name, refusal = TF_DATA_REFUSED
+            assert list(errors) == [name] and refusal in errors[name], errors
+        else:
+            assert errors == {}
+        assert set(cases) | set(errors) == set(CASES)
+        for name, value in cases.items():
+            equivalence.assert_close(jax_reference[name], value, TOLERANCE, name)
+
+
+@pytest.mark.slow
+@pytest.mark.jax
+@pytest.mark.devices
+@pytest.mark.upstream_failure("keras_jax_evaluate_predict_uneven_batches")
+def test_jax_without_the_fix_an_uneven_inference_batch_is_refused(tmp_path):
+    (run,) = _run(
+        ["-m", "tfdist.bootstrap"],
+        tmp_path / "refused",
+        "jax",
+        TFDIST_CPU_DEVICES="2",
+        TFDIST_COMPAT_EXCLUDE="keras_jax_evaluate_predict_uneven_batches",
+    )
+    errors = json.loads(str(run["errors"]))
+    # Every call meets a batch of 1, or 3, before any result: refused by tfdist before the
+    # first step, or by jax's IndivisibleError (test_on_batch). predict_on_batch alone
+    # runs: tfdist's keras_jax_multi_process_predict path places its batch itself.
+    assert set(errors) == set(CASES) - {"conv predict_on_batch one image"}, sorted(errors)
+    for name, error in errors.items():
+        assert "cannot be split evenly" in error or "IndivisibleError" in error, (name, error)

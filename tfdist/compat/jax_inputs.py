@@ -14,7 +14,9 @@ process 0's random state (NumPy's for arrays, Python's for a ``PyDataset``), so 
 process agrees on it. A generator or ``PyDataset`` runs on every process and must yield
 the same batches everywhere (seed any randomness in it alike); each process keeps its
 share. Every batch must divide evenly between the data-parallel replicas; one that does
-not (a partial last batch of the wrong size) fails with an error naming the counts.
+not (a partial last batch of the wrong size) fails in training with an error naming the
+counts. In ``evaluate`` and ``predict`` every process feeds such a batch whole (a
+``WholeBatch``), and ``jax_partial_batches`` places it on every device.
 
 ``predict`` under several processes fails for every input, ``tf.data`` included
 ("Fetching value for `jax.Array` that spans non-addressable ... devices"): its batches'
@@ -31,6 +33,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import itertools
 import json
 import logging
@@ -54,6 +58,13 @@ __all__ = [
 KERAS_JAX_MULTI_PROCESS_INPUTS = "keras_jax_multi_process_inputs"
 KERAS_JAX_MULTI_PROCESS_PREDICT = "keras_jax_multi_process_predict"
 _GATHERS = "__tfdist_gathers__"  # set on a predict function that gathers its outputs
+
+# True while evaluate, predict or their *_on_batch run, where
+# jax_partial_batches.keras_jax_evaluate_predict_uneven_batches is applied (it sets it):
+# a batch that cannot be split evenly is then fed whole, never refused.
+INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tfdist_jax_inference", default=False
+)
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +111,34 @@ def _check_batch(size: int, share: _Share, what: str, received: str, hint: str) 
     )
 
 
+@functools.cache
+def whole_batch_class() -> type:
+    """``WholeBatch``: a NumPy array every process feeds whole (not its part) because the
+    replicas cannot split it evenly; only in ``evaluate`` and ``predict``."""
+    import numpy as np
+
+    class WholeBatch(np.ndarray):
+        """A batch every process feeds whole, to be placed on every device."""
+
+    return WholeBatch
+
+
+def _whole_batch(batch):
+    import keras
+    import numpy as np
+
+    def mark(leaf):
+        return None if leaf is None else np.asarray(leaf).view(whole_batch_class())
+
+    return keras.tree.map_structure(mark, batch)
+
+
 def _check_array_batches(adapter, share: _Share) -> None:
     """Arrays: every batch size is known before the first step; refuse an uneven one now,
-    on every process alike, instead of failing (or hanging) in the middle of an epoch."""
+    on every process alike, instead of failing (or hanging) in the middle of an epoch.
+    In evaluate and predict (``INFERENCE``) such a batch is fed whole instead."""
     batch = adapter.batch_size  # None for a PyDataset or a generator: checked per batch
-    if not batch:
+    if not batch or INFERENCE.get():
         return
     partial = adapter.partial_batch_size or 0
     samples = (adapter.num_batches - (1 if partial else 0)) * batch + partial
@@ -147,6 +181,8 @@ def _cut(batch, share: _Share):
     if not leaves:
         return batch
     size = int(leaves[0].shape[0])
+    if INFERENCE.get() and (size % share.replicas or size % share.parts):
+        return _whole_batch(batch)  # evaluate, predict: every process feeds it whole
     _check_batch(
         size,
         share,

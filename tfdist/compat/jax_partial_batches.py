@@ -14,6 +14,13 @@ different global shapes and train apart, silently (measured: 2e-2 from one devic
   (batch then ``map``, ``class_weight``, ``padded_batch``, a generator), which upstream
   refuses ("The batch size of the input dataset is unknown"), is fed too.
 
+* ``keras_jax_evaluate_predict_uneven_batches``: ``evaluate`` and ``predict`` (and their
+  ``*_on_batch``) take a batch that the replicas cannot split evenly (one image on 2
+  devices, a last batch of one): that batch is placed whole on every device, so each
+  computes one device's result for it. Over several processes each feeds it whole
+  (numpy arrays, ``PyDataset``, generators: ``jax_inputs.WholeBatch``); a ``tf.data``
+  batch there is still refused. Training refuses it everywhere (above).
+
 The batch sizes a pipeline tells come from ``partial_batches.batch_sizes``. Every private
 name used comes from ``tfdist.core.upstream``.
 """
@@ -28,9 +35,11 @@ from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
+    "KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES",
     "KERAS_JAX_PARTIAL_BATCH_SHARE",
     "KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST",
     "FIXES",
+    "keras_jax_evaluate_predict_uneven_batches",
     "keras_jax_partial_batch_share",
     "keras_jax_uneven_batch_refused_first",
     "process_share",
@@ -39,6 +48,9 @@ __all__ = [
 # The fixes' names, declared once (other layers import them).
 KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST = "keras_jax_uneven_batch_refused_first"
 KERAS_JAX_PARTIAL_BATCH_SHARE = "keras_jax_partial_batch_share"
+KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES = "keras_jax_evaluate_predict_uneven_batches"
+
+_INFERENCE_CALLS = ("evaluate", "predict", "test_on_batch", "predict_on_batch")
 
 
 def process_share(dataset, index: int, parts: int, replicas: int):
@@ -171,7 +183,7 @@ def keras_jax_uneven_batch_refused_first() -> None:
         def get_data_adapter(x, *args, **kwargs):
             adapter = original(x, *args, **kwargs)
             replicas = _one_process_replicas()
-            if replicas > 1:
+            if replicas > 1 and not _uneven_batches_taken():
                 sizes = _adapter_batch_sizes(adapter, x)
                 uneven = sorted(size for size in sizes or () if size % replicas)
                 if uneven:
@@ -188,6 +200,82 @@ def keras_jax_uneven_batch_refused_first() -> None:
         return get_data_adapter
 
     patch(module, "get_data_adapter", KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST, make)
+
+
+def _uneven_batches_taken() -> bool:
+    """Whether an uneven batch is taken here: in evaluate or predict, which set the flag
+    only where ``keras_jax_evaluate_predict_uneven_batches`` is applied."""
+    return jax_inputs.INFERENCE.get()
+
+
+def keras_jax_evaluate_predict_uneven_batches() -> None:
+    """Places a batch the devices cannot split evenly whole on every device, in
+    ``evaluate`` and ``predict`` of one process.
+
+    Upstream shards every batch along its first axis over the distribution's devices,
+    and jax refuses a batch whose size does not divide by their number (one image on 2
+    devices: ``IndivisibleError``). One device computes any batch. In ``evaluate``,
+    ``predict``, ``test_on_batch`` and ``predict_on_batch`` of a one-process job, such a
+    batch gets a replicated placement instead: every device holds it whole and computes
+    exactly one device's result, and jit compiles the step once more for that placement.
+    Batches that divide evenly, training, and several processes keep upstream's path.
+    """
+
+    def make_call(original):
+        def call(self, *args, **kwargs):
+            token = jax_inputs.INFERENCE.set(True)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                jax_inputs.INFERENCE.reset(token)
+
+        return call
+
+    trainer = upstream.keras_jax_trainer_class()
+    for name in _INFERENCE_CALLS:
+        patch(trainer, name, KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES, make_call)
+
+    def make_input(original):
+        def distribute_data_input(per_process_batch, layout, batch_dim_name):
+            whole = _replicated_if_uneven(per_process_batch, layout)
+            if whole is not None:
+                return whole
+            return original(per_process_batch, layout, batch_dim_name)
+
+        return distribute_data_input
+
+    patch(
+        upstream.keras_jax_distribution_lib(),
+        "distribute_data_input",
+        KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES,
+        make_input,
+    )
+
+
+def _replicated_if_uneven(batch, layout):
+    """``batch`` on every device of ``layout``'s mesh when it is an inference batch the
+    layout cannot split evenly (one process), or one every process feeds whole (several:
+    ``jax_inputs.WholeBatch``); else None (upstream's placement)."""
+    import jax
+    import numpy as np
+
+    if not jax_inputs.INFERENCE.get():
+        return None
+    sharding = getattr(layout, "backend_layout", layout)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    shape = getattr(batch, "shape", None)
+    if mesh is None or spec is None or not shape or not len(spec) or spec[0] is None:
+        return None
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if jax.process_count() > 1:
+        if not isinstance(batch, jax_inputs.whole_batch_class()):
+            return None  # this process's part of an even batch
+        return jax.make_array_from_process_local_data(whole, np.asarray(batch))
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    parts = math.prod(int(mesh.shape[axis]) for axis in axes)
+    if shape[0] % parts == 0:
+        return None
+    return jax.device_put(batch, whole)
 
 
 def _adapter_batch_sizes(adapter, x) -> set[int] | None:
@@ -207,6 +295,30 @@ def _adapter_batch_sizes(adapter, x) -> set[int] | None:
 
 
 FIXES = [
+    Fix(
+        KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES,
+        "Keras on JAX, one process, several devices: evaluate and predict of a batch the "
+        "devices cannot split evenly (one image on 2 devices, a last batch of one) fail "
+        "with jax's IndivisibleError",
+        on_keras_backend("jax"),
+        keras_jax_evaluate_predict_uneven_batches,
+        targets=targets(
+            "keras.src.backend.jax.trainer:JAXTrainer.evaluate",
+            "keras.src.backend.jax.trainer:JAXTrainer.predict",
+            "keras.src.backend.jax.trainer:JAXTrainer.test_on_batch",
+            "keras.src.backend.jax.trainer:JAXTrainer.predict_on_batch",
+            "keras.src.backend.jax.distribution_lib:distribute_data_input",
+        ),
+        acts_where=(
+            "evaluate, predict and their *_on_batch under a keras.distribution over >1 "
+            "device, on a batch that does not divide by the replicas (several processes: "
+            "arrays, PyDataset, generators): placed whole on every device; other batches, "
+            "training, tf.data over several processes: upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_empty_replicas.py::test_jax_evaluates_and_predicts_uneven_batches_as_one_device",
+        ),
+    ),
     Fix(
         KERAS_JAX_UNEVEN_BATCH_REFUSED_FIRST,
         "Keras on JAX, one process, several devices: a batch that cannot be split evenly "
