@@ -339,8 +339,24 @@ def test_a_difference_from_an_epochs_partial_last_batch_is_named_only_there():
         update, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=2, batch=32, last=21)
     )[1]
     assert "step 2 is the last of epoch 1" in cause.evidence
-    assert "its update first differs (the values logged from step 3 on differ" in cause.evidence
-    assert "the weights differ from there" in cause.evidence
+    assert (
+        "its update differs: the values logged for it are equal, those from step 3 on are "
+        "not, and the weights differ" in cause.evidence
+    )
+    # The run ends at that step: only its weights differ, and the text says just that.
+    ends = _run("2 devices", 0.0, 0.7, steps_per_epoch=3, batch=32, last=21)
+    ends.ranks[0].facts["history"]["loss"] = [1.0, 0.5, 0.5]
+    (cause,) = _causes(
+        ends, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
+    )[1]
+    assert (
+        "its update differs: every logged value is equal, and the run ended at that step "
+        "with other weights (worst w 2.0e-01)" in cause.evidence
+    )
+    assert "the logged values are equal, the weights too" not in cause.evidence
+    # A last batch the 2 replicas share evenly (20 as 10 + 10) cannot differ by it.
+    _, found = _causes(differs_at_end, reference=reference(20))
+    assert found == []
     mid_epoch = _run("2 devices", 0.0, 0.5, steps_per_epoch=3, loss=0.6)
     _, found = _causes(
         mid_epoch, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
