@@ -154,15 +154,19 @@ def _wrap_fit(original):
 
 
 def _batch_split(model, args: tuple, kwargs: dict) -> dict:
-    """The model's outputs and loss on fit's first batch, whole against split in replica
-    parts (``batch_split``), read after fit: the evidence of ``batch_sum``."""
-    from tfdist.check import batch_split
+    """Read after fit on fit's first batch: the model's outputs and loss whole against
+    split in replica parts (``batch_split``: the evidence of ``batch_sum``), and each
+    variable's gradient (``gradient_rms``: the tolerance's zero-signal rule)."""
+    from tfdist.check import first_batch
 
     try:
-        batch = batch_split.first_batch(args, kwargs)
+        batch = first_batch.read(args, kwargs)
         if batch is None:
             return {}
-        return {"batch_split": batch_split.measure(model, *batch)}
+        return {
+            "batch_split": first_batch.split(model, *batch),
+            "gradient_rms": first_batch.gradient_rms(model, *batch),
+        }
     except Exception as err:  # a fact the check cannot read must not stop the script
         return {"batch_split_unread": f"{type(err).__name__}: {err}"[:200]}
 

@@ -1,4 +1,8 @@
-"""Whether a model's forward pass and loss change when one batch is split in replica parts.
+"""What the reference process measures on ``fit``'s first batch, after ``fit``.
+
+``split``: whether the model's forward pass and loss change when the batch is split in
+replica parts (the ``batch_sum`` cause). ``gradient_rms``: each trainable variable's
+gradient on that batch (the tolerance's zero-signal rule, ``verdict``).
 
 On TensorFlow each of R replicas runs the model and its loss on its own part of the
 global batch. A model whose ``call`` mixes the examples of a batch (``ops.sum`` or
@@ -15,19 +19,19 @@ combination is the mean of the parts' losses; a loss whose values are already a
 scalar, or whose reduction is ``"sum"``, is not scaled, so the parts' losses are summed.
 
 Example:
-    >>> measure(model, x, y, None, (2, 4))  # doctest: +SKIP
+    >>> split(model, x, y, None, (2, 4))  # doctest: +SKIP
     {'2': {'outputs': 0.0, 'loss': 1.0}, '4': {'outputs': 0.0, 'loss': 3.0}}
 """
 
 from __future__ import annotations
 
-__all__ = ["SPLITS", "first_batch", "measure"]
+__all__ = ["SPLITS", "gradient_rms", "read", "split"]
 
 # Replica counts measured: the check's topologies' usual ones.
 SPLITS = (2, 3, 4, 8)
 
 
-def first_batch(args: tuple, kwargs: dict):
+def read(args: tuple, kwargs: dict):
     """``(x, y, sample_weight)`` of ``fit``'s first batch as numpy arrays, or None: arrays
     given to ``fit`` (their first ``batch_size`` rows), or a ``tf.data`` input's first
     element (read through a new iterator, after ``fit``)."""
@@ -56,7 +60,7 @@ def _tensorflow():
     return sys.modules.get("tensorflow")
 
 
-def measure(model, x, y, sample_weight, splits=SPLITS) -> dict:
+def split(model, x, y, sample_weight, splits=SPLITS) -> dict:
     """``{R: {"outputs": o, "loss": l}}``: the largest change of the model's outputs
     (relative to their largest magnitude) and of the loss as Keras combines it (relative
     to the whole batch's), when the batch is split in R parts; ``loss`` is None when the
@@ -147,3 +151,37 @@ def _loss_change(loss, whole, parts, outputs, size: int) -> float:
         part, _ = loss(y, y_pred, weight)
         combined += part if summed else part * len(y) / size
     return abs(combined - value) / max(abs(value), 1e-12)
+
+
+def gradient_rms(model, x, y, sample_weight) -> dict:
+    """``{variable path: root mean square of its gradient}``: the compiled loss's gradient
+    on the batch in training mode (BatchNormalization on the batch's statistics), at the
+    weights after ``fit``; {} where the backend is not TensorFlow or JAX."""
+    import keras
+    import numpy as np
+
+    variables = model.trainable_variables
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        grads = tape.gradient(loss, variables)
+    elif keras.backend.backend() == "jax":
+        import jax
+
+        def loss_of(trainable, non_trainable):
+            y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+            return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+
+        grads = jax.grad(loss_of)(
+            [v.value for v in variables], [v.value for v in model.non_trainable_variables]
+        )
+    else:
+        return {}
+    found = {}
+    for variable, grad in zip(variables, grads, strict=True):
+        g = np.zeros(1) if grad is None else np.asarray(keras.ops.convert_to_numpy(grad))
+        found[variable.path] = float(np.sqrt(np.mean(np.square(g.astype(np.float64)))))
+    return found
