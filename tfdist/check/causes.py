@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tfdist.check.compare import compare, first_differing_step
-from tfdist.check.runner import Run
+from tfdist.check.runner import Run, excerpt
 from tfdist.check.topology import Topology
 from tfdist.check.verdict import Verdict, judge
 
@@ -194,11 +194,10 @@ def _hang(verdict: Verdict) -> Cause:
 
 
 def _failed(verdict: Verdict) -> Cause:
-    lines = [line.strip() for line in verdict.run.output.splitlines() if line.strip()]
     return Cause(
         "failed",
         f"{verdict.name} exited with code {verdict.run.returncode} before its result; its "
-        "output ends: " + " | ".join(lines[-3:]),
+        "output ends: " + " | ".join(excerpt(verdict.run.output)),
         "run it alone to see the whole error (tfdist check --keep DIR keeps each run's output.log)",
     )
 

@@ -67,7 +67,7 @@ ZERO_SIGNAL = 1e-4
 def set_apart(reference, got: dict, tolerance: float) -> dict[str, float]:
     """``{variable: difference}`` of the variables above ``tolerance`` that the zero-signal
     rule sets apart: trainable variables with no one-device gradient (``ZERO_SIGNAL``),
-    and moving statistics of their shape within their difference (a BatchNormalization's
+    and moving means of their shape within their difference (a BatchNormalization's
     moving mean averages the mean its input's bias shifts: measured 0.1 of it)."""
     import numpy as np
 
@@ -85,8 +85,8 @@ def set_apart(reference, got: dict, tolerance: float) -> dict[str, float]:
         if diffs[key] > tolerance:
             out[key] = diffs[key]
     for key, diff in diffs.items():
-        if key in grads or diff <= tolerance or not np.isfinite(diff):
-            continue  # trainable, or within the tolerance
+        if not key.endswith("moving_mean") or diff <= tolerance or not np.isfinite(diff):
+            continue  # a moving variance is shift-invariant: a bias does not move it
         shape = np.shape(reference.final[key])
         bound = max((diffs[k] for k in silent if np.shape(reference.final[k]) == shape), default=0)
         if diff <= bound:
