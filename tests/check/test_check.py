@@ -898,7 +898,7 @@ def test_adam_rounding_before_batchnorm_is_set_apart_and_a_real_defect_still_dif
     proc = check_cli(*argv, "--dense", cwd=tmp_path)
     assert proc.returncode == 0, _fail(proc)
     two = json.loads(proc.stdout)["topologies"][1]
-    assert sorted(two["set_apart"])[:2] == ["sequential/dense/bias", "sequential/dense_1/bias"]
+    assert {"sequential/dense/bias", "sequential/dense_1/bias"} <= set(two["set_apart"])
     assert two["weight_difference"] <= 1e-5
     proc = check_cli(*argv, "--dense", "--bn", "plain", cwd=tmp_path)  # unsynchronized
     assert proc.returncode == 1, _fail(proc)
