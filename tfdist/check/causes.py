@@ -431,7 +431,7 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
         shown.append(
             f"{verdict.name}: step {step} is the last of epoch {step // per_epoch} "
             f"({per_epoch} steps per epoch), {size}; {_partial_where(verdict, step, tolerance)}"
-            f"; logged values differ at steps {steps}"
+            + (f"; logged values differ at steps {steps}" if steps else "")
         )
     return [
         Cause(
