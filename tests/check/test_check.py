@@ -12,6 +12,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -339,8 +340,24 @@ def test_a_difference_from_an_epochs_partial_last_batch_is_named_only_there():
         update, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=2, batch=32, last=21)
     )[1]
     assert "step 2 is the last of epoch 1" in cause.evidence
-    assert "its update first differs (the values logged from step 3 on differ" in cause.evidence
-    assert "the weights differ from there" in cause.evidence
+    assert (
+        "its update differs: the values logged for it are equal, those from step 3 on are "
+        "not, and the weights differ" in cause.evidence
+    )
+    # The run ends at that step: only its weights differ, and the text says just that.
+    ends = _run("2 devices", 0.0, 0.7, steps_per_epoch=3, batch=32, last=21)
+    ends.ranks[0].facts["history"]["loss"] = [1.0, 0.5, 0.5]
+    (cause,) = _causes(
+        ends, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
+    )[1]
+    assert (
+        "its update differs: every logged value is equal, and the run ended at that step "
+        "with other weights (worst w 2.0e-01)" in cause.evidence
+    )
+    assert "the logged values are equal, the weights too" not in cause.evidence
+    # A last batch the 2 replicas share evenly (20 as 10 + 10) cannot differ by it.
+    _, found = _causes(differs_at_end, reference=reference(20))
+    assert found == []
     mid_epoch = _run("2 devices", 0.0, 0.5, steps_per_epoch=3, loss=0.6)
     _, found = _causes(
         mid_epoch, reference=_run("1 device", 0.0, 0.5, steps_per_epoch=3, batch=32, last=21)
@@ -627,7 +644,12 @@ def test_a_partial_last_batch_is_equal_with_the_fixes_and_named_without_them(tmp
         "step 16 is the last of epoch 1 (16 steps per epoch), whose batch holds 21 of 32"
         in (cause["evidence"])
     )
-    assert "the weights differ from there" in cause["evidence"]
+    # Step 16 ends the run: every logged value is equal, its weights are not.
+    assert (
+        "its update differs: every logged value is equal, and the run ended at that"
+        in (cause["evidence"])
+    )
+    assert "logged values differ at steps" not in cause["evidence"]
     assert "drop_remainder=True" in cause["fix"]
 
 
@@ -804,3 +826,118 @@ def test_other_initial_weights_are_named_before_a_global_batch_that_grew():
     """A script without a seed and with 64 per replica: other weights at any batch."""
     _, found = _causes(_run("2 devices", 0.2, 0.9, steps_per_epoch=5))
     assert [c.cause for c in found] == ["unseeded"]
+
+
+def test_initial_weights_not_read_on_one_side_are_no_evidence_of_an_unseeded_script():
+    reference = _run("1 device", 0.0, 0.5)
+    reference.ranks[0].initial = {}  # a model Keras built inside its first step, unread
+    _, found = _causes(_run("2 devices", 0.2, 0.9), reference=reference)
+    assert "unseeded" not in [c.cause for c in found]
+    assert all("inf" not in c.evidence for c in found)
+
+
+def _split_reference(outputs: float, loss: float, backend: str = "tensorflow"):
+    reference = _run("1 device", 0.0, 0.5, batch_split={"2": {"outputs": outputs, "loss": loss}})
+    reference.topology = reference.topology.named(backend)
+    return reference
+
+
+def test_a_batch_that_splitting_changes_is_named_batch_sum_only_with_that_evidence():
+    differs = _run("2 devices", 0.0, 0.9)
+    _, found = _causes(differs, reference=_split_reference(1.4e-2, 1.2e-3))
+    (cause,) = [c for c in found if c.cause == "batch_sum"]
+    assert "2 devices (2 replicas): on 1 device's first batch, whole against split in 2" in (
+        cause.evidence
+    )
+    assert "the model's outputs change by 1.4e-02 (relative): its call mixes" in cause.evidence
+    # The same outputs, another loss: the loss is named, not the model.
+    _, found = _causes(differs, reference=_split_reference(0.0, 1.0))
+    (cause,) = [c for c in found if c.cause == "batch_sum"]
+    assert "its outputs do not, but the loss as Keras combines" in cause.evidence
+    # Rounding (measured up to 5e-8), or JAX (one array for the global batch): not named.
+    for reference in (_split_reference(0.0, 5e-8), _split_reference(1e-2, 0.0, "jax")):
+        assert "batch_sum" not in [c.cause for c in _causes(differs, reference=reference)[1]]
+
+
+@pytest.mark.slow
+def test_a_subclassed_model_built_at_its_first_step_gives_initial_weights_and_batch_sum(tmp_path):
+    """No keras.Input: one device builds it at its first step, built before it instead."""
+    argv = ("--steps", "4", "--topologies", "2 devices", "--json", str(SCRIPTS / "subclassed.py"))
+    proc = check_cli(*argv, "--batch-sum", "model", cwd=tmp_path)
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert [c["cause"] for c in found["causes"]] == ["batch_sum"]  # no "unseeded ... inf"
+    assert "the model's outputs change by" in found["causes"][0]["evidence"]
+    proc = check_cli(*argv, cwd=tmp_path)  # its twin computes every example apart
+    assert proc.returncode == 0, _fail(proc)
+
+
+def test_the_zero_signal_rule_sets_apart_only_variables_with_no_one_device_gradient():
+    def run(name, bias, kernel, mean, **facts):
+        done = _run(name, 0.0, 0.0, **facts)
+        done.ranks[0].final = {
+            "dense/bias": np.array([bias]),
+            "dense/kernel": np.array([kernel]),
+            "bn/moving_mean": np.array([mean]),
+        }
+        return done
+
+    grads = {"dense/bias": 3e-9, "dense/kernel": 2e-2}  # measured: a bias before BN
+    reference = run("1 device", 0.0, 0.5, 0.1, gradient_rms=grads)
+    judged = verdict.judge(reference, run("2 devices", 1.1e-4, 0.5, 0.1 + 2e-5), 1e-5)
+    assert judged.status == "equal"
+    assert judged.set_apart == {"dense/bias": pytest.approx(1.1e-4), "bn/moving_mean": ANY}
+    text = report.render(report.Report("s.py", "tensorflow", 3, 1e-5, [judged, judged]))
+    assert "set apart by the zero-signal rule (no gradient on 1 device" in text
+    assert "dense/bias 1.1e-04" in text
+    # A variable with a gradient is never set apart, nor a moving mean beyond the bias's.
+    judged = verdict.judge(reference, run("2 devices", 1.1e-4, 0.5 + 1e-3, 0.1), 1e-5)
+    assert judged.status == "differs" and judged.weights.key == "dense/kernel"
+    judged = verdict.judge(reference, run("2 devices", 1e-6, 0.5, 0.2), 1e-5)
+    assert judged.status == "differs" and judged.weights.key == "bn/moving_mean"
+
+
+@pytest.mark.slow
+def test_adam_rounding_before_batchnorm_is_set_apart_and_a_real_defect_still_differs(tmp_path):
+    argv = ("--steps", "20", "--topologies", "2 devices", "--json", str(SCRIPTS / "conv_bn.py"))
+    proc = check_cli(*argv, "--dense", cwd=tmp_path)
+    assert proc.returncode == 0, _fail(proc)
+    two = json.loads(proc.stdout)["topologies"][1]
+    assert {"sequential/dense/bias", "sequential/dense_1/bias"} <= set(two["set_apart"])
+    assert two["weight_difference"] <= 1e-5
+    proc = check_cli(*argv, "--dense", "--bn", "plain", cwd=tmp_path)  # unsynchronized
+    assert proc.returncode == 1, _fail(proc)
+    found = json.loads(proc.stdout)
+    assert found["topologies"][1]["weight_difference"] > 1e-3
+    assert [c["cause"] for c in found["causes"]] == ["batchnorm"]
+
+
+def test_a_failure_excerpt_shows_the_error_not_a_coloured_progress_bar():
+    bar = "\x1b[1m 2/16\x1b[0m \x1b[32m━━━━\x1b[0m\x1b[37m━━━━\x1b[0m \x1b[1m1s\x1b[0m 5ms/step - loss: 0.9"
+    output = f"Epoch 1/2\n{bar}\rTraceback (most recent call last):\nValueError: bad 32/64\n{bar}\n"
+    failed = runner.Run(topology.Topology(2, "worker", "jax"), 1.0, "failed", 1, output=output)
+    (cause,) = causes.find([verdict.Verdict(failed, "failed")], _run("1 device", 0, 0), None, 1e-5)
+    assert cause.evidence.endswith(
+        "its output ends: Traceback (most recent call last): | ValueError: bad 32/64"
+    )
+    assert "\x1b" not in cause.evidence and "━" not in cause.evidence
+
+
+def test_a_cause_is_named_only_where_the_topology_could_have_it():
+    import keras
+
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.BatchNormalization(), keras.layers.Dropout(0.0)]
+    )
+    model.layers[0].trainable = False  # frozen: its moving statistics, on every replica
+    facts = check_model.model_facts([model])
+    assert facts["batchnorm"] == ["batch_normalization"] and facts["unsynchronized"] == []
+    assert facts["random"] == []  # a rate of 0 draws nothing
+    # A model that trained on one replica (a worker of its own) splits nothing.
+    reference = _run("1 device", 0.0, 0.5, steps_per_epoch=2, batch=32, last=21)
+    reference.ranks[0].facts.update(unsynchronized=["bn"], random=["dropout"])
+    one = _run("2 workers", 0.0, 0.5, ranks=2, steps_per_epoch=2, loss=0.6, replicas=1)
+    judged, found = _causes(one, reference=reference)
+    assert judged[1].status == "not-distributed"
+    assert [c.cause for c in found] == ["not_distributed"]
+    assert causes._several_replicas_differing([verdict.Verdict(one, "differs", replicas=1)]) == []

@@ -177,5 +177,7 @@ def _why_not(reference, options: CheckOptions) -> str:
             f"on 1 device it did not finish {options.steps} steps of fit within "
             f"{options.timeout:g} s (waiting at {where}); raise --timeout if it is only slow"
         )
-    tail = "\n".join(reference.output.strip().splitlines()[-8:])
+    from tfdist.check.runner import excerpt
+
+    tail = "\n".join(excerpt(reference.output, 8))
     return f"on 1 device it failed (exit code {reference.returncode}); its output ends:\n{tail}"

@@ -9,6 +9,9 @@
 - ``loss_per_replica``: a topology of R replicas whose first update is R times one
   device's (from the same initial weights): a loss averaged over each replica's own
   batch, whose gradients the replicas then sum.
+- ``batch_sum``: a differing TensorFlow topology of R replicas where one device's model
+  outputs or loss on its first batch change when that batch is split in R parts (a sum
+  or mean over the batch axis; a loss that is not a mean of per-example terms).
 - ``batchnorm``: unsynchronized ``BatchNormalization`` layers on TensorFlow, and a re-run
   of a differing topology with them synchronized (``TFDIST_CHECK_SYNC_BN=1``): equal
   again, or not.
@@ -39,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tfdist.check.compare import compare, first_differing_step
-from tfdist.check.runner import Run
+from tfdist.check.runner import Run, excerpt
 from tfdist.check.topology import Topology
 from tfdist.check.verdict import Verdict, judge
 
@@ -71,6 +74,7 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     if first:  # every step differs from the start: the causes below would be guesses
         return [*causes, first]
     causes += _loss_per_replica(verdicts, reference, tolerance)
+    causes += _batch_sum(verdicts, reference)
     causes += _batchnorm(verdicts, reference, rerun, tolerance)
     causes += _random_layers(verdicts, reference, rerun, tolerance)
     causes += _partial_batch(verdicts, reference, tolerance)
@@ -116,6 +120,8 @@ def _unseeded(verdicts: list[Verdict], reference: Run, tolerance: float) -> Caus
         if verdict.status != "differs" or verdict.run.topology.kind != "device":
             continue
         start = compare(reference.ranks[0].initial, verdict.run.ranks[0].initial)
+        if start.reason:  # initial weights not read on one side: no evidence either way
+            continue
         if not start.equal(tolerance):
             return Cause(
                 "unseeded",
@@ -188,17 +194,22 @@ def _hang(verdict: Verdict) -> Cause:
 
 
 def _failed(verdict: Verdict) -> Cause:
-    lines = [line.strip() for line in verdict.run.output.splitlines() if line.strip()]
     return Cause(
         "failed",
         f"{verdict.name} exited with code {verdict.run.returncode} before its result; its "
-        "output ends: " + " | ".join(lines[-3:]),
+        "output ends: " + " | ".join(excerpt(verdict.run.output)),
         "run it alone to see the whole error (tfdist check --keep DIR keeps each run's output.log)",
     )
 
 
 def _several_replicas_differing(verdicts: list[Verdict]) -> list[Verdict]:
-    return [v for v in verdicts if v.status == "differs" and v.run.topology.count > 1]
+    """Differing topologies whose model trained on several replicas (what each replica
+    computes apart can only differ there): the replicas it trained on, else its count."""
+    return [v for v in verdicts if v.status == "differs" and _replicas_of(v) > 1]
+
+
+def _replicas_of(verdict: Verdict) -> int:
+    return verdict.replicas or verdict.run.topology.count
 
 
 def _rerun_shown(
@@ -275,6 +286,60 @@ def _update_scale(reference, rank, tolerance: float) -> tuple[float, float] | No
     return scale, residual
 
 
+# A model's outputs or loss on one batch, split in replica parts, that change by more than
+# this (relative) are named: examples computed apart change by rounding (measured 0 for
+# the outputs and up to 5e-8 for a loss); a sum over the batch axis by 1e-3 and more.
+_SPLIT_CLOSE = 1e-4
+
+
+def _batch_sum(verdicts: list[Verdict], reference: Run) -> list[Cause]:
+    """Differing TensorFlow topologies of R replicas where the reference's model or loss
+    on its first batch changes when that batch is split in R parts (``batch_split``)."""
+    if reference.topology.backend != "tensorflow":
+        return []  # on JAX the model and its loss see the global batch as one array
+    split = reference.ranks[0].facts.get("batch_split") or {}
+    names: dict[int, list[str]] = {}
+    for verdict in _several_replicas_differing(verdicts):
+        rank = verdict.run.ranks[verdict.rank]
+        replicas = rank.facts.get("replicas") or verdict.run.topology.count
+        names.setdefault(replicas, []).append(verdict.name)
+    shown = []
+    for replicas, topologies in sorted(names.items()):
+        found = split.get(str(replicas)) or {}
+        outputs, loss = found.get("outputs") or 0.0, found.get("loss") or 0.0
+        if outputs > _SPLIT_CLOSE:
+            seen = (
+                f"the model's outputs change by {outputs:.1e} (relative): its call mixes "
+                "the examples of a batch (a sum or mean over the batch axis)"
+            )
+        elif loss > _SPLIT_CLOSE:  # the same outputs: the loss alone
+            seen = (
+                f"its outputs do not, but the loss as Keras combines the replicas' losses "
+                f"changes by {loss:.1e} (relative): a loss that is not a mean of "
+                "per-example terms (Keras sums the replicas' values of a loss that "
+                "returns one scalar, and averages those of per-example losses)"
+            )
+        else:
+            continue
+        shown.append(
+            f"{', '.join(topologies)} ({replicas} replicas): on 1 device's first batch, "
+            f"whole against split in {replicas} parts as the replicas get it, {seen}"
+        )
+    if not shown:
+        return []
+    return [
+        Cause(
+            "batch_sum",
+            "; ".join(shown) + ". On TensorFlow each replica computes over its own part "
+            "of the global batch, so an operation across the batch axis sees fewer "
+            "examples than on one device",
+            "compute every example apart in call (no ops.sum/ops.mean/tensordot over "
+            "axis 0), or take batch-wide values across the replicas; return per-example "
+            "losses (shape (batch,)) and let Keras average them",
+        )
+    ]
+
+
 def _batchnorm(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> list[Cause]:
     unsynced = reference.ranks[0].facts.get("unsynchronized", [])
     differing = _several_replicas_differing(verdicts)
@@ -345,8 +410,13 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
     per_epoch, batch, last = facts.get("steps_per_epoch"), facts.get("batch"), facts.get("last")
     if not per_epoch or (batch and last == batch):
         return []  # unknown epochs, or every batch full: not this cause
+    # A last batch the replicas share evenly (20 as 10 + 10) trains as on one device: the
+    # mean of equal parts' means is the batch's mean. Only an uneven share is evidence.
+    split = [
+        v for v in _several_replicas_differing(verdicts) if not batch or last % _replicas_of(v)
+    ]
     # Where the last batch's size is unknown, only a difference in that step's own values.
-    found = [(v, _partial_step(v, per_epoch, tolerance, bool(batch))) for v in verdicts]
+    found = [(v, _partial_step(v, per_epoch, tolerance, bool(batch))) for v in split]
     found = [(v, step) for v, step in found if step]
     if not found:
         return []
@@ -357,27 +427,11 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
     )
     shown = []
     for verdict, step in found:
-        if verdict.first_step == step:
-            where = f"the logged values first differ at step {step}"
-        else:
-            later = (
-                f"the values logged from step {verdict.first_step} on differ"
-                if (verdict.first_step)
-                else "the logged values are equal"
-            )
-            where = f"its update first differs ({later}, the weights too)"
-        weights = (
-            "the weights after the steps are equal (worst "
-            f"{verdict.weights.key} {verdict.weights.value:.1e}): only the values logged "
-            "for that step differ"
-            if verdict.weights and verdict.weights.equal(tolerance)
-            else "the weights differ from there"
-        )
         steps = _differing_steps(verdict, reference, tolerance)
         shown.append(
             f"{verdict.name}: step {step} is the last of epoch {step // per_epoch} "
-            f"({per_epoch} steps per epoch), {size}; {where}; logged values differ at "
-            f"steps {steps}; {weights}"
+            f"({per_epoch} steps per epoch), {size}; {_partial_where(verdict, step, tolerance)}"
+            + (f"; logged values differ at steps {steps}" if steps else "")
         )
     return [
         Cause(
@@ -390,6 +444,29 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
             "as on one device on TensorFlow",
         )
     ]
+
+
+def _partial_where(verdict: Verdict, step: int, tolerance: float) -> str:
+    """Where the partial step's difference shows, in words true of this verdict."""
+    weights_equal = verdict.weights is not None and verdict.weights.equal(tolerance)
+    worst = f" (worst {verdict.weights.key} {verdict.weights.value:.1e})" if verdict.weights else ""
+    if verdict.first_step == step:
+        where = f"the logged values first differ at step {step}"
+        return where + (
+            f"; the weights after the steps are equal{worst}: only the logged values differ"
+            if weights_equal
+            else "; the weights differ from there"
+        )
+    if verdict.first_step:  # the values logged after it: its update differs
+        return (
+            f"its update differs: the values logged for it are equal, those from step "
+            f"{verdict.first_step} on are not, and the weights "
+            + ("after the steps are equal" if weights_equal else "differ")
+        )
+    return (
+        "its update differs: every logged value is equal, and the run ended at that "
+        f"step with other weights{worst}"
+    )
 
 
 def _partial_step(verdict: Verdict, per_epoch: int, tolerance: float, known: bool) -> int | None:
@@ -452,7 +529,7 @@ def _workers(verdicts: list[Verdict], reference: Run, tolerance: float) -> list[
     verdict = workers[0]
     for rank, result in sorted(verdict.run.ranks.items()):
         start = compare(reference.ranks[0].initial, result.initial)
-        if not start.equal(tolerance):
+        if not start.reason and not start.equal(tolerance):
             return [_seeds(verdict, devices[0], rank, start)]
     step = f"the loss differs from step {verdict.first_step}" if verdict.first_step else ""
     if _jax_loop(verdict):

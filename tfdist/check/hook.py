@@ -48,6 +48,7 @@ from tfdist.check.model import (
     STEPS_ENV,
     SYNC_BN_ENV,
     _path,
+    _world,
     model_facts,
     progress,
     values,
@@ -130,6 +131,7 @@ def _wrap_fit(original):
                 args, kwargs, int(os.environ[GLOBAL_BATCH_ENV])
             )
         facts = {**rebatched, **facts, **_input_facts(args, kwargs)}
+        facts.update(_build_before_the_first_step(self, args, kwargs))
         progress("fit", step=0)
         try:
             original(self, *args, **kwargs)
@@ -142,11 +144,82 @@ def _wrap_fit(original):
             replicas=_replicas(self),
         )
         final = _weights(self)
+        if facts["replicas"] == 1 and _world() == 1:  # the reference: nothing is split
+            facts.update(_batch_split(self, args, kwargs))
         write_result(final, recorder.initial, recorder.first or final, facts, recorder.done)
         wait_for_peers()
         os._exit(0)
 
     return fit
+
+
+def _batch_split(model, args: tuple, kwargs: dict) -> dict:
+    """Read after fit on fit's first batch: the model's outputs and loss whole against
+    split in replica parts (``batch_split``: the evidence of ``batch_sum``), and each
+    variable's gradient (``gradient_rms``: the tolerance's zero-signal rule)."""
+    from tfdist.check import first_batch
+
+    try:
+        batch = first_batch.read(args, kwargs)
+        if batch is None:
+            return {}
+        return {
+            "batch_split": first_batch.split(model, *batch),
+            "gradient_rms": first_batch.gradient_rms(model, *batch),
+        }
+    except Exception as err:  # a fact the check cannot read must not stop the script
+        return {"batch_split_unread": f"{type(err).__name__}: {err}"[:200]}
+
+
+def _build_before_the_first_step(model, args: tuple, kwargs: dict) -> dict:
+    """Builds ``model`` before ``fit``'s first step where Keras would build it inside
+    that step, so that its initial weights can be read at the step's start.
+
+    On TensorFlow without a strategy of its own (one device), Keras builds a model that
+    has no ``keras.Input`` (a subclassed one) while tracing its first step; with one
+    (``N devices``, ``N workers``) and on JAX, ``fit`` builds it first from the spec of
+    a batch (``Trainer._symbolic_build``). This calls that same build, from the spec of
+    ``fit``'s input, so that one device starts as the others do. A fact says when it
+    could not (an input whose spec is unknown without reading it).
+    """
+    from tfdist.core import upstream
+
+    if model.built or backends.name() != "tensorflow":
+        return {}
+    if upstream.keras_model_strategy_or_none(model) is not None:
+        return {}  # fit builds it before its first step (see above)
+    try:
+        batch = _symbolic_batch(args, kwargs)
+        if batch is None:
+            return {"unbuilt": "fit's input tells no batch spec: a generator or PyDataset"}
+        with model.distribute_strategy.scope():
+            upstream.keras_symbolic_build(model, batch)
+    except Exception as err:  # the check must not stop the script: Keras builds it then
+        return {"unbuilt": f"{type(err).__name__}: {err}"[:200]}
+    return {"built_before_fit": True}
+
+
+def _symbolic_batch(args: tuple, kwargs: dict):
+    """``(x, y, sample_weight)`` of ``keras.KerasTensor`` from ``fit``'s arrays or
+    ``tf.data`` input (the batch dimension None), or None."""
+    import keras
+
+    names = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_split")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    x = given.get("x")
+    if _is_dataset(x):
+        specs = x.element_spec
+        batch = keras.tree.map_structure(
+            lambda s: keras.KerasTensor(tuple(s.shape), s.dtype.name), specs
+        )
+        return batch if isinstance(batch, tuple) else (batch,)
+    data = (x, given.get("y"), given.get("sample_weight"))
+    if not _array_leaves(data):
+        return None
+    return keras.tree.map_structure(
+        lambda a: None if a is None else keras.KerasTensor((None, *a.shape[1:]), a.dtype.name),
+        data,
+    )
 
 
 def _at_global_batch(args: tuple, kwargs: dict, batch: int) -> tuple[tuple, dict, dict]:

@@ -75,8 +75,12 @@ def model_facts(models: list) -> dict:
     made = [_make_inert(layer) for layer in drawing] if inert else []
     return {
         "batchnorm": [layer.name for layer in batchnorm],
-        "unsynchronized": [layer.name for layer in batchnorm if not layer.synchronized],
-        "random": [layer.name for layer in drawing],
+        # A frozen BatchNormalization (trainable=False) normalises with its moving
+        # statistics in training too (Keras 3): no replica's batch changes it.
+        "unsynchronized": [
+            layer.name for layer in batchnorm if not layer.synchronized and layer.trainable
+        ],
+        "random": [layer.name for layer in drawing if _draws(layer)],
         "inert": [layer.name for layer, done in zip(drawing, made, strict=False) if done],
     }
 
@@ -108,6 +112,16 @@ def _random_layers(model) -> list:
         return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
 
     return [layer for layer in all_layers(model) if draws(layer)]
+
+
+def _draws(layer) -> bool:
+    """Whether a random layer draws at all in training: a ``rate`` or ``stddev`` of 0
+    (``Dropout(0)``, ``GaussianNoise(0)``) draws nothing, so no replica can differ by it."""
+    for name in ("rate", "stddev"):
+        value = getattr(layer, name, None)
+        if isinstance(value, int | float) and value == 0:
+            return False
+    return True
 
 
 def _make_inert(layer) -> bool:

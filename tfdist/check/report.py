@@ -54,7 +54,21 @@ def _line(verdict: Verdict) -> str:
         if facts.get("loop"):
             trend = " (a custom loop: weights compared, no loss recorded)"
         return f"reference: {facts['steps']} steps{trend}"
-    return _judged_line(verdict) + _trained_on(verdict)
+    return _judged_line(verdict) + _trained_on(verdict) + _apart(verdict)
+
+
+def _apart(verdict: Verdict) -> str:
+    """``; set apart (no gradient on 1 device): conv2d/bias 4.6e-04``: the variables the
+    zero-signal rule judged (``verdict.ZERO_SIGNAL``), worst first."""
+    if not verdict.set_apart or verdict.status not in ("equal", "differs"):
+        return ""
+    worst = sorted(verdict.set_apart.items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{k} {v:.1e}" for k, v in worst[:3])
+    more = f" and {len(worst) - 3} more" if len(worst) > 3 else ""
+    return (
+        "; set apart by the zero-signal rule (no gradient on 1 device, or the moving "
+        f"statistics that follow such a variable): {shown}{more}"
+    )
 
 
 def _judged_line(verdict: Verdict) -> str:
@@ -151,6 +165,7 @@ def _verdict_json(verdict: Verdict) -> dict:
         "replicas": verdict.replicas,
         "asked_replicas": verdict.asked,
         "processes": verdict.processes,
+        "set_apart": dict(verdict.set_apart),
         "waiting_at": {str(k): v for k, v in verdict.run.waiting_at.items()},
     }
 

@@ -36,7 +36,7 @@ from tfdist.core.cluster import worker_tf_config
 from tfdist.launch.environment import free_ports
 from tfdist.launch.options import LOOPBACK
 
-__all__ = ["GLOBAL_BATCH", "Rank", "Run", "VARIANTS", "run_topology"]
+__all__ = ["GLOBAL_BATCH", "Rank", "Run", "VARIANTS", "excerpt", "run_topology"]
 
 _STOP_GRACE_S = 5.0
 # Variables of the caller's shell that would change what a run is (its cluster, its devices).
@@ -220,6 +220,29 @@ def _collect(run: Run, folder: Path, script: str) -> None:
                 first = {k[6:]: arrays[k] for k in arrays.files if k.startswith("first/")}
             run.ranks[rank] = Rank(json.loads(result.read_text()), final, initial, first)
     run.output = (folder / "output.log").read_text(errors="replace")[-4000:]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# A Keras progress bar ("1/16 ━━━━ 0s 5ms/step - loss: 1.2") and its redraws.
+_PROGRESS = re.compile(r"━|^(Epoch )?\d+/\d+(\s|$)")
+# The line that names an exception: "ValueError: ...", "jax.errors.JaxRuntimeError: ...".
+_ERROR = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)|Traceback)\b")
+
+
+def excerpt(output: str, count: int = 3) -> list[str]:
+    """The last ``count`` lines of a run's output a person needs: ANSI colour codes and
+    Keras progress-bar lines left out, and the exception's own lines (its type and
+    message) kept when they lie further up."""
+    lines = []
+    for raw in output.replace("\r", "\n").splitlines():
+        line = _ANSI.sub("", raw).strip()
+        if line and not _PROGRESS.search(line):
+            lines.append(line)
+    errors = [i for i, line in enumerate(lines) if _ERROR.match(line)]
+    tail = lines[-count:]
+    if errors and errors[-1] < len(lines) - count:
+        tail = [lines[errors[-1]], "...", *tail] if count > 1 else [lines[errors[-1]]]
+    return tail
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
