@@ -8,6 +8,7 @@ pytest process, which stays on TensorFlow's defaults.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -201,9 +202,26 @@ def pytest_addoption(parser):
     )
 
 
+# Each test file's seconds in a full run (tools/test_order.py writes it from CI's junit).
+FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
+
+
+def _longest_files_first(items) -> None:
+    """Sorts ``items`` by their file's recorded seconds, longest first; a file's tests keep
+    their order. pytest-xdist then hands the long files out first (``--dist loadfile
+    --no-loadscope-reorder``), so no long file starts when the other process is nearly
+    done. Only the order changes: every test runs, in a fresh file scope, as before."""
+    seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
+    known = sorted(seconds.values())
+    median = known[len(known) // 2] if known else 0.0
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], median))
+
+
 def pytest_collection_modifyitems(config, items):
-    """``--backend B``: a test parametrized with another ``backend`` is deselected (it runs
-    in the session for that backend), never skipped."""
+    """The longest files first (``_longest_files_first``). ``--backend B``: a test
+    parametrized with another ``backend`` is deselected (it runs in the session for that
+    backend), never skipped."""
+    _longest_files_first(items)
     wanted = config.getoption("--backend")
     if wanted is None:
         return
