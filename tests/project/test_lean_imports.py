@@ -23,3 +23,16 @@ def test_children_skip_upstreams_optional_imports_but_not_their_own():
         ).stdout
     )
     assert full["skipped"] == {"jax": False, "matplotlib": False}, full
+
+
+def test_ci_runs_the_ray_stage_and_the_newest_jax_session_with_full_imports():
+    """Two CI stages run their children as users' processes are: every import upstream
+    makes (docs/testing.md). The probe above shows what the variable turns off."""
+    from conftest import REPO
+
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    ray = [line for line in lines if "TFDIST_RAY_STAGE=1 python -m pytest" in line]
+    newest_jax = [line for line in lines if '-s \\"$JAX_SESSION\\"' in line]
+    assert len(ray) == 1 and len(newest_jax) == 1, (ray, newest_jax)
+    for line in (*ray, *newest_jax):
+        assert "TFDIST_TEST_FULL_IMPORTS=1 " in line, line
