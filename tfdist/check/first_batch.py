@@ -25,6 +25,8 @@ Example:
 
 from __future__ import annotations
 
+from tfdist import backends
+
 __all__ = ["SPLITS", "gradient_rms", "read", "split"]
 
 # Replica counts measured: the check's topologies' usual ones.
@@ -161,14 +163,15 @@ def gradient_rms(model, x, y, sample_weight) -> dict:
     import numpy as np
 
     variables = model.trainable_variables
-    if keras.backend.backend() == "tensorflow":
+    backend = backends.name()
+    if backend == "tensorflow":
         import tensorflow as tf
 
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
         grads = tape.gradient(loss, variables)
-    elif keras.backend.backend() == "jax":
+    elif backend == "jax":
         import jax
 
         def loss_of(trainable, non_trainable):

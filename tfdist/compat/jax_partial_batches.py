@@ -31,7 +31,7 @@ import math
 
 from tfdist.compat import jax_inputs
 from tfdist.compat.partial_batches import _splittable, batch_sizes
-from tfdist.core import upstream
+from tfdist.core import roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
@@ -267,7 +267,7 @@ def _replicated_if_uneven(batch, layout):
     if mesh is None or spec is None or not shape or not len(spec) or spec[0] is None:
         return None
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    if jax.process_count() > 1:
+    if roles.jax_process().count > 1:
         if not isinstance(batch, jax_inputs.whole_batch_class()):
             return None  # this process's part of an even batch
         return jax.make_array_from_process_local_data(whole, np.asarray(batch))
@@ -297,9 +297,8 @@ def _adapter_batch_sizes(adapter, x) -> set[int] | None:
 FIXES = [
     Fix(
         KERAS_JAX_EVALUATE_PREDICT_UNEVEN_BATCHES,
-        "Keras on JAX, one process, several devices: evaluate and predict of a batch the "
-        "devices cannot split evenly (one image on 2 devices, a last batch of one) fail "
-        "with jax's IndivisibleError",
+        "Keras on JAX: evaluate and predict of a batch the devices cannot split evenly "
+        "(one image on 2 devices) fail with jax's IndivisibleError",
         on_keras_backend("jax"),
         keras_jax_evaluate_predict_uneven_batches,
         targets=targets(
@@ -310,10 +309,8 @@ FIXES = [
             "keras.src.backend.jax.distribution_lib:distribute_data_input",
         ),
         acts_where=(
-            "evaluate, predict and their *_on_batch under a keras.distribution over >1 "
-            "device, on a batch that does not divide by the replicas (several processes: "
-            "arrays, PyDataset, generators): placed whole on every device; other batches, "
-            "training, tf.data over several processes: upstream's"
+            "evaluate, predict (*_on_batch) on >1 device, a batch the replicas cannot split "
+            "(several processes: not tf.data): placed whole on every device; else upstream's"
         ),
         no_harm=(
             "tests/compat/test_empty_replicas.py::test_jax_evaluates_and_predicts_uneven_batches_as_one_device",

@@ -144,6 +144,8 @@ OUTSIDE_STATE = {
     "tfdist.compat.chief_writes._TENSORBOARD_STAGING": "weak, per callback object: its "
     "staging folder lives and dies with the callback",
     "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
+    "tfdist.compat.jax_inputs.INFERENCE": "a context variable, per evaluate or predict "
+    "call on JAX: a batch the replicas cannot split evenly is fed whole there",
     "tfdist.compat.partial_batches._TRAINING_INPUT": "a context variable, per fit call: "
     "which dataset that fit trains on, until tf.distribute cuts it",
     "tfdist.compat.partial_batches._FIT_CUT": "a context variable, per fit call: how "
