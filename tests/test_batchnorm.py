@@ -27,22 +27,40 @@ def _bn_job(**env) -> dict:
     return last_json_line(proc.stdout)
 
 
+# What each TensorFlow variant trains on: the reference on one device, the others on 2.
+TF_REPLICAS = {
+    "one": 1,
+    "synced": 2,
+    "synced_made_before": 2,
+    "explicit": 2,
+    "unsynced": 2,
+    "unsynced_again": 2,
+}
+
+
+def check_replicas(result: dict) -> None:
+    assert result["replicas"] == TF_REPLICAS, result["replicas"]
+
+
 @pytest.fixture(scope="module")
 def tf_job() -> dict:
     result = _bn_job(KERAS_BACKEND="tensorflow")
-    assert result["replicas"] == {
-        "one": 1,
-        "synced": 2,
-        "synced_made_before": 2,
-        "explicit": 2,
-        "unsynced": 2,
-        "unsynced_again": 2,
-    }
+    check_replicas(result)
     return result
 
 
 def _max_difference(result: dict, variant: str) -> float:
     return equivalence.max_difference(result["weights"]["one"], result["weights"][variant])
+
+
+def check_synced_equals_one_device(result: dict) -> None:
+    """The synchronized variants equal one device within 1e-5."""
+    # layers made before the scope are converted too: they are built inside it
+    for variant in ("synced", "synced_made_before"):
+        assert result["synchronized"][variant] == [True, True], variant
+        assert _max_difference(result, variant) < 1e-5, variant
+    # the same as writing synchronized=True in every layer
+    assert _max_difference(result, "explicit") < 1e-5
 
 
 # ----------------------------------------------------------------- unit: the argument
@@ -101,12 +119,7 @@ def test_the_unsynchronized_layer_is_warned_about_once_per_process(tf_job):
 @pytest.mark.devices
 @pytest.mark.slow
 def test_sync_batchnorm_on_2_replicas_trains_the_one_device_model(tf_job):
-    # layers made before the scope are converted too: they are built inside it
-    for variant in ("synced", "synced_made_before"):
-        assert tf_job["synchronized"][variant] == [True, True], variant
-        assert _max_difference(tf_job, variant) < 1e-5, variant
-    # the same as writing synchronized=True in every layer
-    assert _max_difference(tf_job, "explicit") < 1e-5
+    check_synced_equals_one_device(tf_job)
 
 
 # ------------------------------------------------ JAX: statistics are global already

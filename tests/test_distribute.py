@@ -118,25 +118,42 @@ def test_explicit_argument_wins_over_environment():
     assert proc.stdout.split()[-1] == "4"
 
 
+def run_fit(devices: int, **env) -> dict:
+    """fit_equivalence.py (a global batch of 32, 2 epochs) on ``devices`` logical devices."""
+    proc = run_python(
+        f"import runpy, sys; sys.argv=['x', '--global-batch', '32', '--epochs', '2'];"
+        f" runpy.run_path({str(SCRIPTS / 'fit_equivalence.py')!r}, run_name='__main__')",
+        TFDIST_CPU_DEVICES=str(devices),
+        **env,
+    )
+    return last_json_line(proc.stdout)
+
+
+def check_fit_topology(result: dict, devices: int) -> None:
+    """The process ran on ``devices`` replicas, and so did its model: one device without
+    MirroredStrategy, more with it and the model's variables mirrored."""
+    topology = (result["replicas"], result["strategy"], result["variable_type"])
+    assert result["replicas"] == devices, topology
+    if devices == 1:
+        assert result["strategy"] != "MirroredStrategy", topology
+    else:
+        assert topology[1:] == ("MirroredStrategy", "MirroredVariable"), topology
+
+
+def check_fit_weights(reference: dict, result: dict, devices: int) -> None:
+    equivalence.assert_close(reference["weights"], result["weights"], 1e-5, f"{devices}")
+
+
 @pytest.mark.devices
 @pytest.mark.slow
 def test_fit_gives_the_same_weights_on_1_2_and_4_logical_devices():
-    results = {}
+    results = {n: run_fit(n) for n in (1, 2, 4)}
     for n in (1, 2, 4):
-        proc = run_python(
-            f"import runpy, sys; sys.argv=['x', '--global-batch', '32', '--epochs', '2'];"
-            f" runpy.run_path({str(SCRIPTS / 'fit_equivalence.py')!r}, run_name='__main__')",
-            TFDIST_CPU_DEVICES=str(n),
-        )
-        results[n] = last_json_line(proc.stdout)
-    assert [results[n]["replicas"] for n in (1, 2, 4)] == [1, 2, 4]
-    assert results[1]["strategy"] != "MirroredStrategy"
-    assert results[2]["strategy"] == results[4]["strategy"] == "MirroredStrategy"
-    assert results[2]["variable_type"] == "MirroredVariable"
+        check_fit_topology(results[n], n)
     # training happened: the loss fell
     assert results[1]["loss"][-1] < results[1]["loss"][0]
     for n in (2, 4):
-        equivalence.assert_close(results[1]["weights"], results[n]["weights"], 1e-5, f"{n}")
+        check_fit_weights(results[1], results[n], n)
 
 
 def test_cli_help_does_not_import_tensorflow():

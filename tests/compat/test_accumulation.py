@@ -24,20 +24,28 @@ def max_diff(a, b) -> float:
     return equivalence.max_difference(a, b)
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict:
-    """1 device and 2 logical devices, side by side (most of each is TensorFlow's import)."""
-    procs = {
-        devices: popen_python(str(SCRIPT), TFDIST_CPU_DEVICES=devices) for devices in ("1", "2")
-    }
+def run_side_by_side(envs: dict[str, dict]) -> dict[str, dict]:
+    """The job once per ``{name: environment}``, side by side (most of each is
+    TensorFlow's import): ``{name: result}``."""
+    procs = {name: popen_python(str(SCRIPT), **env) for name, env in envs.items()}
     try:
-        outputs = {devices: proc.communicate(timeout=300) for devices, proc in procs.items()}
+        outputs = {name: proc.communicate(timeout=300) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.kill()
-    for devices, proc in procs.items():
-        assert proc.returncode == 0, outputs[devices][1][-5000:]
-    return {devices: last_json_line(out) for devices, (out, _) in outputs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, outputs[name][1][-5000:]
+    return {name: last_json_line(out) for name, (out, _) in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """1 device and 2 logical devices, side by side."""
+    return run_side_by_side({devices: {"TFDIST_CPU_DEVICES": devices} for devices in ("1", "2")})
+
+
+def check_topology(result: dict, replicas: int) -> None:
+    assert result["replicas"] == replicas, f"ran on {result['replicas']} replica(s), not {replicas}"
 
 
 def assert_like_one_device(result: dict, reference: dict) -> None:
@@ -61,7 +69,8 @@ def assert_like_one_device(result: dict, reference: dict) -> None:
 @pytest.mark.slow
 def test_two_devices_reduce_once_per_window_and_equal_one_device(runs):
     reference, mirrored = runs["1"], runs["2"]
-    assert reference["replicas"] == 1 and mirrored["replicas"] == 2
+    check_topology(reference, 1)
+    check_topology(mirrored, 2)
     # Accumulation did something: the same optimizer without it ends elsewhere.
     assert (
         max_diff(reference["weights"]["sgd_momentum"], reference["weights"]["sgd_momentum_plain"])
@@ -81,5 +90,5 @@ def test_two_workers_reduce_once_per_window_and_equal_one_device(runs):
     proc = launch_cli("-n", "2", SCRIPT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     workers = last_json_line(proc.stdout.replace("[w0] ", ""))
-    assert workers["replicas"] == 2
+    check_topology(workers, 2)
     assert_like_one_device(workers, runs["1"])

@@ -47,6 +47,20 @@ def max_diff(a, b) -> float:
     return equivalence.max_difference(a, b)
 
 
+def check_mirrored(result: dict) -> None:
+    """The fix applied, and the job trained on a MirroredStrategy of 2 replicas."""
+    assert clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in result["applied"]
+    topology = (result["replicas"], result["strategy"])
+    assert topology == (2, "MirroredStrategy"), topology
+
+
+def check_weights(result: dict, one_device: dict, what: str) -> None:
+    """Every variant the job trained equals one device's within ``TOL``."""
+    weights = result["weights"]
+    diffs = {variant: max_diff(w, one_device[variant]) for variant, w in weights.items()}
+    equivalence.assert_within(diffs, TOL, what)
+
+
 @pytest.fixture(scope="module")
 def one_device() -> dict:
     """Every variant's weights on one device: what the other topologies must reproduce."""
@@ -104,11 +118,8 @@ def test_two_devices_clip_as_one_device_under_tfdist_and_a_hand_built_strategy(o
     assert set(tfdist_scope["weights"]) == set(one_device)  # every variant
     assert set(hand_built["weights"]) == set(HAND_BUILT)
     for result in (tfdist_scope, hand_built):
-        assert clipping.KERAS_TF_CLIP_AFTER_ALL_REDUCE in result["applied"]
-        assert result["replicas"] == 2 and result["strategy"] == "MirroredStrategy"
-        weights = result["weights"]
-        diffs = {variant: max_diff(w, one_device[variant]) for variant, w in weights.items()}
-        equivalence.assert_within(diffs, TOL, result["strategy"])
+        check_mirrored(result)
+        check_weights(result, one_device, result["strategy"])
 
 
 @pytest.mark.devices

@@ -1,5 +1,6 @@
 """``compile(jit_compile=True)`` under a strategy: fit and evaluate are refused before the
-first step with an error naming ``jit_compile=False``; predict and one device work.
+first step with an error naming ``jit_compile=False``; predict gives one device's
+predictions, and one device works.
 
 Upstream, XLA compiles Keras's whole distributed step onto one device: a graph-execution
 error after start-up (keras#19005), shown with the fix excluded.
@@ -11,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, launch_cli, run_python
+from conftest import SCRIPTS, equivalence, launch_cli, run_python
 
 JOB = SCRIPTS / "jit_compile_job.py"
 FIX = "keras_tf_jit_compile_refused_under_strategy"
@@ -33,22 +34,41 @@ def _run(topology: str, **env) -> dict:
     return _result(run_python(code, timeout=300, **env).stdout)
 
 
-@pytest.mark.devices
-@pytest.mark.multiworker
-@pytest.mark.parametrize("topology, replicas, workers", [("2 devices", 2, 1), ("2 workers", 2, 2)])
-def test_jit_compile_is_refused_before_the_first_step(topology, replicas, workers):
-    result = _run(topology)
-    assert (result["replicas"], result["workers"]) == (replicas, workers)
-    assert result["predict"] == "ok"
+def check_topology(result: dict, replicas: int, workers: int) -> None:
+    assert (result["replicas"], result["workers"]) == (replicas, workers), result
+
+
+def check_refused(result: dict, one_device: dict, replicas: int) -> None:
+    """predict gives one device's predictions; evaluate and fit are refused, naming
+    ``jit_compile=False``."""
+    assert result["predict"] == "ok", result["predict"]
+    equivalence.assert_close(one_device["predictions"], result["predictions"], 1e-5, "predict")
     for call in ("evaluate", "fit"):
         assert result[call].startswith("ValueError: tfdist: compile(jit_compile=True)")
         assert "jit_compile=False" in result[call] and f"{replicas} replicas" in result[call]
 
 
-@pytest.mark.devices
-def test_jit_compile_on_one_device_is_untouched():
+@pytest.fixture(scope="module")
+def one_device() -> dict:
     result = _run("1 device")
-    assert result == {"replicas": 1, "workers": 1, "predict": "ok", "evaluate": "ok", "fit": "ok"}
+    check_topology(result, 1, 1)
+    return result
+
+
+@pytest.mark.devices
+@pytest.mark.multiworker
+@pytest.mark.parametrize("topology, replicas, workers", [("2 devices", 2, 1), ("2 workers", 2, 2)])
+def test_jit_compile_is_refused_before_the_first_step(one_device, topology, replicas, workers):
+    result = _run(topology)
+    check_topology(result, replicas, workers)
+    check_refused(result, one_device, replicas)
+
+
+@pytest.mark.devices
+def test_jit_compile_on_one_device_is_untouched(one_device):
+    calls = {call: one_device[call] for call in ("predict", "evaluate", "fit")}
+    assert calls == {"predict": "ok", "evaluate": "ok", "fit": "ok"}
+    assert len(one_device["predictions"]) == 64
 
 
 @pytest.mark.devices

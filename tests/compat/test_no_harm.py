@@ -93,14 +93,16 @@ def _reference(cell: str) -> dict:
     return _cell("jax 1 device" if _spec(cell)[3] == "jax" else "1 device")[0]
 
 
-@functools.cache
-def _stdout(name: str) -> str:
-    """The output of one cell's job (every worker's, under ``tfdist launch``)."""
+def run_cell(name: str, cases=None, **env) -> str:
+    """The output of one cell's job (every worker's, under ``tfdist launch``): ``cases``,
+    or the cell's own (every case on TensorFlow, ``JAX_CASES`` on JAX, the full-batch
+    cases with the fixes off); ``env`` added to the cell's environment."""
     replicas, workers, fixes, backend = _spec(name)
-    env = {"KERAS_BACKEND": backend}
+    env = {"KERAS_BACKEND": backend, **env}
     if fixes == "off":
         env["TFDIST_COMPAT_EXCLUDE"] = "all"
-    cases = JAX_CASES if backend == "jax" else FULL_BATCH_CASES if fixes == "off" else ()
+    if cases is None:
+        cases = JAX_CASES if backend == "jax" else FULL_BATCH_CASES if fixes == "off" else ()
     if workers > 1:
         if replicas > workers:
             env["TFDIST_CPU_DEVICES"] = str(replicas // workers)
@@ -114,10 +116,14 @@ def _stdout(name: str) -> str:
 
 
 @functools.cache
-def _cell(name: str) -> dict:
-    """``{worker: {case: result}}`` of one cell."""
+def _stdout(name: str) -> str:
+    return run_cell(name)
+
+
+def check_reports(name: str, reports: dict) -> None:
+    """Every worker reported, no case failed where it should not, and each case's own
+    model trained on the cell's replicas and workers."""
     replicas, workers, _, _ = _spec(name)
-    reports = _reports(_stdout(name))
     assert sorted(reports) == list(range(workers)), f"{name}: reports from {sorted(reports)}"
     for worker, found in reports.items():
         for case, result in found.items():
@@ -127,6 +133,13 @@ def _cell(name: str) -> dict:
             assert "error" not in result, f"{name}, worker {worker}, {case}: {result['error']}"
             topology = (result["replicas"], result["workers"])
             assert topology == (replicas, workers), (name, worker, case, topology)
+
+
+@functools.cache
+def _cell(name: str) -> dict:
+    """``{worker: {case: result}}`` of one cell."""
+    reports = _reports(_stdout(name))
+    check_reports(name, reports)
     return reports
 
 
@@ -142,6 +155,14 @@ def _difference(reference: dict, got: dict, case: str) -> tuple[float, float]:
     return worst, loss
 
 
+def check_case(where: str, reference: dict, result: dict, case: str) -> None:
+    """One case's weights and loss history equal one device's."""
+    weights, loss = _difference(reference, result, case)
+    assert weights <= WEIGHTS_TOLERANCE, f"{where}: weights differ by {weights:.3g}"
+    tolerance = LOSS_TOLERANCE.get(case, WEIGHTS_TOLERANCE)
+    assert loss <= tolerance, f"{where}: loss history differs by {loss:.3g}"
+
+
 @pytest.mark.parametrize("cell", [c for c, spec in CELLS.items() if spec[2] == "on"])
 def test_every_case_equals_one_device_with_the_fixes(cell):
     reference = _reference(cell)
@@ -152,10 +173,7 @@ def test_every_case_equals_one_device_with_the_fixes(cell):
             if cell in REFUSED.get(case, ()):
                 assert re.search(REFUSAL, result.get("error", ""), re.S), (where, result)
                 continue
-            weights, loss = _difference(reference[case], result, case)
-            assert weights <= WEIGHTS_TOLERANCE, f"{where}: weights differ by {weights:.3g}"
-            tolerance = LOSS_TOLERANCE.get(case, WEIGHTS_TOLERANCE)
-            assert loss <= tolerance, f"{where}: loss history differs by {loss:.3g}"
+            check_case(where, reference[case], result, case)
 
 
 @pytest.mark.parametrize("cell", [c for c, spec in CELLS.items() if spec[2] == "off"])

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from conftest import SCRIPTS, launch_cli, run_python
+from conftest import SCRIPTS, equivalence, launch_cli, run_python
 
 JOB = SCRIPTS / "optimizer_build_job.py"
 FIX = "keras_tf_optimizer_built_across_replicas"
@@ -31,28 +30,43 @@ def _result(stdout: str) -> dict:
     return json.loads(line[line.index("OPTBUILD ") + len("OPTBUILD ") :])
 
 
-def _run(topology: str, **env) -> dict:
+def _run(topology: str, *cases: str, **env) -> dict:
+    """The job on ``topology``: ``cases``, or every case."""
     if topology == "2 workers":
-        proc = launch_cli("-n", "2", str(JOB), timeout=300, **env)
+        proc = launch_cli("-n", "2", str(JOB), *cases, timeout=300, **env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return _result(proc.stdout)
     env["TFDIST_CPU_DEVICES"] = {"1 device": "1", "4 devices": "4"}[topology]
-    code = f"import runpy; runpy.run_path({str(JOB)!r}, run_name='__main__')"
+    argv = [str(JOB), *cases]
+    code = (
+        f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
     return _result(run_python(code, timeout=300, **env).stdout)
 
 
 def _distance(weights, reference) -> float:
-    """The largest difference between two weight lists; inf when either is not finite."""
-    arrays = [(np.asarray(a), np.asarray(b)) for a, b in zip(weights, reference, strict=True)]
-    if not all(np.isfinite(a).all() and np.isfinite(b).all() for a, b in arrays):
-        return float("inf")
-    return max(float(np.max(np.abs(a - b))) for a, b in arrays)
+    """The largest difference between two weight lists (a non-finite value raises)."""
+    return equivalence.max_difference(reference, weights)
+
+
+def check_topology(result: dict, replicas: int, workers: int) -> None:
+    assert (result["replicas"], result["workers"]) == (replicas, workers), result
+
+
+def check_cases(result: dict, one_device: dict, cases=CASES) -> None:
+    """Each case trained without an error and equals one device within 1e-5."""
+    assert sorted(result["cases"]) == sorted(cases), sorted(result["cases"])
+    for case in cases:
+        weights = result["cases"][case]
+        assert not isinstance(weights, str), f"{case}: {weights}"
+        distance = _distance(weights, one_device[case])
+        assert distance < 1e-5, f"{case}: differs by {distance:.3g}"
 
 
 @pytest.fixture(scope="module")
 def one_device() -> dict:
     result = _run("1 device")
-    assert (result["replicas"], result["workers"]) == (1, 1)
+    check_topology(result, 1, 1)
     assert all(not isinstance(result["cases"][case], str) for case in CASES), result["cases"]
     return result["cases"]
 
@@ -65,11 +79,8 @@ def test_a_loop_whose_optimizer_builds_itself_equals_one_device(
     one_device, topology, replicas, workers
 ):
     result = _run(topology)
-    assert (result["replicas"], result["workers"]) == (replicas, workers)
-    for case in CASES:
-        weights = result["cases"][case]
-        assert not isinstance(weights, str), f"{case}: {weights}"
-        assert _distance(weights, one_device[case]) < 1e-5, case
+    check_topology(result, replicas, workers)
+    check_cases(result, one_device)
 
 
 @pytest.mark.devices

@@ -27,6 +27,16 @@ its fault tests live beside the clusters they need, in tests/e2e/test_slurm.py (
 every worker by that file's ``check_result``. The Ray job (the docs' ``TensorflowTrainer``
 code block, run by tests/scripts/ray_faults.py) takes ``nan``: tests/e2e/test_ray.py,
 which runs only in CI's Ray stage, shows its equivalence check fail on it.
+
+The equivalence jobs of the compat fixes and of ``fit`` take ``nan`` and one topology
+fault each; each runs once per fault on its smallest case beside one reference run, and
+its own file's checks catch each fault: ``outside_distribution`` by the case's own model in
+the no-harm job (tests/compat/test_no_harm.py) and by the model's variable type in
+fit_equivalence.py (tests/test_distribute.py); ``one_device`` by the process's replicas in
+the optimizer-build loop (test_optimizer_build.py), the accumulation (test_accumulation.py),
+clipping (test_clipping.py), BatchNormalization (tests/test_batchnorm.py), epoch-start
+(test_epoch_start.py) and jit_compile (test_jit_compile.py: its ``nan`` is in predict's
+outputs, which that file compares with one device's) jobs.
 """
 
 from __future__ import annotations
@@ -39,7 +49,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import test_batchnorm as batchnorm
 import test_custom_loops as loops
+import test_distribute as distribute
 import test_idioms
 import test_resume_world_size as world_size
 
@@ -48,7 +60,13 @@ from conftest import REPO, SCRIPTS, equivalence
 # tests/compat's suites, importable when this file runs alone too (pytest puts a test
 # file's folder on sys.path only when it collects that file).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat"))
+import test_accumulation as accumulation  # noqa: E402
+import test_clipping as clipping  # noqa: E402
+import test_epoch_start as epoch_start  # noqa: E402
 import test_jax_inputs as jax_inputs  # noqa: E402
+import test_jit_compile as jit_compile  # noqa: E402
+import test_no_harm as no_harm  # noqa: E402
+import test_optimizer_build as optimizer_build  # noqa: E402
 import test_partial_batches as partial  # noqa: E402
 import test_steps_per_execution as spe  # noqa: E402
 import test_user_saves as user_saves  # noqa: E402
@@ -434,6 +452,264 @@ def test_each_fault_in_the_jax_loop_fails_that_files_check(jax_loop_runs):
     assert loops.max_diff(distributed["weights"], reference["weights"]) <= loops.TOLERANCE
     with pytest.raises(AssertionError, match=r"'distributed\.state_devices', 1, 4"):
         loops.check_single(loops.JAX_LOOP, outside)
+
+
+# ------------------------------------------------------------------ the equivalence jobs
+# Each job runs once per fault on its smallest case, beside one reference run (none for
+# bn_job.py, which trains its one-device variant in the same process); a check is shown
+# to pass on the run whose fault it does not target (the NaN run ran on its topology, a
+# run on one device has one device's numbers), so no clean run is needed besides.
+
+FAULT = {name: env for name, (_, env) in FAULT_RUNS.items() if env}
+
+
+def two_at_a_time(run, jobs: dict[str, tuple]) -> dict:
+    """``run(*args)`` for each ``{name: args}``, 2 at a time: ``{name: result}``."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(run, *args) for name, args in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+NO_HARM_CASE = "sample weights"  # a Dense regression: the job's smallest case
+
+
+@pytest.fixture(scope="module")
+def no_harm_runs() -> dict[str, dict]:
+    """The no-harm job on TensorFlow, one case, each run as ``{worker: {case: result}}``."""
+
+    def run(cell: str, env: dict) -> dict:
+        return no_harm._reports(no_harm.run_cell(cell, [NO_HARM_CASE], **env))
+
+    jobs = {
+        "reference": ("1 device", {}),
+        "nan": ("2 devices", FAULT["nan"]),
+        "outside": ("2 devices", FAULT["outside"]),
+    }
+    return two_at_a_time(run, jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_no_harm_job_fails_that_files_checks(no_harm_runs):
+    reference = no_harm_runs["reference"]
+    no_harm.check_reports("1 device", reference)
+    one = reference[0][NO_HARM_CASE]
+
+    nan = no_harm_runs["nan"]
+    no_harm.check_reports("2 devices", nan)  # its model ran on 2 devices
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        no_harm.check_case("nan", one, nan[0][NO_HARM_CASE], NO_HARM_CASE)
+    # One device's numbers in a process on 2: only what the case's own model ran on tells.
+    outside = no_harm_runs["outside"]
+    no_harm.check_case("outside", one, outside[0][NO_HARM_CASE], NO_HARM_CASE)
+    with pytest.raises(AssertionError, match=r"\('2 devices', 0, 'sample weights', \(1, 1\)\)"):
+        no_harm.check_reports("2 devices", outside)
+
+
+OPTIMIZER_BUILD_CASE = "adam builds itself"  # the fix's own case
+
+
+@pytest.fixture(scope="module")
+def optimizer_build_runs() -> dict[str, dict]:
+    """The optimizer-build loop on TensorFlow, one case, on the file's "4 devices"."""
+
+    def run(topology: str, env: dict) -> dict:
+        return optimizer_build._run(topology, OPTIMIZER_BUILD_CASE, **env)
+
+    jobs = {
+        "reference": ("1 device", {}),
+        "nan": ("4 devices", FAULT["nan"]),
+        "one_device": ("4 devices", FAULT["one_device"]),
+    }
+    return two_at_a_time(run, jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_optimizer_build_loop_fails_that_files_checks(optimizer_build_runs):
+    reference = optimizer_build_runs["reference"]
+    optimizer_build.check_topology(reference, 1, 1)
+    one, cases = reference["cases"], [OPTIMIZER_BUILD_CASE]
+
+    nan = optimizer_build_runs["nan"]
+    optimizer_build.check_topology(nan, 4, 1)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        optimizer_build.check_cases(nan, one, cases)
+    run = optimizer_build_runs["one_device"]
+    optimizer_build.check_cases(run, one, cases)  # one device's numbers are one device's
+    with pytest.raises(AssertionError, match=r"'replicas': 1"):
+        optimizer_build.check_topology(run, 4, 1)
+
+
+@pytest.fixture(scope="module")
+def accumulation_runs() -> dict[str, dict]:
+    """The gradient-accumulation job (every variant: it takes no case) on TensorFlow."""
+
+    def run(env: dict) -> dict:
+        return accumulation.run_side_by_side({"run": env})["run"]
+
+    jobs = {
+        "reference": ({"TFDIST_CPU_DEVICES": "1"},),
+        "nan": ({"TFDIST_CPU_DEVICES": "2", **FAULT["nan"]},),
+        "one_device": ({"TFDIST_CPU_DEVICES": "2", **FAULT["one_device"]},),
+    }
+    return two_at_a_time(run, jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_accumulation_job_fails_that_files_checks(accumulation_runs):
+    reference = accumulation_runs["reference"]
+    accumulation.check_topology(reference, 1)
+
+    nan = accumulation_runs["nan"]
+    accumulation.check_topology(nan, 2)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        accumulation.assert_like_one_device(nan, reference)
+    run = accumulation_runs["one_device"]
+    assert accumulation.max_diff(run["weights"], reference["weights"]) < accumulation.TOL
+    with pytest.raises(AssertionError, match="ran on 1 replica"):
+        accumulation.check_topology(run, 2)
+
+
+CLIP_VARIANT = "global_clipnorm"
+
+
+@pytest.fixture(scope="module")
+def clip_runs() -> dict[str, dict]:
+    """The clipping job on TensorFlow under tfdist.scope(), one variant."""
+
+    def run(devices: str, env: dict) -> dict:
+        return clipping.run_job("--variants", CLIP_VARIANT, TFDIST_CPU_DEVICES=devices, **env)
+
+    jobs = {
+        "reference": ("1", {}),
+        "nan": ("2", FAULT["nan"]),
+        "one_device": ("2", FAULT["one_device"]),
+    }
+    return two_at_a_time(run, jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_clipping_job_fails_that_files_checks(clip_runs):
+    reference = clip_runs["reference"]
+    assert reference["replicas"] == 1  # as that file's one_device fixture asserts
+    one = reference["weights"]
+
+    nan = clip_runs["nan"]
+    clipping.check_mirrored(nan)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        clipping.check_weights(nan, one, "nan")
+    run = clip_runs["one_device"]
+    clipping.check_weights(run, one, "one_device")  # one device's numbers are one device's
+    with pytest.raises(AssertionError, match=r"\(1, '"):
+        clipping.check_mirrored(run)
+
+
+@pytest.fixture(scope="module")
+def batchnorm_runs() -> dict[str, dict]:
+    """bn_job.py on TensorFlow, a run per fault (its one-device variant is its reference)."""
+
+    def run(env: dict) -> dict:
+        return batchnorm._bn_job(KERAS_BACKEND="tensorflow", **env)
+
+    return two_at_a_time(run, {name: (FAULT[name],) for name in ("nan", "one_device")})
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_batchnorm_job_fails_that_files_checks(batchnorm_runs):
+    nan = batchnorm_runs["nan"]
+    batchnorm.check_replicas(nan)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        batchnorm.check_synced_equals_one_device(nan)
+    # Every variant trained on one device: each equals the one-device variant.
+    run = batchnorm_runs["one_device"]
+    for variant in batchnorm.TF_REPLICAS:
+        assert batchnorm._max_difference(run, variant) < 1e-5, variant
+    with pytest.raises(AssertionError, match=r"'synced': 1"):
+        batchnorm.check_replicas(run)
+
+
+@pytest.fixture(scope="module")
+def epoch_start_runs() -> dict[str, dict]:
+    """The epoch-start job on 2 devices: upstream's run (the file's reference: the fix
+    changes no number), and a run per fault with the fix."""
+    jobs = {
+        "upstream": (lambda: epoch_start.run(2, exclude=epoch_start.FIX),),
+        "nan": (lambda: epoch_start.run_job(2, **FAULT["nan"]),),
+        "one_device": (lambda: epoch_start.run_job(2, **FAULT["one_device"]),),
+    }
+    return two_at_a_time(lambda job: job(), jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_epoch_start_job_fails_that_files_checks(epoch_start_runs):
+    upstream = epoch_start_runs["upstream"]
+    nan = epoch_start_runs["nan"]
+    epoch_start.check_topology(nan, 2)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        epoch_start.check_training_unchanged(upstream, nan)
+    with pytest.raises(AssertionError, match=r"'replicas': 1"):
+        epoch_start.check_topology(epoch_start_runs["one_device"], 2)
+
+
+@pytest.fixture(scope="module")
+def fit_runs() -> dict[str, dict]:
+    """fit_equivalence.py as tests/test_distribute.py runs it."""
+    jobs = {
+        "reference": (1, {}),
+        "nan": (2, FAULT["nan"]),
+        "outside": (2, FAULT["outside"]),
+    }
+    return two_at_a_time(lambda devices, env: distribute.run_fit(devices, **env), jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_fit_job_fails_that_files_checks(fit_runs):
+    reference = fit_runs["reference"]
+    distribute.check_fit_topology(reference, 1)
+
+    nan = fit_runs["nan"]
+    distribute.check_fit_topology(nan, 2)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        distribute.check_fit_weights(reference, nan, 2)
+    # One device's numbers, in a process on 2: only the model's variables tell.
+    outside = fit_runs["outside"]
+    distribute.check_fit_weights(reference, outside, 2)
+    assert (outside["replicas"], outside["strategy"]) == (2, "MirroredStrategy")
+    with pytest.raises(AssertionError, match=r"\(2, 'MirroredStrategy', '(?!MirroredVariable)"):
+        distribute.check_fit_topology(outside, 2)
+
+
+@pytest.fixture(scope="module")
+def jit_compile_runs() -> dict[str, dict]:
+    """The jit_compile job on TensorFlow."""
+    jobs = {
+        "reference": ("1 device", {}),
+        "nan": ("2 devices", FAULT["nan"]),
+        "one_device": ("2 devices", FAULT["one_device"]),
+    }
+    return two_at_a_time(lambda topology, env: jit_compile._run(topology, **env), jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.devices
+def test_each_fault_in_the_jit_compile_job_fails_that_files_checks(jit_compile_runs):
+    reference = jit_compile_runs["reference"]
+    jit_compile.check_topology(reference, 1, 1)
+
+    nan = jit_compile_runs["nan"]
+    jit_compile.check_topology(nan, 2, 1)
+    with pytest.raises(NotEquivalent, match="non-finite"):
+        jit_compile.check_refused(nan, reference, 2)
+    run = jit_compile_runs["one_device"]
+    equivalence.assert_close(reference["predictions"], run["predictions"], 1e-5)
+    with pytest.raises(AssertionError, match=r"'replicas': 1"):
+        jit_compile.check_topology(run, 2, 1)
 
 
 def test_the_mnist_rule_is_only_conftests():

@@ -138,6 +138,7 @@ def test_same_weights_on_1_device_2_devices_2_workers_and_2x2(reference):
     grid = worker_results(launch_cli("-n", "2", "--devices-per-worker", "2", script, *FLAGS))
 
     assert devices["replicas"] == 2 and devices["strategy"] == "MirroredStrategy"
+    assert devices["variable_type"] == "MirroredVariable"  # the model's, not the process's
     assert_same(devices, reference)
     for results, replicas in ((workers, 2), (grid, 4)):
         assert set(results) == {"[w0]", "[w1]"}

@@ -13,15 +13,25 @@ all-reduces that ran, counted at run time: each call of the strategy's
 so a call inside a ``tf.cond`` branch counts only when the branch runs), ``replicas``,
 and ``mid_window``: a model saved after 6 micro-steps (2 into a window), loaded and
 trained on (its saved accumulators, its weights, and the same epoch run straight).
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``one_device``) injects a fault
+tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 import json
 import os
+import sys
 import tempfile
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
 
 K = 4
 GLOBAL_BATCH = 32
@@ -71,7 +81,10 @@ def train(make_optimizer):
     counter.assign(0)
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
     windows = EPOCHS * EXAMPLES // GLOBAL_BATCH // K
-    return [w.tolist() for w in model.get_weights()], int(counter.numpy()) / windows
+    weights = model.get_weights()
+    if faults.active("nan"):
+        weights[0].flat[0] = np.nan
+    return [w.tolist() for w in weights], int(counter.numpy()) / windows
 
 
 def build(make_optimizer):

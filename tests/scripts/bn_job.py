@@ -16,18 +16,30 @@ warn run before the first that must.
 Printed: {"backend", "replicas": {variant: n}, "weights": {variant: [each weight,
 flattened]}, "synchronized": {variant: [each BatchNormalization's flag]}, "warnings":
 {variant: [UnsyncedBatchNormWarning messages]}, "debug": [tfdist.batchnorm debug logs]}.
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan`` in every variant's weights but
+``one``'s, ``one_device``) injects a fault tests/e2e/test_checks_catch_faults.py must see
+caught.
 """
 
 import contextlib
 import json
 import logging
+import os
+import sys
 import warnings
+from pathlib import Path
 
-import keras
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
-from tfdist import batchnorm
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist import batchnorm  # noqa: E402
 
 BACKEND = keras.backend.backend()
 rng = np.random.default_rng(0)
@@ -109,6 +121,8 @@ for name, (scope, bn, made_before) in VARIANTS.items():
             result["replicas"][name] = 1 if one else tfdist.num_replicas()
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
     result["weights"][name] = [w.ravel().tolist() for w in model.get_weights()]
+    if faults.active("nan") and name != "one":
+        result["weights"][name][0][0] = float("nan")
     result["synchronized"][name] = [
         layer.synchronized
         for layer in model.layers

@@ -13,16 +13,27 @@ collectives alike and can collide ("Shape mismatch in the collective instance").
 
 Printed: {"applied": fixes applied, "replicas": n, "strategy": class name,
 "weights": {variant: every weight, flattened}, "worker": TF_CONFIG index}.
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``one_device``) injects a fault
+tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 import argparse
 import json
+import os
+import sys
+from pathlib import Path
 
-import numpy as np
-import tensorflow as tf
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
-from tfdist import compat
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist import compat  # noqa: E402
 
 
 def optimizers(keras):
@@ -68,7 +79,10 @@ def train(variant: str) -> list[float]:
     )
     model.compile(makers[variant](), "mse", run_eagerly=variant.endswith("_eager"))
     model.fit(x, y, batch_size=args.global_batch, epochs=2, shuffle=False, verbose=0)
-    return np.concatenate([w.ravel() for w in model.get_weights()]).tolist()
+    weights = np.concatenate([w.ravel() for w in model.get_weights()])
+    if faults.active("nan"):
+        weights[0] = np.nan
+    return weights.tolist()
 
 
 # As users write it: tfdist's scope, or a MirroredStrategy built by hand (no tfdist call).

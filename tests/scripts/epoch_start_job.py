@@ -8,19 +8,28 @@ then evaluates and predicts; then fits one epoch on the same pipeline with
 ``options.autotune.enabled = True`` set by the user. Records, for every host pipeline an
 ``OwnedMultiDeviceIterator`` iterates and every per-device dataset it builds, the
 ``autotune.enabled`` option (None: tf.data's default, on). Prints one ``EPOCH_START {json}``
-line.
+line. ``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``one_device``) injects a
+fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 import json
+import os
 import sys
+from pathlib import Path
 
-import keras
-import numpy as np
-import tensorflow as tf
-from tensorflow.python.data.ops import dataset_ops, multi_device_iterator_ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
-import tfdist.compat
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.python.data.ops import dataset_ops, multi_device_iterator_ops  # noqa: E402
+
+import tfdist  # noqa: E402
+import tfdist.compat  # noqa: E402
 
 tfdist.compat.apply_all()  # the fixes first: the spies below wrap them
 
@@ -88,6 +97,9 @@ for values in seen.values():
 chosen = tf.data.Options()
 chosen.autotune.enabled = True
 model.fit(train.with_options(chosen), epochs=1, verbose=0)
+weights = model.get_weights()
+if faults.active("nan"):
+    weights[0].flat[0] = np.nan
 
 print(
     "EPOCH_START "
@@ -100,7 +112,7 @@ print(
                 **{key: list(values) for key, values in history.history.items()},
                 **{f"evaluate {key}": value for key, value in evaluated.items()},
                 "predict": predicted.tolist(),
-                **{f"w{i}": w.tolist() for i, w in enumerate(model.get_weights())},
+                **{f"w{i}": w.tolist() for i, w in enumerate(weights)},
             },
         }
     ),

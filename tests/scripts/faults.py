@@ -24,6 +24,15 @@ device each too), and the Ray Train job (``nan``, injected by tests/scripts/ray_
 into the docs' script). tests/e2e/test_checks_catch_faults.py runs the jobs with each fault
 and shows the matching check fails; tests/e2e/test_slurm.py, test_kubernetes.py and
 test_ray.py do so for their engines' jobs, on their own clusters.
+
+The equivalence jobs honour ``nan`` and the one topology fault their test's checks can
+see: ``outside_distribution`` where the test asserts what each model trained on (the
+no-harm job, tests/scripts/no_harm_job.py: each case's own strategy; fit_equivalence.py:
+its model's variable type), ``one_device`` where it asserts the process's replicas (the
+optimizer-build loop, the accumulation, clipping, BatchNormalization (``nan`` in every
+variant but the one-device reference), epoch-start and jit_compile jobs; the jit_compile
+job reports no trained weights, fit being refused under a strategy: its ``nan`` is one in
+its predictions).
 """
 
 from __future__ import annotations

@@ -12,15 +12,23 @@ Always printed: replicas, strategy, variable_type, loss (per epoch), weights. Wi
 --predict: predict (outputs on that data, in order); with --accumulate K: a second
 model trained with ``SGD(gradient_accumulation_steps=K)``, its accumulated_loss and
 accumulated_weights. Also worker (TF_CONFIG task index, 0 without a cluster).
+
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``outside_distribution``) injects a
+fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 import argparse
+import contextlib
 import json
+import sys
+from pathlib import Path
 
-import numpy as np
-import tensorflow as tf
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
-import tfdist
+import tfdist  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--global-batch", type=int, default=32)
@@ -47,6 +55,11 @@ y_val = (x_val @ w_true).astype("float32")
 metrics = ["mae"] if (args.validation or args.evaluate) else []
 
 
+def _scope():
+    """``tfdist.scope()``; nothing under the ``outside_distribution`` fault."""
+    return contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope()
+
+
 def build(accumulate=None):
     # Same seed for every model: the two models start from the same weights.
     keras.utils.set_random_seed(0)
@@ -58,7 +71,7 @@ def build(accumulate=None):
     return model
 
 
-with tfdist.scope():
+with _scope():
     model = build()
     mirrored = type(model.weights[0].value).__name__
 
@@ -71,13 +84,16 @@ history = model.fit(
     verbose=0,
     validation_data=(x_val, y_val) if args.validation else None,
 )
+weights = model.get_weights()
+if faults.active("nan"):
+    weights[0].flat[0] = np.nan
 result = {
     "replicas": tfdist.num_replicas(),
     "strategy": type(tfdist.strategy()).__name__,
     "variable_type": mirrored,
     "worker": tfdist.cluster_from_env().rank,
     "loss": history.history["loss"],
-    "weights": [w.tolist() for w in model.get_weights()],
+    "weights": [w.tolist() for w in weights],
 }
 if args.validation:
     result["val_loss"] = history.history["val_loss"]
@@ -87,7 +103,7 @@ if args.evaluate:
 if args.predict:
     result["predict"] = model.predict(x_val, batch_size=args.global_batch, verbose=0).tolist()
 if args.accumulate:
-    with tfdist.scope():
+    with _scope():
         accumulating = build(accumulate=args.accumulate)
     acc_history = accumulating.fit(
         x, y, batch_size=args.global_batch, epochs=args.epochs, shuffle=False, verbose=0

@@ -40,10 +40,14 @@ type -> count, TensorFlow; ``step_collectives``), and what the case's own model 
 TensorFlow, the devices holding its weights on JAX; not the process's). A custom ``train_step`` reports its replica's
 loss as upstream scales it (``1 / replicas``), so its history is not compared.
 A failing case reports ``{"error": ...}`` and the others still run.
+
+``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``, ``outside_distribution``) injects a
+fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
@@ -53,6 +57,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -61,6 +66,11 @@ import trained_on  # noqa: E402
 import tfdist  # noqa: E402
 
 VOCAB, LENGTH = 12, 9
+
+
+def _scope():
+    """``tfdist.scope()``; nothing under the ``outside_distribution`` fault."""
+    return contextlib.nullcontext() if faults.active("outside_distribution") else tfdist.scope()
 
 
 class CustomStep(keras.Model):
@@ -126,7 +136,7 @@ def regression(n: int, seed: int = 0):
 
 def custom_step_case(compute) -> keras.Model:
     x, y = regression(96)  # 3 full batches of 32: upstream is right on every topology
-    with tfdist.scope():
+    with _scope():
         model = CustomStep(compute)
         model.build((None, 6))
         model.compile(keras.optimizers.SGD(0.1))
@@ -141,7 +151,7 @@ def masked_gru() -> keras.Model:
     for row, length in enumerate(lengths):
         x[row, :length] = rng.integers(1, VOCAB, size=length)
     y = np.roll(x, -1, axis=1)
-    with tfdist.scope():
+    with _scope():
         model = keras.Sequential(
             [
                 keras.Input((LENGTH,), dtype="int32"),
@@ -161,7 +171,7 @@ def masked_gru() -> keras.Model:
 def sample_weights() -> keras.Model:
     x, y = regression(100, seed=2)  # last batch of 4
     weights = np.random.default_rng(3).uniform(0.1, 2.0, size=100).astype("float32")
-    with tfdist.scope():
+    with _scope():
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.05), "mse")
     model.history_values = model.fit(
@@ -188,7 +198,7 @@ def conv_batches_of_6(
         ]
     else:
         conv = [keras.layers.Conv2D(4, 3, activation="relu")]
-    with tfdist.scope():
+    with _scope():
         model = keras.Sequential(
             [
                 keras.Input((8, 8, 1)),
@@ -275,6 +285,8 @@ def step_collectives(model: keras.Model) -> list[dict[str, int]]:
 
 def result(model: keras.Model) -> dict:
     values = {f"weight {i}": w.ravel().tolist() for i, w in enumerate(model.get_weights())}
+    if faults.active("nan"):
+        values["weight 0"][0] = float("nan")
     if not isinstance(model, CustomStep):  # a custom step reports its replica's scaled loss
         values["loss"] = [float(v) for v in model.history_values.history["loss"]]
     # What the model itself trained on: its strategy on TensorFlow, the devices and

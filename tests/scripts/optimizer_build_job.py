@@ -1,7 +1,7 @@
 """A custom loop in TensorFlow's tf.distribute guide's style whose optimizer builds itself
 on its first ``apply_gradients`` inside ``strategy.run``, and the ways users vary it.
 
-    python optimizer_build_job.py                       # 1 device
+    python optimizer_build_job.py [CASE ...]            # 1 device (every case by default)
     TFDIST_CPU_DEVICES=4 python optimizer_build_job.py  # 4 devices
     tfdist launch -n 2 optimizer_build_job.py           # 2 workers
 
@@ -11,18 +11,28 @@ global batch of 16 (a last batch of 6): Adam and SGD with momentum left to build
 themselves in the traced step, Adam built first (upstream's working path), Adam whose
 loss object is called in a ``tf.cond``, and Adam stepped eagerly (no ``tf.function``).
 Prints on the chief ``OPTBUILD {"replicas": N, "workers": W, "cases": {case: weights
-as lists | "Type: message"}}``.
+as lists | "Type: message"}}``. ``TFDIST_TEST_FAULT`` (tests/scripts/faults.py: ``nan``,
+``one_device``) injects a fault tests/e2e/test_checks_catch_faults.py must see caught.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
-import keras
-import numpy as np
-import tensorflow as tf
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
+import faults  # noqa: E402
 
-import tfdist
+if faults.active("one_device"):
+    os.environ.pop("TFDIST_CPU_DEVICES", None)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
 
 GLOBAL_BATCH = 16
 rng = np.random.default_rng(0)
@@ -78,7 +88,10 @@ def train(optimizer_name: str, *, build_first=False, in_cond=False, eager=False)
     for _ in range(2):
         for batch in strategy.experimental_distribute_dataset(data):
             step(batch)
-    return [w.numpy().tolist() for w in model.weights]
+    weights = [np.array(w.numpy()) for w in model.weights]
+    if faults.active("nan"):
+        weights[0].flat[0] = np.nan
+    return [w.tolist() for w in weights]
 
 
 def _data_sharding():
@@ -96,9 +109,9 @@ CASES = {
 }
 out: dict = {"replicas": strategy.num_replicas_in_sync, "workers": tfdist.num_workers()}
 cases: dict = {}
-for name, case in CASES.items():
+for name in sys.argv[1:] or CASES:
     try:
-        cases[name] = case()
+        cases[name] = CASES[name]()
     except Exception as error:  # the result is what the case raised
         cases[name] = f"{type(error).__name__}: {str(error)[:4000]}"
 out["cases"] = cases
