@@ -608,7 +608,7 @@ def test_testing_page_says_how_ci_runs_the_ray_tests():
     ci = (REPO / ".ci" / "run").read_text()
     stage = re.search(
         r"\. \.venv/bin/activate && pip install -q -e '\.\[ray\]' && "
-        rf"TFDIST_RAY_STAGE=1 python -m pytest {re.escape(suite)}\b",
+        rf"TFDIST_TEST_FULL_IMPORTS=1 TFDIST_RAY_STAGE=1 python -m pytest {re.escape(suite)}\b",
         ci,
     )
     assert stage and ci.index('bash -c "$TEST_CMD"') < stage.start(), ".ci/run: no Ray stage"

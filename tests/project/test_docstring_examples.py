@@ -37,6 +37,7 @@ SKIPPED = {
     "tfdist.callbacks": "fits models on data the example only names",
     "tfdist.check": "runs a script (train.py) on 1 device, 2 devices and 2 workers",
     "tfdist.check.causes": "needs the verdicts and runs of a whole check",
+    "tfdist.check.first_batch": "needs a model after fit and fit's first batch",
     "tfdist.check.model": "needs a trained model's weights",
     "tfdist.check.runner": "starts a script's runs in fresh processes",
     "tfdist.check.verdict": "needs two finished runs of a check",

@@ -413,11 +413,16 @@ def _partial_batch(verdicts: list[Verdict], reference: Run, tolerance: float) ->
     # A last batch the replicas share evenly (20 as 10 + 10) trains as on one device: the
     # mean of equal parts' means is the batch's mean. Only an uneven share is evidence.
     split = [
-        v for v in _several_replicas_differing(verdicts) if not batch or last % _replicas_of(v)
+        v
+        for v in _several_replicas_differing(verdicts)
+        if not batch or (last or 0) % _replicas_of(v)
     ]
     # Where the last batch's size is unknown, only a difference in that step's own values.
-    found = [(v, _partial_step(v, per_epoch, tolerance, bool(batch))) for v in split]
-    found = [(v, step) for v, step in found if step]
+    found: list[tuple[Verdict, int]] = []
+    for verdict in split:
+        step = _partial_step(verdict, per_epoch, tolerance, bool(batch))
+        if step:
+            found.append((verdict, step))
     if not found:
         return []
     size = (

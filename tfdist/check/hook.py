@@ -207,7 +207,7 @@ def _symbolic_batch(args: tuple, kwargs: dict):
     names = ("x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_split")
     given = {**dict(zip(names, args, strict=False)), **kwargs}
     x = given.get("x")
-    if _is_dataset(x):
+    if x is not None and _is_dataset(x):
         specs = x.element_spec
         batch = keras.tree.map_structure(
             lambda s: keras.KerasTensor(tuple(s.shape), s.dtype.name), specs

@@ -166,6 +166,7 @@ __all__ = [
     "tf_static_batch_size",
     "keras_tf_optimizer_module",
     "keras_tree",
+    "keras_unpack_x_y_sample_weight",
     "keras_array_data_adapter_class",
     "keras_backend_variable_class",
     "keras_ops",
