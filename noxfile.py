@@ -98,6 +98,7 @@ JAX_CELLS_MAIN_STAGE_ONLY = [
     "tests/core/test_storage.py",
     "tests/data/test_global_batch.py",
     "tests/e2e/test_checks_catch_faults.py",
+    "tests/e2e/test_corpus.py",
     "tests/e2e/test_elastic.py",
     "tests/e2e/test_kubernetes.py",
     "tests/e2e/test_slurm.py",

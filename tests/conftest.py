@@ -71,6 +71,18 @@ def child_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def cold_env(backend: str, *, path: tuple = (), **extra: str) -> dict[str, str]:
+    """A user's environment for ``backend``: no warm launcher python, no lean-import finder,
+    models built outside any scope on the job (a user's default), and the repository as the
+    installed tfdist (on PYTHONPATH, so that the process may start in any directory), then
+    the folders of ``path``."""
+    env = child_env(
+        TFDIST_LAUNCH_PYTHON=None, KERAS_BACKEND=backend, TFDIST_UNSCOPED_MODELS="job", **extra
+    )
+    env["PYTHONPATH"] = os.pathsep.join(map(str, (REPO, *path)))
+    return env
+
+
 def run_python(
     code: str, *, timeout: float = 180, check: bool = True, warm: bool = True, **env
 ) -> subprocess.CompletedProcess:

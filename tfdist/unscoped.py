@@ -70,8 +70,11 @@ def on_keras_import(_keras) -> None:
 
 def _adopt_first(original):
     def __init__(self, *args, **kwargs):
-        if process.state().unscoped_default is None:
+        st = process.state()
+        if st.unscoped_default is None:
             _adopt()
+        elif st.unscoped_strategy is not None:
+            _readopt(st.unscoped_strategy)
         return original(self, *args, **kwargs)
 
     # Keras reads a layer's constructor arguments from ``cls.__init__`` (its automatic
@@ -87,6 +90,22 @@ def _adopt() -> None:
         _adopt_jax()
     else:
         _adopt_tensorflow()
+
+
+def _readopt(default) -> None:
+    """Sets the adopted default again where ``keras.backend.clear_session()`` dropped it
+    (it resets TensorFlow's default graph, which holds the process default strategy, and
+    Keras's global state, which holds the JAX distribution)."""
+    if backends.name() == "jax":
+        import keras
+
+        if keras.distribution.distribution() is None:
+            keras.distribution.set_distribution(default)
+        return
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy() and tf.executing_eagerly():
+        tf.distribute.experimental_set_strategy(default)
 
 
 def _adopt_tensorflow() -> None:
@@ -124,6 +143,7 @@ def _adopt_jax() -> None:
     with st.lock:
         st.distribution = (type(chosen).__name__, chosen)
     keras.distribution.set_distribution(chosen)
+    st.unscoped_strategy = chosen
     st.unscoped_default = _announce(type(chosen).__name__, jax.device_count())
 
 

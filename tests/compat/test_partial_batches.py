@@ -278,6 +278,39 @@ def test_even_split_sizes():
         assert all([2 * v for v in x] == y for x, y in parts), key
 
 
+def test_the_cuts_keep_each_elements_structure():
+    """A 1-tuple element stays one: predict's ``(x,)`` with ``x`` a list of two inputs
+    (a two-input model) came out of the cut as ``x`` alone, and Keras read its second
+    input as labels ("expects 2 named input(s) ... but it received 1 input tensors")."""
+    code = f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        import tensorflow as tf
+        from tfdist.compat import jax_partial_batches, partial_batches
+        a = tf.data.Dataset.range(6)
+        elements = {{
+            "1-tuple of 2": a.map(lambda v: ((v, v * 2),)),
+            "2-tuple": a.map(lambda v: (v, v * 2)),
+            "tensor": a,
+            "dict": a.map(lambda v: {{"k": v}}),
+        }}
+        guard = partial_batches._empty_replica_guard(None, 2, 1)
+        out = {{}}
+        for name, ds in elements.items():
+            ds = ds.batch(6)
+            cuts = [
+                partial_batches.split_balanced(ds, 2),
+                partial_batches.map_elements(ds, guard),
+                jax_partial_batches.process_share(ds, 0, 2, 2),
+            ]
+            want = tf.nest.map_structure(lambda s: 0, ds.element_spec)
+            out[name] = [tf.nest.map_structure(lambda s: 0, c.element_spec) == want for c in cuts]
+        print(json.dumps(out))
+    """
+    out = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    assert out == {name: [True, True, True] for name in out}, out
+
+
 def test_batch_sizes_read_from_the_pipeline_and_which_cuts_leave_a_replica_empty():
     code = f"""
         import json, sys

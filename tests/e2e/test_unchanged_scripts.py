@@ -5,7 +5,8 @@ every import a user's process makes: ``python script.py`` (the reference, one de
 ``TFDIST_CPU_DEVICES=2 python -m tfdist.bootstrap script.py`` and ``tfdist launch -n 2
 script.py``. Its model must train on every replica of the job and end within 1e-5 of one
 device's, on both backends; ``--unscoped-models local`` keeps upstream's one replica
-per process; a strategy the script opens itself after an unscoped model still works.
+per process; a strategy the script opens itself after an unscoped model still works; a
+model built after ``keras.backend.clear_session()`` still trains on the job.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 
 from tfdist.core import config
 
-from conftest import REPO, SCRIPTS, child_env, equivalence
+from conftest import REPO, SCRIPTS, cold_env, equivalence
 
 SCRIPT = str(SCRIPTS / "keras_example_convnet.py")
 ANNOUNCED = "tfdist: models this script builds outside any scope train on the job's"
@@ -36,21 +37,12 @@ def test_the_knob_is_job_by_default_and_refuses_other_values_naming_them():
         config.unscoped_models("all")
 
 
-def _cold_env(backend: str, **extra: str) -> dict[str, str]:
-    """A user's environment: no warm launcher python, no lean-import finder."""
-    env = child_env(
-        TFDIST_LAUNCH_PYTHON=None, KERAS_BACKEND=backend, TFDIST_UNSCOPED_MODELS="job", **extra
-    )
-    env.pop("PYTHONPATH", None)
-    return env
-
-
 def _run(argv: list[str], out: Path, backend: str, **extra: str) -> tuple[list[dict], str]:
     """Runs ``argv`` + ``[SCRIPT, OUT]`` cold; every process's record and the stderr."""
     proc = subprocess.run(
         [sys.executable, *argv, SCRIPT, str(out), *extra.pop("script_args", ())],
         cwd=REPO,
-        env=_cold_env(backend, **extra),
+        env=cold_env(backend, **extra),
         capture_output=True,
         text=True,
         timeout=400,
@@ -109,3 +101,39 @@ def test_a_strategy_the_script_opens_after_an_unscoped_model_takes_over(tmp_path
     assert STEPPED_ASIDE in err
     equivalence.assert_close(reference["weights"], run["weights"], 1e-5, "unscoped")
     equivalence.assert_close(reference["own_weights"], run["own_weights"], 1e-5, "own")
+
+
+CLEARS = """
+import keras
+from record import replicas
+
+def trained():
+    model = keras.Sequential([keras.Input(shape=(3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(keras.ops.ones((8, 3)), keras.ops.ones((8, 1)), batch_size=4, verbose=0)
+    return replicas(model)
+
+first = trained()
+keras.backend.clear_session()
+print("REPLICAS", first, trained())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["tensorflow", "jax"])
+def test_a_model_built_after_clear_session_still_trains_on_the_job(backend, tmp_path):
+    """``keras.backend.clear_session()`` resets TensorFlow's default graph (which holds the
+    process default strategy) and Keras's global state (the JAX distribution): the next
+    unscoped model trains on the job again, not on one replica."""
+    script = tmp_path / "clears.py"
+    script.write_text(CLEARS)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfdist.bootstrap", str(script)],
+        cwd=REPO,
+        env=cold_env(backend, path=(REPO / "tests" / "corpus",), TFDIST_CPU_DEVICES="2"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "REPLICAS 2 2" in proc.stdout, proc.stdout[-2000:]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 
 from tfdist.compat import jax_inputs
-from tfdist.compat.partial_batches import _splittable, batch_sizes
+from tfdist.compat.partial_batches import _splittable, batch_sizes, map_elements
 from tfdist.core import roles, upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
@@ -68,8 +68,7 @@ def process_share(dataset, index: int, parts: int, replicas: int):
 
     unit = math.lcm(replicas, parts)
 
-    def part_of(*batch):
-        element = batch[0] if len(batch) == 1 else batch
+    def part_of(element):
         size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
         message = tf.strings.format(
             "tfdist: a batch of {} examples cannot be split evenly between "
@@ -83,7 +82,7 @@ def process_share(dataset, index: int, parts: int, replicas: int):
             length = size // parts
         return tf.nest.map_structure(lambda t: t[index * length : (index + 1) * length], element)
 
-    return dataset.map(part_of)
+    return map_elements(dataset, part_of)
 
 
 def _refuse_uneven_batch_size(dataset, share) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "tf_distribute_partial_batch_evenly",
     "keras_tf_fit_refuses_empty_replicas",
     "split_balanced",
+    "map_elements",
     "KnownCut",
     "fit_cut",
     "training_input_of",
@@ -83,10 +84,9 @@ def split_balanced(dataset, pieces: int):
     # map -> unbatch -> map, ops tf.data's auto-sharding passes through: a file-based
     # pipeline over several workers keeps its sharding by file (a flat_map here makes it
     # shard records instead, and every worker reads every file).
-    def spread(*batch):
+    def spread(element):
         """The batch as ``pieces`` rows of equal width (gathered, the last index repeated
         where a slice is shorter), with each slice's length."""
-        element = batch[0] if len(batch) == 1 else batch
         size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
         base, extra = size // pieces, size % pieces
         i = tf.range(pieces, dtype=tf.int64)
@@ -100,7 +100,16 @@ def split_balanced(dataset, pieces: int):
     def trim(element, length):
         return tf.nest.map_structure(lambda t: t[:length], element)
 
-    return dataset.map(spread).unbatch().map(trim)
+    return map_elements(dataset, spread).unbatch().map(trim)
+
+
+def map_elements(dataset, fn):
+    """``dataset.map(fn)`` with ``fn`` given each element whole: tf.data passes a tuple's
+    items as separate arguments, so a 1-tuple (``predict``'s ``(x,)`` with ``x`` a list of
+    inputs) must be packed again, not taken for its one item."""
+    if isinstance(dataset.element_spec, tuple):
+        return dataset.map(lambda *element: fn(element))
+    return dataset.map(fn)
 
 
 def _splittable(dataset) -> bool:
@@ -233,8 +242,7 @@ def _empty_replica_guard(
         return None
     message = f"tfdist: a training batch leaves a replica of {replicas} with no example. "
 
-    def guard(*batch):
-        element = batch[0] if len(batch) == 1 else batch
+    def guard(element):
         size = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
         assertion = tf.debugging.Assert(size >= replicas, [message + advice + " Batch size:", size])
         with tf.control_dependencies([assertion]):
@@ -322,7 +330,7 @@ def tf_distribute_partial_batch_evenly() -> None:
 
             def rebatch_fn(dataset, worker_index):
                 if guard is not None:
-                    dataset = dataset.map(guard)
+                    dataset = map_elements(dataset, guard)
                 if slices is not None:
                     return rebatch_in_order(dataset, slices, num_workers, worker_index, per_worker)
                 return split_balanced(dataset, num_replicas_in_sync).prefetch(per_worker)

@@ -60,7 +60,8 @@ class ProcessState:
             (``tfdist.unscoped.enable``, under bootstrap), ``local`` or None otherwise.
         unscoped_default: what the first unscoped model made the process default (one
             line), or None before it.
-        unscoped_strategy: the strategy set as TensorFlow's process default, or None.
+        unscoped_strategy: the strategy (JAX: distribution) made the process default, set
+            again after ``keras.backend.clear_session()`` drops it; or None.
     """
 
     lock: threading.RLock = field(default_factory=threading.RLock)

@@ -5,7 +5,8 @@
     python -m tools.docs --notebooks   # also re-execute and save the notebooks (minutes)
 
 The blocks: the measured figures (tools/docs/figures.py, from tools/results/), docs/idioms.md's
-idiom table (tools/docs/idiom_table.py) and docs/fixes.md's fix table (tools/fix_table.py,
+idiom table (tools/docs/idiom_table.py), docs/corpus.md's table of the Keras examples
+(tools/docs/corpus_table.py, from tools/results/corpus.json) and docs/fixes.md's fix table (tools/fix_table.py,
 run as a script), and the Reference pages (tools/docs/reference.py). tools/fix_fingerprints.py is not a generator of pages: it records which
 TensorFlow/Keras pair the fixes were verified against (the compat sessions run it).
 """
@@ -16,7 +17,7 @@ import argparse
 import subprocess
 import sys
 
-from tools.docs import figures, idiom_table, reference
+from tools.docs import corpus_table, figures, idiom_table, reference
 
 REPO = idiom_table.REPO
 FIX_TABLE = REPO / "tools" / "fix_table.py"
@@ -33,6 +34,7 @@ def stale() -> list[str]:
     """The generated blocks whose page does not hold them as generated now."""
     expected = [(name, page, block) for name, (page, block) in figures.blocks().items()]
     expected.append(("idiom table", REPO / "docs" / "idioms.md", idiom_table.markdown()))
+    expected.append(("corpus table", corpus_table.PAGE, corpus_table.markdown()))
     table = _fix_table()
     if table.returncode != 0:
         raise RuntimeError(f"tools/fix_table.py failed:\n{table.stderr[-3000:]}")
@@ -50,6 +52,7 @@ def stale() -> list[str]:
 def write() -> int:
     """Writes every block; 0, or 1 when a page lacks a block's markers."""
     status = figures.main(["--write"]) | idiom_table.main(["--write"])
+    status |= corpus_table.main(["--write"])
     status |= reference.main(["--write"])
     fix = _fix_table("--write")
     sys.stderr.write(fix.stderr)
