@@ -60,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise
     except BaseException as err:
         exit_hold.script_ended(clean=False)
+        if isinstance(err, Exception) and _is_loop_outside_the_replicas(err):
+            print(_LOOP_HINT, file=sys.stderr, flush=True)  # then upstream's traceback
+            raise
         if not isinstance(err, Exception) or config.debug() or not _is_lost_peer(err):
             raise
         # A peer died or never came: the launcher names it; one line is enough here. A
@@ -84,6 +87,24 @@ _LOST_PEER_HINT = (
     "was in a call it never made, such as fit, evaluate, predict, save or load on the "
     "chief only: every worker must make the same calls"
 )
+
+
+_LOOP_HINT = (
+    "tfdist: this script steps a model outside the strategy's replicas (a custom training "
+    "loop without strategy.run), and its models were built on the job's strategy because "
+    f"they were built outside any scope ({config.UNSCOPED_MODELS_ENV}=job). Run the step "
+    "with strategy.run (docs/custom_loops.md), or launch with --unscoped-models local "
+    "(each process trains its own copy, as upstream)."
+)
+
+
+def _is_loop_outside_the_replicas(err: BaseException) -> bool:
+    """TensorFlow's refusal to step a mirrored variable outside a replica, in a process
+    whose unscoped models were given the job's strategy (``tfdist.unscoped``)."""
+    from tfdist.core import process
+
+    text = "is not available outside the replica context"
+    return process.state().unscoped_strategy is not None and text in str(err)
 
 
 def _is_lost_peer(err: BaseException) -> bool:

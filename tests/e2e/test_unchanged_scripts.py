@@ -137,3 +137,29 @@ def test_a_model_built_after_clear_session_still_trains_on_the_job(backend, tmp_
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "REPLICAS 2 2" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_loop_without_strategy_run_is_told_why_it_fails_and_runs_with_local(tmp_path):
+    """The Keras guide's GradientTape loop (tests/corpus/custom_loop.py) never calls
+    strategy.run: on the job's strategy TensorFlow refuses its step; the line before the
+    traceback says why and what to do, and --unscoped-models local runs it as upstream."""
+    script = str(REPO / "tests" / "corpus" / "custom_loop.py")
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        environment = cold_env("tensorflow", TFDIST_CPU_DEVICES="2")
+        return subprocess.run(
+            [sys.executable, "-m", "tfdist.bootstrap", script],
+            cwd=tmp_path,
+            env={**environment, **env},
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
+
+    refused = run()
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "tfdist: this script steps a model outside the strategy's replicas" in refused.stderr
+    assert "is not available outside the replica context" in refused.stderr  # upstream's
+    local = run(TFDIST_UNSCOPED_MODELS="local")
+    assert local.returncode == 0, local.stderr[-3000:]

@@ -11,14 +11,16 @@ Two upstream defects stop these models from training as one device does on N rep
    across the replicas by ``keras_tf_optimizer_built_across_replicas``).
 2. A ``train_step`` of the user's own computes its loss as one device would, a mean over
    its batch, which on N replicas is each replica's own part of the batch. Keras's own
-   losses divide a mean by N under a strategy (``scale_loss_for_distribution``) before
-   the optimizer sums the replicas' gradients; a loss written with ``ops.mean`` (the VAE
-   example's) is not divided, so every update is N times one device's.
-   ``keras_tf_custom_train_step_averages_gradients`` divides the gradients of such a step
-   by N at ``optimizer.apply``: only inside ``fit`` of a model whose class overrides
-   ``train_step``, on a strategy of more than one replica, and only when no loss of that
-   replica's step went through Keras's scaling since the last ``apply`` (a step that
-   calls ``self.compute_loss`` or a Keras loss object is left as upstream computes it).
+   losses divide that mean by N under a strategy (``scale_loss_for_distribution``)
+   before the optimizer sums the replicas' gradients, and a loss written with
+   ``ops.mean`` (the VAE example's) is not divided: every update is N times one
+   device's. The Keras loss objects' values the step logs (the GAN's and the
+   distiller's) are 1/N of one device's. ``keras_tf_custom_train_step_averages_gradients``
+   makes one rule inside ``fit`` of a model whose class overrides ``train_step``, on a
+   strategy of more than one replica: no loss is scaled (``scale_loss_for_distribution``
+   and ``unscale_loss_for_distribution`` return their value), and ``optimizer.apply``
+   divides the gradients by N. Each replica's loss is then its own mean, as it logs it,
+   and the update is the mean of the replicas' gradients, as one device's.
 
 Every private name used comes from ``tfdist.core.upstream``.
 """
@@ -26,7 +28,6 @@ Every private name used comes from ``tfdist.core.upstream``.
 from __future__ import annotations
 
 import collections
-import threading
 
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
@@ -43,8 +44,6 @@ KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS = "keras_tf_custom_train_step_aver
 # Strategies (by id) whose fit trains a model with its own train_step now: the replica
 # threads of MirroredStrategy do not see the fit's context, so they look here.
 _CUSTOM_FITS: collections.Counter[int] = collections.Counter()
-# Per replica thread: whether a loss went through Keras's scaling since the last apply.
-_SCALED = threading.local()
 
 
 def _has_no_call(model) -> bool:
@@ -56,6 +55,11 @@ def _has_no_call(model) -> bool:
 def _has_own_train_step(model) -> bool:
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
     return type(model).train_step is not trainer.train_step
+
+
+def _has_own_test_step(model) -> bool:
+    trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
+    return type(model).test_step is not trainer.test_step
 
 
 def keras_tf_fit_builds_models_without_call() -> None:
@@ -83,34 +87,42 @@ def keras_tf_fit_builds_models_without_call() -> None:
 
 
 def keras_tf_custom_train_step_averages_gradients() -> None:
-    """Divides by N the gradients of a user's train_step whose loss Keras did not scale.
+    """Averages the replicas' gradients of a user's train_step, whose losses stay unscaled.
 
-    Upstream sums the replicas' gradients in ``optimizer.apply``, which is right for a loss
-    Keras divided by N (``scale_loss_for_distribution``: its own ``train_step``, a Keras
-    loss object, ``compute_loss``) and N times one device's update for a loss the user
-    averaged over the replica's batch alone (``ops.mean``). The fix notes, per replica
-    thread, whether a loss was scaled since the last ``apply``; inside ``fit`` of a model
-    whose class overrides ``train_step``, on more than one replica, an ``apply`` after an
-    unscaled loss gets its gradients divided by N first. Elsewhere upstream's ``apply``
-    runs as it is.
+    Upstream divides a Keras loss by N on N replicas (``scale_loss_for_distribution``: its
+    own ``train_step``, a Keras loss object, ``compute_loss``) and sums the replicas'
+    gradients in ``optimizer.apply``. A user's step that averages with ``ops.mean`` then
+    takes N times one device's update, and one that logs a Keras loss object's value logs
+    1/N of one device's. Inside ``fit`` of a model whose class overrides ``train_step``,
+    on more than one replica, the fix scales no loss (and unscales none: a step that
+    calls ``super().train_step`` tracks the replica's own mean) and divides every
+    ``apply``'s gradients by N. ``evaluate`` of a model whose class overrides
+    ``test_step`` scales no loss either, so it reports one device's. Keras's own steps,
+    custom loops and one replica run upstream's code unchanged.
     """
     trainer = upstream.keras_tf_trainer_module().TensorFlowTrainer
     patch(trainer, "fit", KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS, _noting_custom_fits)
     patch(
-        upstream.keras_loss_module(),
-        "scale_loss_for_distribution",
+        trainer,
+        "evaluate",
         KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS,
-        _noting_scale,
+        lambda original: _noting_custom_fits(original, _has_own_test_step),
     )
+    loss_module = upstream.keras_loss_module()
+    for name in ("scale_loss_for_distribution", "unscale_loss_for_distribution"):
+        patch(loss_module, name, KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS, _unscaled)
     # TFOptimizer.apply, where keras_tf_optimizer_built_across_replicas wraps it too
     # (Keras's optimizers reach BaseOptimizer.apply through it).
     optimizer = upstream.keras_tf_optimizer_module().TFOptimizer
     patch(optimizer, "apply", KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS, _averaging_apply)
 
 
-def _noting_custom_fits(original):
+def _noting_custom_fits(original, own=_has_own_train_step):
+    """``fit`` (of a model whose class overrides ``train_step``) or ``evaluate`` (``own``:
+    one that overrides ``test_step``) noted for the replica threads while it runs."""
+
     def fit(self, *args, **kwargs):
-        if not _has_own_train_step(self):
+        if not own(self):
             return original(self, *args, **kwargs)
         key = id(self.distribute_strategy)
         _CUSTOM_FITS[key] += 1
@@ -124,19 +136,19 @@ def _noting_custom_fits(original):
     return fit
 
 
-def _noting_scale(original):
-    def scale_loss_for_distribution(value):
-        _SCALED.done = True
+def _unscaled(original):
+    def scale(value):
+        if _replicas_of_a_custom_fit() > 1:
+            return value  # the replica's own mean: apply averages its gradients
         return original(value)
 
-    return scale_loss_for_distribution
+    return scale
 
 
 def _averaging_apply(original):
     def apply(self, grads, trainable_variables=None):
-        scaled, _SCALED.done = getattr(_SCALED, "done", False), False
         replicas = _replicas_of_a_custom_fit()
-        if replicas > 1 and not scaled:
+        if replicas > 1:
             grads = [_divided(g, replicas) for g in grads]
         return original(self, grads, trainable_variables)
 
@@ -185,20 +197,22 @@ FIXES = [
     ),
     Fix(
         KERAS_TF_CUSTOM_TRAIN_STEP_AVERAGES_GRADIENTS,
-        "Keras 3 fit under a tf.distribute strategy of a model with its own train_step whose "
-        "loss is a plain mean (the VAE example's ops.mean): the replicas' gradients are "
-        "summed, so every update is N times one device's",
+        "Keras 3 fit under a strategy of a model with its own train_step: an ops.mean loss "
+        "takes N times one device's update, a Keras loss object logs 1/N of its value",
         on_keras_backend("tensorflow"),
         keras_tf_custom_train_step_averages_gradients,
         targets=targets(
             _TRAINER + "fit",
             _TRAINER + "train_step",
+            _TRAINER + "evaluate",
+            _TRAINER + "test_step",
             "keras.src.losses.loss:scale_loss_for_distribution",
+            "keras.src.losses.loss:unscale_loss_for_distribution",
             "keras.src.optimizers.base_optimizer:BaseOptimizer.apply",
         ),
         acts_where=(
-            "optimizer.apply in fit of a model with its own train_step, on >1 replica, when no "
-            "loss of the step was scaled by Keras; Keras's train_step, custom loops: upstream's"
+            "fit (evaluate) of a model with its own train_step (test_step) on >1 replica: "
+            "losses unscaled, gradients averaged; Keras's steps, custom loops: upstream's"
         ),
         no_harm=(
             "tests/compat/test_custom_train_step.py::test_examples_own_train_steps_equal_one_device",

@@ -114,9 +114,6 @@ OUTSIDE_STATE = {
     "tfdist.compat.added_losses._SCALED": "per replica thread, the loss tensors Keras "
     "scaled for the replicas while the step is traced, as tf.distribute's own replica "
     "contexts are per thread",
-    "tfdist.compat.custom_train_step._SCALED": "per replica thread, whether the step's "
-    "loss was scaled by Keras since the last optimizer apply, as tf.distribute's own "
-    "replica contexts are per thread",
     "tfdist.compat.collective_keys._MADE": "MirroredStrategy objects that made collective "
     "keys since the interpreter started: TensorFlow's collective runtime remembers their "
     "keys for the process's life, so the count must never restart",
