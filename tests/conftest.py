@@ -219,14 +219,15 @@ FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
 
 
 def _longest_files_first(items) -> None:
-    """Sorts ``items`` by their file's recorded seconds, longest first; a file's tests keep
-    their order. pytest-xdist then hands the long files out first (``--dist loadfile
+    """Sorts ``items`` by their file's recorded seconds, longest first, files not recorded
+    before them; a file's tests keep their order. pytest-xdist then hands the long files out first (``--dist loadfile
     --no-loadscope-reorder``), so no long file starts when the other process is nearly
     done. Only the order changes: every test runs, in a fresh file scope, as before."""
     seconds = json.loads(FILE_SECONDS.read_text()) if FILE_SECONDS.is_file() else {}
-    known = sorted(seconds.values())
-    median = known[len(known) // 2] if known else 0.0
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], median))
+    if not seconds:
+        return
+    # A file not in the record yet (a new one, often a long end-to-end one) goes first.
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], float("inf")))
 
 
 def pytest_collection_modifyitems(config, items):

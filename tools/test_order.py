@@ -7,7 +7,7 @@ other waits. The figures come from a CI run's junit file (``.ci/run`` keeps one 
 
     python tools/test_order.py /tmp/junit.xml          # writes tests/file_seconds.json
 
-A file missing from the record (a new one) is placed as if it took the median.
+A file missing from the record (a new one) goes first.
 """
 
 from __future__ import annotations
