@@ -108,7 +108,7 @@ for name, call in CASES.items():
     try:
         results[name] = np.asarray(call(), dtype="float64")
     except Exception as err:  # noqa: BLE001 - each call's error is a result
-        errors[name] = f"{type(err).__name__}: {err}"[:2000]
+        errors[name] = f"{type(err).__name__}: {err}"  # whole: the cause may come last
 
 rank = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {}).get("index", 0)
 if keras.backend.backend() == "jax":
