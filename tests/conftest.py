@@ -214,7 +214,7 @@ def pytest_addoption(parser):
     )
 
 
-# Each test file's seconds in a full run (tools/test_order.py writes it from CI's junit).
+# Each test file's seconds in a full run (python -m tools.test_order writes it from a junit).
 FILE_SECONDS = Path(__file__).resolve().parent / "file_seconds.json"
 
 

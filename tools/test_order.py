@@ -5,7 +5,7 @@ collection order. ``tests/conftest.py`` sorts the files by the seconds recorded 
 longest first, so that the run does not end with one process busy on a long file while the
 other waits. The figures come from a CI run's junit file (``.ci/run`` keeps one per run)::
 
-    python tools/test_order.py /tmp/junit.xml          # writes tests/file_seconds.json
+    python -m tools.test_order /tmp/junit.xml          # writes tests/file_seconds.json
 
 A file missing from the record (a new one) goes first.
 """
@@ -17,8 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_processes import junit_seconds  # noqa: E402
+from tools.test_processes import junit_seconds
 
 RECORD = Path(__file__).resolve().parents[1] / "tests" / "file_seconds.json"
 

@@ -231,6 +231,9 @@ ALLOWED = {
     " default strategy, keras.distribution's global distribution), as startup.py hooks each"
     " framework's import (TODO: a Backend member for the process default)",
     "info.py": "`tfdist info` (the bug-report template) reports each framework's own build",
+    "check/first_batch.py": "tfdist check measures a gradient with each framework's own "
+    "autodiff (tf.GradientTape, jax.grad over stateless_call), as check/hook.py watches each"
+    " framework's own loop",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",
     "examples/mnist.py": "the example job picks tf.distribute or keras.distribution for"

@@ -49,18 +49,20 @@ def test_the_record_is_written_from_a_junit_file_and_names_real_test_files(tmp_p
     )
     out = tmp_path / "seconds.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "test_order.py"), str(junit), "--out", str(out)],
+        [sys.executable, "-m", "tools.test_order", str(junit), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text()) == {"tests/compat/test_x.py": 3.5, "tests/test_y.py": 4.0}
     bad = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "test_order.py"), str(tmp_path / "none.xml")],
+        [sys.executable, "-m", "tools.test_order", str(tmp_path / "none.xml")],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=REPO,
     )
     assert bad.returncode == 2 and "junit: no file at" in bad.stderr
     # The record in the repository names test files that exist.
