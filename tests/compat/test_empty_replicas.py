@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, SCRIPTS, child_env, equivalence
+from conftest import REPO, SCRIPTS, cold_env, equivalence
 
 JOB = str(SCRIPTS / "small_batches_job.py")
 CASES = (
@@ -48,14 +48,10 @@ TOLERANCE = 1e-5
 
 def _run(argv: list[str], out: Path, backend: str = "tensorflow", **env: str) -> list[dict]:
     """``python *argv JOB OUT`` in a fresh interpreter with a user's environment."""
-    environment = child_env(
-        TFDIST_LAUNCH_PYTHON=None, TFDIST_UNSCOPED_MODELS="job", KERAS_BACKEND=backend, **env
-    )
-    environment.pop("PYTHONPATH", None)
     proc = subprocess.run(
         [sys.executable, *argv, JOB, str(out)],
         cwd=REPO,
-        env=environment,
+        env=cold_env(backend, **env),
         capture_output=True,
         text=True,
         timeout=400,
