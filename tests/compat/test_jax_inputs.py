@@ -1,6 +1,6 @@
 """Numpy arrays, PyDataset and generators into fit/evaluate/predict on JAX: one device, 4
 devices and 2 processes x 2 devices give the same losses, weights, metrics and
-predictions (tfdist.compat.jax_inputs); upstream refuses them under 2 processes."""
+predictions (tfdist.compat.inputs.jax); upstream refuses them under 2 processes."""
 
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def test_upstream_refuses_numpy_and_cannot_return_predictions_under_two_processe
 
 def test_each_process_cuts_its_part_of_every_batch():
     """Process 1 of 2 (4 replicas) keeps rows 8-15 of a batch of 16, every array alike."""
-    from tfdist.compat.jax_inputs import _cut, _Share
+    from tfdist.compat.inputs.jax import _cut, _Share
 
     x, y = np.arange(32).reshape(16, 2), np.arange(16)
     part_x, part_y, weights = _cut((x, y, None), _Share(index=1, parts=2, replicas=4))
@@ -191,7 +191,7 @@ def test_each_process_cuts_its_part_of_every_batch():
 def test_array_batches_that_do_not_divide_fail_before_the_first_step():
     from types import SimpleNamespace
 
-    from tfdist.compat.jax_inputs import _check_array_batches, _Share
+    from tfdist.compat.inputs.jax import _check_array_batches, _Share
 
     share = _Share(index=0, parts=2, replicas=4)
     even = SimpleNamespace(batch_size=16, partial_batch_size=8, num_batches=5)

@@ -247,7 +247,7 @@ def test_even_split_sizes():
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
         import tensorflow as tf
-        from tfdist.compat.partial_batches import split_balanced
+        from tfdist.compat.partial_batches.tensorflow import split_balanced
         out = {{}}
         for size, pieces in [(88, 2), (89, 2), (1, 2), (128, 2), (6, 4), (9, 4), (5, 4),
                              (3, 4), (64, 4), (10, 3)]:
@@ -286,7 +286,9 @@ def test_the_cuts_keep_each_elements_structure():
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
         import tensorflow as tf
-        from tfdist.compat import jax_partial_batches, partial_batches
+        from tfdist.compat import partial_batches
+        from tfdist.compat.partial_batches import jax as jax_partial_batches
+        from tfdist.compat.partial_batches import tensorflow as tf_partial_batches
         a = tf.data.Dataset.range(6)
         elements = {{
             "1-tuple of 2": a.map(lambda v: ((v, v * 2),)),
@@ -294,12 +296,12 @@ def test_the_cuts_keep_each_elements_structure():
             "tensor": a,
             "dict": a.map(lambda v: {{"k": v}}),
         }}
-        guard = partial_batches._empty_replica_guard(None, 2, 1)
+        guard = tf_partial_batches._empty_replica_guard(None, 2, 1)
         out = {{}}
         for name, ds in elements.items():
             ds = ds.batch(6)
             cuts = [
-                partial_batches.split_balanced(ds, 2),
+                tf_partial_batches.split_balanced(ds, 2),
                 partial_batches.map_elements(ds, guard),
                 jax_partial_batches.process_share(ds, 0, 2, 2),
             ]
@@ -317,7 +319,7 @@ def test_batch_sizes_read_from_the_pipeline_and_which_cuts_leave_a_replica_empty
         sys.path.insert(0, {str(REPO)!r})
         import keras
         import tensorflow as tf
-        from tfdist.compat.partial_batches import (
+        from tfdist.compat.partial_batches.tensorflow import (
             batch_sizes, leaves_a_replica_empty, takes_empty_replicas)
         ds = tf.data.Dataset.range(33)
         pairs = tf.data.Dataset.zip((ds, ds))
@@ -535,7 +537,7 @@ def test_a_known_cut_tells_each_slice_its_batch():
     """``KnownCut``: the slices of a balanced cut and whether a slice's size tells its
     global batch (what the loss-weight fix reads instead of an all-reduce), and which
     slice a replica gets over workers (slice i to worker i % W, in order)."""
-    from tfdist.compat.partial_batches import KnownCut
+    from tfdist.compat.partial_batches.tensorflow import KnownCut
 
     cut = KnownCut(frozenset({16, 10}), replicas=4, workers=2)
     assert [cut.slice_size(10, i) for i in range(4)] == [3, 3, 2, 2]
@@ -564,7 +566,7 @@ def test_known_batches_are_cut_by_the_rebatch_kernel_alike():
         sys.path.insert(0, {str(REPO)!r})
         import tfdist
         import tensorflow as tf
-        from tfdist.compat.partial_batches import epoch_slices, ordered_batching
+        from tfdist.compat.partial_batches.tensorflow import epoch_slices, ordered_batching
         strategy = tfdist.strategy()
         base = tf.data.Dataset.range(41).batch(16)
         pipelines = {{

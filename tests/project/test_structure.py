@@ -251,10 +251,11 @@ def test_compat_holds_fix_records_only():
     from tfdist import compat
 
     listed = {fix.name for fix in compat.FIXES}
-    for path in sorted((PACKAGE / "compat").glob("*.py")):
+    for path in sorted((PACKAGE / "compat").rglob("*.py")):
         if path.name == "__init__.py":
             continue
-        module = importlib.import_module(f"tfdist.compat.{path.stem}")
+        dotted = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = importlib.import_module(f"tfdist.{dotted}")
         fixes = getattr(module, "FIXES", None)
         if fixes is None and getattr(module, "HOOK", None) in compat.HOOKS:
             continue  # a hook compat applies with the fixes (a Patch, not a fix)
@@ -381,3 +382,28 @@ def test_the_backend_name_has_one_source():
                 if node.lineno not in home:
                     offenders.append(f"{where}:{node.lineno}")
     assert not offenders, f"call tfdist.backends.name() instead: {offenders}"
+
+
+# Modules named for the fix prefix of the family they hold (docs/architecture.md, "Naming a
+# fix"): each is the one home of its prefix's fixes, not a half of a feature.
+FIX_FAMILIES = {"tfdist/compat/tf_fixes.py", "tfdist/compat/jax_fixes.py"}
+
+
+def test_a_feature_with_two_backend_halves_is_a_package_of_tensorflow_and_jax():
+    """``tf_x.py`` beside ``jax_x.py`` (or ``x.py`` beside ``jax_x.py``) is the old shape:
+    such a pair is ``x/tensorflow.py`` and ``x/jax.py``, the shared part in ``x/__init__``."""
+    pairs = []
+    for folder in sorted({p.parent for p in PACKAGE.rglob("*.py")}):
+        stems = {p.stem for p in folder.glob("*.py")}
+        for stem in sorted(stems):
+            feature = re.sub(r"^(tf|tensorflow|jax)_", "", stem)
+            if feature == stem:
+                continue
+            halves = {f"{prefix}{feature}" for prefix in ("tf_", "tensorflow_", "jax_")} | {feature}
+            found = sorted(halves & stems)
+            named = {str((folder / f"{s}.py").relative_to(PACKAGE.parent)) for s in found}
+            if len(found) > 1 and not named <= FIX_FAMILIES:
+                pairs.append(found)
+    assert not pairs, f"backend halves as sibling modules: {pairs}; make each a package"
+    for package in ("compat/inputs", "compat/partial_batches", "check/loops"):
+        assert {p.name for p in (PACKAGE / package).glob("*.py")} >= {"tensorflow.py", "jax.py"}

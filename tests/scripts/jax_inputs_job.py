@@ -27,7 +27,7 @@ import tensorflow as tf
 
 import tfdist
 from tfdist import compat
-from tfdist.compat import jax_inputs
+from tfdist.compat.inputs import jax as jax_inputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by runpy too
 import faults  # noqa: E402

@@ -297,9 +297,9 @@ def _shard_policy(dataset) -> str:
 
 def _dataset_batches(dataset, given: dict) -> dict:
     """The batch and the last batch of a ``tf.data`` input, when its pipeline says."""
-    from tfdist.compat import partial_batches
+    from tfdist.core import batch_order
 
-    sizes = None if given.get("steps_per_epoch") else partial_batches.batch_sizes(dataset)
+    sizes = None if given.get("steps_per_epoch") else batch_order.batch_sizes(dataset)
     if not sizes:
         # A static batch dimension: every batch holds it (batch(..., drop_remainder=True)).
         first = next(iter(_flat_specs(dataset.element_spec)), None)

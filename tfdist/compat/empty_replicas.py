@@ -11,7 +11,7 @@ One device has no empty batch, so it predicts and evaluates the same data.
   model on one stand-in row of zeros and keeps none of its outputs (``y_pred[:0]``). The
   loss and metrics then see exactly what upstream gives them: no example. A replica with
   examples concatenates nothing and runs as upstream. Training still refuses such a batch
-  (``partial_batches.keras_tf_fit_refuses_empty_replicas``).
+  (``partial_batches.tensorflow.keras_tf_fit_refuses_empty_replicas``).
 
 The model runs in inference mode there (``training=False``): BatchNormalization uses its
 moving statistics and Dropout is off, so the stand-in row changes no state.

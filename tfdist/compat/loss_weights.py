@@ -18,7 +18,7 @@ import collections
 import inspect
 import weakref
 
-from tfdist.compat import partial_batches
+from tfdist.compat.partial_batches import tensorflow as partial_batches
 from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 

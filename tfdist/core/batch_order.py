@@ -1,7 +1,7 @@
 """What tf.distribute's cut of a batched dataset looks like before the first step: the
 batch sizes a pipeline yields, in their order, and how the even split cuts and deals them.
 
-``tfdist.compat.partial_batches`` uses it to cut known batches with tf.data's rebatch
+``tfdist.compat.partial_batches.tensorflow`` uses it to cut known batches with tf.data's rebatch
 kernel at upstream's cost (``epoch_slices``, ``rebatch_in_order``) and to record the cut
 (``KnownCut``), from which ``tfdist.compat.loss_weights`` lets each replica know the global
 batch of a step from its own slice, without an all-reduce.

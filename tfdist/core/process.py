@@ -141,17 +141,17 @@ OUTSIDE_STATE = {
     "when tfdist.compat is imported",
     "tfdist.compat.chief_writes._TENSORBOARD_STAGING": "weak, per callback object: its "
     "staging folder lives and dies with the callback",
-    "tfdist.compat.jax_inputs._AGREEMENTS": _COUNTER,
-    "tfdist.compat.jax_inputs.INFERENCE": "a context variable, per evaluate or predict "
+    "tfdist.compat.inputs.jax._AGREEMENTS": _COUNTER,
+    "tfdist.compat.inputs.jax.INFERENCE": "a context variable, per evaluate or predict "
     "call on JAX: a batch the replicas cannot split evenly is fed whole there",
-    "tfdist.compat.partial_batches._TRAINING_INPUT": "a context variable, per fit call: "
+    "tfdist.compat.partial_batches.tensorflow._TRAINING_INPUT": "a context variable, per fit call: "
     "which dataset that fit trains on, until tf.distribute cuts it",
-    "tfdist.compat.partial_batches._FIT_CUT": "a context variable, per fit call: how "
+    "tfdist.compat.partial_batches.tensorflow._FIT_CUT": "a context variable, per fit call: how "
     "tf.distribute cut that fit's training data",
     "tfdist.compat.loss_weights._FITS": "the fits running now, per strategy, popped when "
     "each returns: what a replica thread (outside the fit's context) reads",
     "tfdist.compat.loss_weights._TRAINED_WITH": "weak, per model: the cut its train "
     "function was traced for, forgotten with the model",
-    "tfdist.compat.tf_inputs._AGREEMENTS": _COUNTER,
+    "tfdist.compat.inputs.tensorflow._AGREEMENTS": _COUNTER,
     "tfdist.saving._SYNCS": _COUNTER,
 }

@@ -4,7 +4,7 @@ Upstream has no public way to do these things; each helper says why tfdist needs
 ``tests/core/test_private.py`` checks that every name still exists in the installed versions,
 so an upgrade that moves one fails that test, naming the helper, instead of breaking
 training somewhere else. Nothing outside this package spells a private upstream name: the helpers live in
-``tf_names``, ``keras_names`` and ``jax_names`` and are all re-exported here, so callers
+``tensorflow``, ``keras`` and ``jax`` and are all re-exported here, so callers
 write ``upstream.<helper>``.
 
 Heavy imports happen inside the helpers: importing this package is free.
@@ -21,8 +21,10 @@ import importlib
 import json
 from pathlib import Path
 
-from tfdist.core.upstream import jax_names, keras_names, tf_names
-from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __all__
+from tfdist.core.upstream import jax as jax_names
+from tfdist.core.upstream import keras as keras_names
+from tfdist.core.upstream import tensorflow as tf_names
+from tfdist.core.upstream.jax import (  # noqa: F401 - re-exported, in __all__
     epath_tf_check_cache_clear,
     jax_distributed_client,
     jax_key_value_get,
@@ -33,7 +35,7 @@ from tfdist.core.upstream.jax_names import (  # noqa: F401 - re-exported, in __a
     orbax_gcs_utils,
     orbax_tensorstore_utils,
 )
-from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in __all__
+from tfdist.core.upstream.keras import (  # noqa: F401 - re-exported, in __all__
     keras_array_data_adapter_class,
     keras_backend_variable_class,
     keras_backup_load,
@@ -82,7 +84,7 @@ from tfdist.core.upstream.keras_names import (  # noqa: F401 - re-exported, in _
     keras_unpack_x_y_sample_weight,
     keras_warm_save_skipsets,
 )
-from tfdist.core.upstream.tf_names import (  # noqa: F401 - re-exported, in __all__
+from tfdist.core.upstream.tensorflow import (  # noqa: F401 - re-exported, in __all__
     tf_can_reduce_across_replicas_here,
     tf_check_peer_health,
     tf_collective_extended_class,
@@ -231,11 +233,11 @@ OTHER_USES = [
     "tensorflow.python.distribute.mirrored_run:_MirroredReplicaThread",
     # a tf.data batch's size (tf_dataset_batching, for tfdist.core.batch_order)
     "tensorflow.python.data.experimental.ops.distribute:compute_batch_size",
-    # Keras's saves, its global state, a model's seed generators (keras_names)
+    # Keras's saves, its global state, a model's seed generators (upstream/keras.py)
     "keras.src.saving.saving_lib:get_attr_skipset",
     "keras.src.backend.common.global_state:get_global_attribute",
     "keras.src.layers.layer:Layer._flatten_layers",
-    # the adapters tfdist.compat.jax_inputs shares between processes on JAX
+    # the adapters tfdist.compat.inputs.jax shares between processes on JAX
     "keras.src.trainers.data_adapters:ArrayDataAdapter.get_jax_iterator",
     "keras.src.trainers.data_adapters:GeneratorDataAdapter.get_jax_iterator",
     "keras.src.trainers.data_adapters:PyDatasetAdapter.get_jax_iterator",
@@ -364,7 +366,7 @@ __all__ += ["tf_maybe_merge_call", "tf_can_reduce_across_replicas_here"]
 
 
 # ======================================== section: numpy, PyDataset and generator inputs on JAX
-# (tfdist.compat.jax_inputs) Keras picks an input's adapter in a private module function
+# (tfdist.compat.inputs.jax) Keras picks an input's adapter in a private module function
 # (the one place that refuses non-tf.data inputs in a multi-process job); the adapters
 # themselves are private classes with no public import path.
 

@@ -11,7 +11,7 @@ is still seen once an epoch), a result no single device gives. The
 fix ``keras_tf_workers_agree_shuffle`` sets every worker's Python random state to the
 chief's right before each shuffled epoch's draw (in tf.data's generator thread, or in
 the enqueuer's thread for ``workers > 1`` / ``use_multiprocessing``), as
-``tfdist.compat.jax_inputs`` does for JAX processes, for models that train across the
+``tfdist.compat.inputs.jax`` does for JAX processes, for models that train across the
 workers only. One worker, a local model, or ``shuffle=False``, is left as upstream has it.
 
 ``tf.data.Dataset.from_generator``, which Keras's ``fit`` builds from a ``PyDataset`` or a

@@ -1,6 +1,6 @@
 """A partial last batch on several replicas: each example weighs what it weighs on one
 device, and tf.distribute hands no replica an empty share it can avoid (TensorFlow; JAX's
-fixes: ``jax_partial_batches``).
+fixes: ``partial_batches.jax``).
 
 Real datasets leave a partial last global batch (MNIST's 60000 examples at 128: 96).
 ``tf.distribute`` splits it between the replicas unevenly (64 + 24 of 88 on 2 replicas
@@ -30,6 +30,7 @@ import contextvars
 import inspect
 import math
 
+from tfdist.compat.partial_batches import map_elements, splittable
 from tfdist.core import upstream
 from tfdist.core.batch_order import (
     KnownCut,
@@ -101,25 +102,6 @@ def split_balanced(dataset, pieces: int):
         return tf.nest.map_structure(lambda t: t[:length], element)
 
     return map_elements(dataset, spread).unbatch().map(trim)
-
-
-def map_elements(dataset, fn):
-    """``dataset.map(fn)`` with ``fn`` given each element whole: tf.data passes a tuple's
-    items as separate arguments, so a 1-tuple (``predict``'s ``(x,)`` with ``x`` a list of
-    inputs) must be packed again, not taken for its one item."""
-    if isinstance(dataset.element_spec, tuple):
-        return dataset.map(lambda *element: fn(element))
-    return dataset.map(fn)
-
-
-def _splittable(dataset) -> bool:
-    """Every component a dense tensor with a leading (batch) dimension."""
-    import tensorflow as tf
-
-    specs = tf.nest.flatten(dataset.element_spec)
-    return bool(specs) and all(
-        type(spec) is tf.TensorSpec and spec.shape.rank not in (None, 0) for spec in specs
-    )
 
 
 def leaves_a_replica_empty(batch: int, replicas: int) -> bool:
@@ -300,11 +282,7 @@ def tf_distribute_partial_batch_evenly() -> None:
             fits = [h for h in (_FIT_CUT.get(), _TRAINING_INPUT.get()) if h and not h.cut]
             batching = fits[0].ordered(dataset) if fits else ordered_batching(dataset)
             slices = known = None
-            if (
-                batching is not None
-                and _splittable(dataset)
-                and dealing_known(dataset, num_workers)
-            ):
+            if batching is not None and splittable(dataset) and dealing_known(dataset, num_workers):
                 slices = epoch_slices(batching, num_replicas_in_sync)
             if slices is not None:
                 known = KnownCut(
@@ -314,7 +292,7 @@ def tf_distribute_partial_batch_evenly() -> None:
             if cutting is not None and not cutting.cut:
                 cutting.cut = True
                 cutting.known = known
-            if not _splittable(dataset):
+            if not splittable(dataset):
                 return upstream_fn
             per_worker = num_replicas_in_sync // num_workers
             guard = None

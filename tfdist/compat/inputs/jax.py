@@ -16,7 +16,7 @@ the same batches everywhere (seed any randomness in it alike); each process keep
 share. Every batch must divide evenly between the data-parallel replicas; one that does
 not (a partial last batch of the wrong size) fails in training with an error naming the
 counts. In ``evaluate`` and ``predict`` every process feeds such a batch whole (a
-``WholeBatch``), and ``jax_partial_batches`` places it on every device.
+``WholeBatch``), and ``partial_batches.jax`` places it on every device.
 
 ``predict`` under several processes fails for every input, ``tf.data`` included
 ("Fetching value for `jax.Array` that spans non-addressable ... devices"): its batches'
@@ -25,7 +25,7 @@ gathers each batch's outputs on every process, so ``predict`` returns every pred
 in order, on every process, as on one device.
 
 Example:
-    >>> from tfdist.compat import jax_inputs
+    >>> from tfdist.compat.inputs import jax as jax_inputs
     >>> [fix.name for fix in jax_inputs.FIXES]
     ['keras_jax_multi_process_inputs', 'keras_jax_multi_process_predict']
 """
@@ -60,7 +60,7 @@ KERAS_JAX_MULTI_PROCESS_PREDICT = "keras_jax_multi_process_predict"
 _GATHERS = "__tfdist_gathers__"  # set on a predict function that gathers its outputs
 
 # True while evaluate, predict or their *_on_batch run, where
-# jax_partial_batches.keras_jax_evaluate_predict_uneven_batches is applied (it sets it):
+# partial_batches.jax.keras_jax_evaluate_predict_uneven_batches is applied (it sets it):
 # a batch that cannot be split evenly is then fed whole, never refused.
 INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tfdist_jax_inference", default=False

@@ -21,7 +21,7 @@ different global shapes and train apart, silently (measured: 2e-2 from one devic
   (numpy arrays, ``PyDataset``, generators: ``jax_inputs.WholeBatch``); a ``tf.data``
   batch there is still refused. Training refuses it everywhere (above).
 
-The batch sizes a pipeline tells come from ``partial_batches.batch_sizes``. Every private
+The batch sizes a pipeline tells come from ``batch_order.batch_sizes``. Every private
 name used comes from ``tfdist.core.upstream``.
 """
 
@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 
-from tfdist.compat import jax_inputs
-from tfdist.compat.partial_batches import _splittable, batch_sizes, map_elements
+from tfdist.compat.inputs import jax as jax_inputs
+from tfdist.compat.partial_batches import map_elements, splittable
 from tfdist.core import roles, upstream
+from tfdist.core.batch_order import batch_sizes
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
@@ -130,7 +131,7 @@ def keras_jax_partial_batch_share() -> None:
     def make(original):
         def distribute_tf_dataset(self, dataset):
             share = jax_inputs._share_of(self)
-            if share is None or not _splittable(dataset):
+            if share is None or not splittable(dataset):
                 return original(self, dataset)
             _refuse_uneven_batch_size(dataset, share)
             import tensorflow as tf
