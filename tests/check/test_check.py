@@ -940,4 +940,7 @@ def test_a_cause_is_named_only_where_the_topology_could_have_it():
     judged, found = _causes(one, reference=reference)
     assert judged[1].status == "not-distributed"
     assert [c.cause for c in found] == ["not_distributed"]
-    assert causes._several_replicas_differing([verdict.Verdict(one, "differs", replicas=1)]) == []
+    assert (
+        causes.evidence.several_replicas_differing([verdict.Verdict(one, "differs", replicas=1)])
+        == []
+    )
