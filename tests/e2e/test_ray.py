@@ -131,7 +131,7 @@ class RayCluster:
     arguments after the temporary folder."""
 
     def __init__(self, root: Path, holder: str = "ray_cluster.py", args: tuple = ("4",)):
-        from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
+        from tfdist.launch.namespace import NamespaceUnavailable, PrivateNetwork
 
         try:
             self.net = PrivateNetwork.create()

@@ -24,7 +24,7 @@ import pytest
 from tfdist import launch
 from tfdist.cli import build_parser, main
 from tfdist.core.config import ConfigError
-from tfdist.launch import LaunchOptions, Outcome, network, supervise
+from tfdist.launch import LaunchOptions, Outcome, namespace, network, supervise
 from tfdist.launch.supervise import Phase
 
 from conftest import REPO, child_env, launch_cli
@@ -761,9 +761,11 @@ def test_without_namespaces_the_job_runs_with_a_warning_naming_its_ports(
     tmp_path, launch_log, monkeypatch
 ):
     def unavailable(*args, **kwargs):
-        raise network.NamespaceUnavailable("unshare(CLONE_NEWNET) failed: Operation not permitted")
+        raise namespace.NamespaceUnavailable(
+            "unshare(CLONE_NEWNET) failed: Operation not permitted"
+        )
 
-    monkeypatch.setattr(network.PrivateNetwork, "create", unavailable)
+    monkeypatch.setattr(namespace.PrivateNetwork, "create", unavailable)
     code, out, _ = run(tmp_path, "pass\n", port=free_port_pair())
     assert code == 0 and "[w1] READY" in out
     warning = next(m for m in launch_log if m.startswith("no private network"))

@@ -93,7 +93,7 @@ SKIPPED = {
     "tfdist.info": "reports the machine",
     "tfdist.launch": "starts worker processes",
     "tfdist.launch.elastic": "runs a node of an elastic job (its launcher and workers)",
-    "tfdist.launch.network": "creates a network namespace",
+    "tfdist.launch.namespace": "creates a network namespace",
     "tfdist.launch.supervise": "starts worker processes",
     "tfdist.loops": _FILES,
     "tfdist.loops.checkpointer": _FILES,

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 from tfdist.core.cluster import worker_tf_config
 from tfdist.launch import free_ports
-from tfdist.launch.network import NamespaceUnavailable, PrivateNetwork
+from tfdist.launch.namespace import NamespaceUnavailable, PrivateNetwork
 from tools.bench import harness
 
 REPO = harness.REPO
