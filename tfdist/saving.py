@@ -411,7 +411,7 @@ def _load_weights(path: str, model):
 
 
 # ------------------------------------------------------------------ save's protocol, reused
-# (tfdist.compat.chief_writes: Keras's own ModelCheckpoint and BackupAndRestore)
+# (tfdist.compat.chief_checkpoints: Keras's own ModelCheckpoint and BackupAndRestore)
 
 
 def has_other_workers(model=None) -> bool:

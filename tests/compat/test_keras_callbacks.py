@@ -1,4 +1,4 @@
-"""Keras's own file-writing callbacks in a multi-worker job (tfdist.compat.chief_writes).
+"""Keras's own file-writing callbacks in a multi-worker job (tfdist.compat.chief_checkpoints and chief_writes).
 
 One job script (tests/scripts/keras_callbacks_job.py) trains with ModelCheckpoint
 (``.weights.h5`` per epoch, ``save_best_only`` ``.keras``, ``save_freq`` in steps),
@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 
 from tfdist import compat, saving
-from tfdist.compat import chief_writes
+from tfdist.compat import chief_checkpoints, chief_writes
 from tfdist.core import atomic, fix_registry, upstream
 
 from conftest import REPO, SCRIPTS, child_env, equivalence, last_json_line, launch_cli, warm_start
 
 TOL = 1e-5
 JOB = str(SCRIPTS / "keras_callbacks_job.py")
-FIXES = [fix.name for fix in chief_writes.FIXES]
+FIXES = [fix.name for fix in chief_checkpoints.FIXES + chief_writes.FIXES]
 EVENTS = re.compile(r"events\.out\.tfevents\.[^/]+$")
 COLLISION = re.compile(r"unable to lock file|FileExistsError")
 
@@ -133,7 +133,7 @@ def test_chief_write_fixes_are_registered_guarded_and_documented():
         "keras_tensorboard_chief_only",
         "keras_user_saves_chief_writes",
     ]
-    for fix in chief_writes.FIXES:
+    for fix in chief_checkpoints.FIXES + chief_writes.FIXES:
         assert fix.name in compat.fix_names()
         assert fix_registry.guard(fix) is None, fix.name
         assert len(fix.apply.__doc__.split()) > 60, fix.name
@@ -170,7 +170,7 @@ def test_one_process_calls_upstream_unchanged(tmp_path, monkeypatch):
     backup = tmp_path / "backup"
     assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 2
     # upstream's backup: no tfdist metadata inside the weights file
-    assert chief_writes.embedded_position(str(backup / "latest.weights.h5")) is None
+    assert chief_checkpoints.embedded_position(str(backup / "latest.weights.h5")) is None
     assert len((tmp_path / "log.csv").read_text().splitlines()) == 3
     assert len(list((tmp_path / "tb" / "train").iterdir())) == 1
 
@@ -191,7 +191,7 @@ def test_two_tensorflow_workers_write_each_file_once_and_match_one_process(tmp_p
     # The backup's weights file records the epoch it belongs to (its one atomic commit).
     latest = directory / "all" / "backup" / "latest.weights.h5"
     epochs = len(one_process["variants"]["all"]["epochs"])
-    assert chief_writes.embedded_position(str(latest)) == {"epoch": epochs, "batch": 0}
+    assert chief_checkpoints.embedded_position(str(latest)) == {"epoch": epochs, "batch": 0}
 
 
 @pytest.mark.slow

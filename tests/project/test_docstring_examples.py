@@ -57,7 +57,7 @@ SKIPPED = {
     "tfdist.checkpoint.writer": _FILES,
     "tfdist.cli": "prints the machine's report (tfdist info)",
     "tfdist.compat": "patches Keras and TensorFlow for the rest of the process",
-    "tfdist.compat.chief_writes": "a path's position needs a checkpoint on disk",
+    "tfdist.compat.chief_checkpoints": "a path's position needs a checkpoint on disk",
     "tfdist.compat.clipping": "the answer depends on the installed Keras",
     "tfdist.compat.epoch_start": "the answer depends on the installed TensorFlow",
     "tfdist.compat.inputs.jax": _JOB,

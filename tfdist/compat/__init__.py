@@ -69,6 +69,7 @@ MODULES = (
     "tfdist.compat.tf_fixes",
     "tfdist.compat.jax_fixes",
     "tfdist.compat.clipping",
+    "tfdist.compat.chief_checkpoints",
     "tfdist.compat.chief_writes",
     "tfdist.compat.inputs.jax",
     "tfdist.compat.on_batch",

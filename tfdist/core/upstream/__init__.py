@@ -325,7 +325,7 @@ __all__ += ["jax_key_value_set", "jax_key_value_get"]
 
 
 # ======================================== section: chief-only writes of Keras callbacks
-# (tfdist.compat.chief_writes) ModelCheckpoint and BackupAndRestore keep their file names,
+# (tfdist.compat.chief_checkpoints) ModelCheckpoint and BackupAndRestore keep their file names,
 # decisions and positions in private methods and attributes; no public hook says "where
 # and whether this save goes" or "what this backup records".
 
