@@ -22,7 +22,7 @@ from tfdist import cli
 from tfdist.check import causes, compare, hook, report, runner, topology, verdict
 from tfdist.check import model as check_model
 
-from conftest import child_env, warm_start
+from conftest import child_env, last_json_line, run_python, warm_start
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 # The README's Usage block (tests/project/test_readme.py), importable when this file runs
@@ -944,3 +944,44 @@ def test_a_cause_is_named_only_where_the_topology_could_have_it():
         causes.evidence.several_replicas_differing([verdict.Verdict(one, "differs", replicas=1)])
         == []
     )
+
+
+@pytest.mark.devices
+def test_weights_are_read_where_numpy_cannot_read_a_scalar_mirrored_value():
+    """Inside a strategy's scope (the process default under tfdist's unscoped models) NumPy
+    cannot read a scalar MirroredVariable's value (a Normalization layer's ``count``:
+    "object __array__ method not producing an array"); the check's weight reader takes the
+    Keras variable and reads every weight, the scalars too, as one device holds them."""
+    out = run_python(
+        """
+        import json
+        import numpy as np
+        import tensorflow as tf
+        import keras
+        from tfdist.check.model import values
+
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            norm = keras.layers.Normalization()
+            norm.adapt(np.arange(8, dtype="float32")[:, None])
+            try:
+                np.asarray(norm.count.value)
+                upstream = "reads"
+            except ValueError as err:
+                upstream = str(err)
+            read = values(norm.weights)
+            held = {w.path: np.asarray(w.numpy()).tolist() for w in norm.weights}
+        read = {k: v.tolist() for k, v in read.items()}
+        print(json.dumps({"upstream": upstream, "read": read, "held": held}))
+        """,
+        TFDIST_CPU_DEVICES="2",
+    )
+    result = last_json_line(out.stdout)
+    assert "not producing an array" in result["upstream"]  # the upstream behaviour it works around
+    assert result["read"] == result["held"], result
+    assert set(result["read"]) == {
+        "normalization/mean",
+        "normalization/variance",
+        "normalization/count",
+    }
+    assert result["read"]["normalization/mean"] == [3.5], result

@@ -146,6 +146,7 @@ def _make_inert(layer) -> bool:
 def values(variables) -> dict:
     """``{variable path: numpy array}``; a repeated path gets ``#2``, ``#3``..."""
     import keras
+    import numpy as np
 
     out: dict = {}
     for variable in variables:
@@ -154,7 +155,10 @@ def values(variables) -> dict:
         while key in out:
             n += 1
             key = f"{variable.path}#{n}"
-        out[key] = keras.ops.convert_to_numpy(variable.value)
+        # The Keras variable, not its value: inside a strategy's scope (a process-default
+        # strategy too) NumPy cannot read a scalar MirroredVariable ("object __array__
+        # method not producing an array", a Normalization layer's count), the variable it can.
+        out[key] = np.asarray(keras.ops.convert_to_numpy(variable))
     return out
 
 
