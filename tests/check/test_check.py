@@ -985,3 +985,34 @@ def test_weights_are_read_where_numpy_cannot_read_a_scalar_mirrored_value():
         "normalization/count",
     }
     assert result["read"]["normalization/mean"] == [3.5], result
+
+
+def test_a_model_drawing_in_its_own_train_step_is_named_where_replicas_differ():
+    """A GAN draws its latent vectors in its own train_step from a SeedGenerator the model
+    holds (no layer of it draws): the fact names the model, and the cause is shown for a
+    differing topology of several replicas only, never for one that is equal."""
+    import keras
+
+    class Drawing(keras.Model):
+        def __init__(self):
+            super().__init__(name="gan")
+            self.dense = keras.layers.Dense(1)
+            self.seed_generator = keras.random.SeedGenerator(0)
+
+        def call(self, x):
+            return self.dense(x)
+
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)], name="plain")
+    facts = check_model.model_facts([Drawing(), plain])
+    assert facts["random_steps"] == ["gan"] and facts["random"] == []
+    assert check_model.model_facts([plain])["random_steps"] == []
+
+    drawing = {"random_steps": ["gan"]}
+    _, found = _causes(
+        _run("2 devices", 0.0, 0.7, **drawing), _run("2 workers", 0.0, 0.5, ranks=2, **drawing)
+    )
+    (cause,) = found
+    assert cause.cause == "random_steps" and "['gan']" in cause.evidence
+    assert cause.evidence.startswith("2 devices:")  # the equal 2 workers is not named
+    _, found = _causes(_run("2 devices", 0.0, 0.5, **drawing))
+    assert found == []  # equal: nothing to explain

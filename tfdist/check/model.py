@@ -81,6 +81,9 @@ def model_facts(models: list) -> dict:
             layer.name for layer in batchnorm if not layer.synchronized and layer.trainable
         ],
         "random": [layer.name for layer in drawing if _draws(layer)],
+        # Models that draw in their own train_step (a GAN's latent vectors): no layer to
+        # make inert, but the same per-replica draws.
+        "random_steps": sorted({m.name for m in models if _holds_a_seed_generator(m)}),
         "inert": [layer.name for layer, done in zip(drawing, made, strict=False) if done],
     }
 
@@ -106,12 +109,14 @@ def _random_layers(model) -> list:
     """The model's layers that draw random numbers in training: those holding a
     ``keras.random.SeedGenerator`` (Keras's dropouts, noises and random augmentations,
     and a custom layer built the same way)."""
+    return [layer for layer in all_layers(model) if _holds_a_seed_generator(layer)]
+
+
+def _holds_a_seed_generator(layer) -> bool:
+    """Whether a layer or model holds a ``keras.random.SeedGenerator`` as an attribute."""
     import keras
 
-    def draws(layer) -> bool:
-        return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
-
-    return [layer for layer in all_layers(model) if draws(layer)]
+    return any(isinstance(v, keras.random.SeedGenerator) for v in vars(layer).values())
 
 
 def _draws(layer) -> bool:

@@ -18,6 +18,8 @@
 - ``random_layers``: random layers (``Dropout``, ``GaussianNoise``, ``RandomFlip``...)
   draw on every replica apart, and a re-run of a differing topology with them inert
   (``TFDIST_CHECK_INERT_RANDOM=1``): equal again, or not.
+- ``random_steps``: a model that holds a ``keras.random.SeedGenerator`` draws in its own
+  ``train_step`` (a GAN's latent vectors), for each replica's part of the batch apart.
 - ``partial_batch``: the difference starts at an epoch's last step, whose batch
   is partial (or of a size ``fit``'s input did not tell).
 - ``unseeded``: ``N devices`` starts from other initial weights than ``1 device``, or
@@ -63,6 +65,7 @@ def find(verdicts: list[Verdict], reference: Run, rerun: Rerun, tolerance: float
     causes += model.batch_sum(verdicts, reference)
     causes += model.batchnorm(verdicts, reference, rerun, tolerance)
     causes += model.random_layers(verdicts, reference, rerun, tolerance)
+    causes += model.random_steps(verdicts)
     causes += data.partial_batch(verdicts, reference, tolerance)
     causes += data.unsharded(verdicts)
     if not any(c.cause == "unsharded_data" for c in causes):

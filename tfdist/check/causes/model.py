@@ -14,7 +14,7 @@ from tfdist.check.compare import compare
 from tfdist.check.runner import Run
 from tfdist.check.verdict import Verdict
 
-__all__ = ["loss_per_replica", "batch_sum", "batchnorm", "random_layers"]
+__all__ = ["loss_per_replica", "batch_sum", "batchnorm", "random_layers", "random_steps"]
 
 
 # A first update this close to R times one device's (relative to R), along one device's
@@ -174,5 +174,33 @@ def random_layers(verdicts, reference: Run, rerun: Rerun, tolerance: float) -> l
             "trains as well. To compare a script with this check, make the layers draw "
             "nothing (rate=0, or a flag that leaves them out) and check again; or accept "
             "the difference. A topology still differing with them inert has another cause",
+        )
+    ]
+
+
+def random_steps(verdicts) -> list[Cause]:
+    """Models whose own ``train_step`` draws random numbers (a ``SeedGenerator`` they hold),
+    on a differing topology of several replicas."""
+    differing = evidence.several_replicas_differing(verdicts)
+    models = sorted(
+        {
+            m
+            for v in differing
+            for r in v.run.ranks.values()
+            for m in r.facts.get("random_steps", [])
+        }
+    )
+    if not models:
+        return []
+    names = ", ".join(v.name for v in differing)
+    return [
+        Cause(
+            "random_steps",
+            f"{names}: the model(s) {models} hold a keras.random.SeedGenerator, so their own "
+            "train_step draws random numbers (latent vectors, noise); on several replicas each "
+            "replica draws for its own part of the batch, so no step draws what one device draws",
+            "not a defect in itself: the draws are random on one device too. To compare a "
+            "script with this check, make its step draw nothing (a flag, or fixed inputs) and "
+            "check again; or accept the difference",
         )
     ]
