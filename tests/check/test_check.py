@@ -1016,3 +1016,19 @@ def test_a_model_drawing_in_its_own_train_step_is_named_where_replicas_differ():
     assert cause.evidence.startswith("2 devices:")  # the equal 2 workers is not named
     _, found = _causes(_run("2 devices", 0.0, 0.5, **drawing))
     assert found == []  # equal: nothing to explain
+
+
+def test_a_rerun_that_takes_most_of_the_difference_away_says_how_much():
+    """A re-run (here with BatchNormalization synchronized) still above the tolerance but
+    10 times closer or more says by how much; one that changes little says nothing more."""
+    reference = _run("1 device", 0.0, 0.5, unsynchronized=["batch_normalization"])
+    for final, shown in ((0.5 + 3e-4, "was 2.0e-01, 667 times less)"), (0.6, "was 2.0e-01)")):
+        _, found = _causes(
+            _run("2 devices", 0.0, 0.7),
+            reference=reference,
+            rerun=lambda which, variant, final=final: _run(str(which), 0.0, final),
+        )
+        (cause,) = found
+        assert cause.cause == "batchnorm", found
+        assert "2 devices with them synchronized: still differs (w " in cause.evidence
+        assert cause.evidence.endswith(shown), cause.evidence

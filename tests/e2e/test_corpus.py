@@ -44,6 +44,7 @@ import record  # noqa: E402 - tests/corpus/record.py: reads what the scripts lea
 import run_all  # noqa: E402 - tests/corpus/run_all.py: the scripts and which need TensorFlow
 
 table = tool_module("docs.corpus_table")
+checks = tool_module("docs.corpus_checks")
 
 
 def _run(argv: list[str], script: str, where: Path, backend: str, **extra: str):
@@ -212,3 +213,31 @@ def test_the_corpus_table_is_generated_from_the_results():
             assert max(cell["worst"].values()) <= table.TOLERANCE, (key, cell)
     page = REPO / "docs" / "corpus.md"
     assert table.markdown(results) in page.read_text(), "run python -m tools.docs.corpus_table"
+
+
+def test_the_checks_recorded_verdicts_on_the_corpus_agree_with_its_results():
+    """tools/results/corpus_checks.json (``python -m tools.docs.corpus_checks --run``) holds
+    what ``tfdist check`` said of every corpus script on each backend it runs on. Each
+    verdict agrees with the corpus's own results: equal where the script equals one device,
+    differs with the cause of the script's property where it does not (``AGREES``), refused
+    where there is no fit to measure; every compared topology trained on 2 replicas. This
+    test reads the recorded runs; it does not run the check (13 scripts take many minutes)."""
+    results = json.loads(checks.RESULTS.read_text())
+    found = {(c["script"], c["backend"]) for c in results["cells"]}
+    assert found == {(s, b) for b in table.BACKENDS for s in run_all.wanted([], b)}
+    assert set(checks.AGREES) == set(table.PROPERTIES)
+    for cell in results["cells"]:
+        assert not checks.disagreements(cell), (
+            cell["script"],
+            cell["backend"],
+            checks.disagreements(cell),
+        )
+        for topology in cell["topologies"]:
+            if topology["status"] in ("equal", "differs"):
+                assert topology["replicas"] == (1 if topology["topology"] == "1 device" else 2), (
+                    cell
+                )
+    page = REPO / "docs" / "corpus.md"
+    assert checks.markdown(results) in page.read_text(), (
+        "run python -m tools.docs.corpus_checks --write"
+    )

@@ -6,7 +6,8 @@
 
 The blocks: the measured figures (tools/docs/figures.py, from tools/results/), docs/idioms.md's
 idiom table (tools/docs/idiom_table.py), docs/corpus.md's table of the Keras examples
-(tools/docs/corpus_table.py, from tools/results/corpus.json) and docs/fixes.md's fix table (tools/fix_table.py,
+(tools/docs/corpus_table.py, from tools/results/corpus.json), the check's verdicts on it
+(tools/docs/corpus_checks.py, from tools/results/corpus_checks.json) and docs/fixes.md's fix table (tools/fix_table.py,
 run as a script), and the Reference pages (tools/docs/reference.py). tools/fix_fingerprints.py is not a generator of pages: it records which
 TensorFlow/Keras pair the fixes were verified against (the compat sessions run it).
 """
@@ -17,7 +18,7 @@ import argparse
 import subprocess
 import sys
 
-from tools.docs import corpus_table, figures, idiom_table, reference
+from tools.docs import corpus_checks, corpus_table, figures, idiom_table, reference
 
 REPO = idiom_table.REPO
 FIX_TABLE = REPO / "tools" / "fix_table.py"
@@ -35,6 +36,7 @@ def stale() -> list[str]:
     expected = [(name, page, block) for name, (page, block) in figures.blocks().items()]
     expected.append(("idiom table", REPO / "docs" / "idioms.md", idiom_table.markdown()))
     expected.append(("corpus table", corpus_table.PAGE, corpus_table.markdown()))
+    expected.append(("corpus checks", corpus_table.PAGE, corpus_checks.markdown()))
     table = _fix_table()
     if table.returncode != 0:
         raise RuntimeError(f"tools/fix_table.py failed:\n{table.stderr[-3000:]}")
@@ -53,6 +55,7 @@ def write() -> int:
     """Writes every block; 0, or 1 when a page lacks a block's markers."""
     status = figures.main(["--write"]) | idiom_table.main(["--write"])
     status |= corpus_table.main(["--write"])
+    status |= corpus_checks.main(["--write"])
     status |= reference.main(["--write"])
     fix = _fix_table("--write")
     sys.stderr.write(fix.stderr)

@@ -31,8 +31,7 @@ TOLERANCE = 1e-5  # the largest difference from one device that counts as equal
 PROPERTIES = {
     "dropout_per_replica": "each replica draws its own Dropout mask for its part of the batch",
     "unsynchronized_batchnorm": (
-        "each replica normalises with the statistics of its own part of the batch "
-        "(BatchNormalization(synchronized=True) is equal)"
+        "each replica normalises with the statistics of its own part of the batch"
     ),
     "random_draws_per_replica": (
         "the keras.random draws of an own train_step (the VAE's sampling, the GAN's latent "

@@ -60,11 +60,13 @@ def rerun_shown(
     for verdict in differing:
         again = judge(reference, rerun(verdict.run.topology, variant), tolerance)
         before = verdict.weights.value if verdict.weights else float("nan")
-        after = (
-            f"equal (worst {worst(again)}, was {before:.1e})"
-            if again.status == "equal"
-            else f"still {again.status} ({worst(again)}; was {before:.1e})"
-        )
+        if again.status == "equal":
+            after = f"equal (worst {worst(again)}, was {before:.1e})"
+        else:
+            now = again.weights.value if again.weights else float("nan")
+            # How much of the difference the variant took away, where it took most of it.
+            less = f", {before / now:.0f} times less" if 0 < now * 10 <= before else ""
+            after = f"still {again.status} ({worst(again)}; was {before:.1e}{less})"
         shown.append(f"{verdict.name} with them {how}: {after}")
     return "; ".join(shown)
 
