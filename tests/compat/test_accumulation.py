@@ -1,6 +1,6 @@
 """Gradient accumulation all-reduces once per window and trains what one device trains.
 
-``keras_tf_gradient_accumulation`` (tfdist/compat/keras_fixes.py) sums each replica's
+``keras_tf_gradient_accumulation`` (tfdist/compat/gradient_accumulation.py) sums each replica's
 gradients locally and all-reduces the window's sum once, on its k-th micro-step.
 ``tests/scripts/accumulation_job.py`` trains every variant (momentum; AdamW with weight
 decay and ``global_clipnorm``; ``clipnorm``; no accumulation) with k=4 in one process and

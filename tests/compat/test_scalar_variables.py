@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfdist.compat import keras_fixes
+from tfdist.compat import scalar_variables
 
 from conftest import last_json_line, run_python
 
@@ -56,7 +56,7 @@ def test_upstream_int_of_a_mirrored_scalar_raises():
         SCRIPT,
         check=False,
         TFDIST_CPU_DEVICES="4",
-        TFDIST_COMPAT_EXCLUDE=keras_fixes.KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE,
+        TFDIST_COMPAT_EXCLUDE=scalar_variables.KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE,
     )
     assert proc.returncode != 0
     assert "not 'MirroredVariable'" in proc.stderr, proc.stderr[-2000:]

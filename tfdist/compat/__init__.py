@@ -65,7 +65,12 @@ class FixSkippedWarning(RuntimeWarning):
 # The modules of fixes, in the order their fixes are applied; each exports its records as
 # FIXES. Retiring a fix's module is deleting its line here (docs/architecture.md).
 MODULES = (
-    "tfdist.compat.keras_fixes",
+    "tfdist.compat.symbolic_build",
+    "tfdist.compat.multi_worker_mean",
+    "tfdist.compat.ema_overwrite",
+    "tfdist.compat.gradient_accumulation",
+    "tfdist.compat.progbar",
+    "tfdist.compat.scalar_variables",
     "tfdist.compat.tf_fixes",
     "tfdist.compat.jax_fixes",
     "tfdist.compat.clipping",

@@ -44,7 +44,7 @@ from tfdist.checkpoint.sharded import (
     sharded_name,
 )
 from tfdist.checkpoint.writer import ArchiveWriter, exit_for_restart
-from tfdist.compat.keras_fixes import KERAS_TF_GRADIENT_ACCUMULATION
+from tfdist.compat.gradient_accumulation import KERAS_TF_GRADIENT_ACCUMULATION
 from tfdist.core import atomic, config, cross_replica, roles, storage, validate
 from tfdist.core.position import Position
 from tfdist.loops.jax import replicate, to_host
