@@ -101,7 +101,8 @@ def run(backends: list[str], names: list[str]) -> dict:
         results["cells"] = kept + fresh
         results.setdefault("measured_by_backend", {})[backend] = _measured(backend)
     order = {name: i for i, name in enumerate(_scripts("tensorflow"))}
-    results["cells"].sort(key=lambda c: (order[c["script"]], c["backend"]))
+    backends = corpus_table.BACKENDS
+    results["cells"].sort(key=lambda c: (order[c["script"]], backends.index(c["backend"])))
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
