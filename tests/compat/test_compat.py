@@ -69,6 +69,7 @@ def test_apply_all_skips_other_versions_and_excluded_fixes(monkeypatch):
 def test_fixes_are_recorded_per_package():
     tf_only = [fix.name for fix in compat.FIXES if fix.package == "tensorflow"]
     assert tf_only == [
+        "tf_numpy_of_a_distributed_scalar",
         "tf_multi_worker_timeouts",
         "tf_multi_worker_logical_cpus",
         "tf_multi_worker_auto_shard",

@@ -1,10 +1,12 @@
-"""Keras 3 on TensorFlow converts a scalar distributed variable with ``int()`` and ``float()`` (``keras_tf_scalar_of_a_mirrored_variable``).
+"""A scalar distributed variable read as one device reads it: ``int()`` and ``float()`` of a Keras
+variable (``keras_tf_scalar_of_a_mirrored_variable``), ``np.asarray`` of its value in a
+strategy's scope (``tf_numpy_of_a_distributed_scalar``).
 
 Every private Keras/TensorFlow name used comes from ``tfdist.core.upstream``.
 
 Example:
     >>> [fix.name for fix in FIXES]
-    ['keras_tf_scalar_of_a_mirrored_variable']
+    ['keras_tf_scalar_of_a_mirrored_variable', 'tf_numpy_of_a_distributed_scalar']
 """
 
 from __future__ import annotations
@@ -13,13 +15,16 @@ from tfdist.core import upstream
 from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
 
 __all__ = [
+    "TF_NUMPY_OF_A_DISTRIBUTED_SCALAR",
+    "tf_numpy_of_a_distributed_scalar",
     "KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE",
     "FIXES",
     "keras_tf_scalar_of_a_mirrored_variable",
 ]
 
-# The fix's name, declared once (other layers import it).
+# The fixes' names, declared once (other layers import them).
 KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE = "keras_tf_scalar_of_a_mirrored_variable"
+TF_NUMPY_OF_A_DISTRIBUTED_SCALAR = "tf_numpy_of_a_distributed_scalar"
 
 
 # ------------------------------------------------- fix: int() of a mirrored variable
@@ -54,6 +59,43 @@ def keras_tf_scalar_of_a_mirrored_variable() -> None:
     patch(variable, "__float__", KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE, lambda o: make(o, float))
 
 
+# ------------------------------------------------- fix: NumPy of a distributed scalar
+
+
+def tf_numpy_of_a_distributed_scalar() -> None:
+    """Makes ``np.asarray`` of a scalar mirrored variable's value work in a strategy's scope.
+
+    A ``MirroredVariable`` has no ``__array__``: NumPy gets it through the variable's
+    ``__getattr__``, from the value on this device. Inside a strategy's scope (and under
+    a process-default strategy, as unscoped models set up) that value is a tensor read
+    for the cross-replica context, whose ``__array__`` gives a NumPy scalar for a 0-d
+    tensor. NumPy 2 refuses that ("object __array__ method not producing an array"), so
+    ``np.asarray(layer.count.value)`` or ``keras.ops.convert_to_numpy(v.value)`` of a
+    Normalization layer's count raises, where one device gives a 0-d array. The fix wraps
+    only that result: an ``__array__`` that returned an array is returned as it is, and a
+    NumPy scalar becomes the 0-d array it holds.
+    """
+
+    def make(original):
+        def __getattr__(self, name):
+            found = original(self, name)
+            if name != "__array__":
+                return found
+
+            def __array__(*args, **kwargs):
+                import numpy as np
+
+                result = found(*args[:1], **{k: v for k, v in kwargs.items() if k == "dtype"})
+                return result if isinstance(result, np.ndarray) else np.asarray(result)
+
+            return __array__
+
+        return __getattr__
+
+    owner = upstream.tf_distributed_delegate_class()
+    patch(owner, "__getattr__", TF_NUMPY_OF_A_DISTRIBUTED_SCALAR, make)
+
+
 FIXES: list[Fix] = [
     Fix(
         KERAS_TF_SCALAR_OF_A_MIRRORED_VARIABLE,
@@ -74,5 +116,25 @@ FIXES: list[Fix] = [
         no_harm=(
             "tests/compat/test_upstream_keras.py::test_keras_tests_under_tfdist_scope_fail_with_the_fixes_only_where_they_fail_without",
         ),
+    ),
+    Fix(
+        TF_NUMPY_OF_A_DISTRIBUTED_SCALAR,
+        "TensorFlow with NumPy 2, in a strategy's scope: np.asarray of a scalar mirrored "
+        "variable's value raises 'object __array__ method not producing an array'",
+        on_keras_backend("tensorflow"),
+        tf_numpy_of_a_distributed_scalar,
+        targets=targets(
+            "tensorflow.python.distribute.values:DistributedDelegate.__getattr__",
+            "tensorflow.python.framework.ops:_EagerTensorBase.__array__",
+        ),
+        acts_where=(
+            "np.asarray / __array__ of a distributed value whose value on this device gives "
+            "a NumPy scalar (0-d, in a strategy's scope); arrays and every other attribute: "
+            "upstream's"
+        ),
+        no_harm=(
+            "tests/compat/test_scalar_variables.py::test_numpy_of_a_distributed_value_is_unchanged_where_upstream_reads_it",
+        ),
+        package="tensorflow",
     ),
 ]

@@ -49,6 +49,14 @@ def tf_extended_num_workers(extended) -> int:
     return int(extended._num_workers)
 
 
+def tf_distributed_delegate_class():
+    """``values.DistributedDelegate``, the base of mirrored variables: its ``__getattr__``
+    hands an attribute it lacks (``__array__``) to the value on this device."""
+    from tensorflow.python.distribute import values
+
+    return values.DistributedDelegate
+
+
 def tf_is_distributed_variable(value) -> bool:
     """Whether ``value`` is a Mirrored/SyncOnRead variable of a strategy."""
     from tensorflow.python.distribute import distribute_utils
