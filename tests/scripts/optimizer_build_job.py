@@ -113,7 +113,11 @@ for name in sys.argv[1:] or CASES:
     try:
         cases[name] = CASES[name]()
     except Exception as error:  # the result is what the case raised
-        cases[name] = f"{type(error).__name__}: {str(error)[:4000]}"
+        # TensorFlow puts the op's stack first and its message last: keep both ends (the
+        # stack's length depends on where the checkout lies).
+        text = str(error)
+        text = text if len(text) <= 4000 else f"{text[:1000]} [...] {text[-3000:]}"
+        cases[name] = f"{type(error).__name__}: {text}"
 out["cases"] = cases
 if tfdist.is_chief():
     print("OPTBUILD " + json.dumps(out), flush=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -47,9 +48,10 @@ AGREES = {
 
 
 def _scripts(backend: str) -> list[str]:
-    sys.path.insert(0, str(CORPUS))
-    import run_all  # tests/corpus/run_all.py: the scripts and which need TensorFlow
-
+    """The corpus scripts that run on ``backend`` (tests/corpus/run_all.py says which)."""
+    spec = importlib.util.spec_from_file_location("corpus_run_all", CORPUS / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
     return run_all.wanted([], backend)
 
 
