@@ -79,7 +79,7 @@ MUTATIONS = (
     Mutation(
         "unscoped_never_adopts",
         "tfdist/unscoped.py",
-        "        if process.state().unscoped_default is None:\n            _adopt()",
+        "        if st.unscoped_default is None:\n            _adopt()",
         "        if False:\n            _adopt()",
         (
             "tests/e2e/test_unchanged_scripts.py::"
@@ -96,8 +96,8 @@ MUTATIONS = (
     Mutation(
         "custom_step_summed",
         "tfdist/compat/custom_train_step.py",
-        "        if replicas > 1 and not scaled:",
-        "        if False:",
+        "        if replicas > 1:\n            grads = [_divided(g, replicas) for g in grads]",
+        "        if False:\n            grads = [_divided(g, replicas) for g in grads]",
         ("tests/compat/test_custom_train_step.py::test_examples_own_train_steps_equal_one_device",),
     ),
     Mutation(
