@@ -115,3 +115,21 @@ def test_one_command_finds_every_generated_block_current():
         cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr[-3000:]
+
+
+def test_every_mutation_finds_the_text_it_breaks_once():
+    """tools/mutations.py replaces one exact piece of source text per mutation; when the code
+    it names is rewritten, the mutation would break nothing. Each text is still there, once,
+    and each test it runs exists."""
+    from conftest import tool_module
+
+    mutations = tool_module("mutations")
+    assert len(mutations.MUTATIONS) >= 13
+    for mutation in mutations.MUTATIONS:
+        text = (REPO / mutation.path).read_text()
+        assert text.count(mutation.before) == 1, (mutation.name, mutation.path)
+        assert mutation.after != mutation.before, mutation.name
+        for test in mutation.tests:  # a test file, or one test in it
+            path, _, name = test.partition("::")
+            source = (REPO / path).read_text()
+            assert not name or f"def {name.split('[')[0]}(" in source, (mutation.name, test)
