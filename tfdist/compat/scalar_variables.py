@@ -12,7 +12,7 @@ Example:
 from __future__ import annotations
 
 from tfdist.core import upstream
-from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets
+from tfdist.core.fix_registry import Fix, on_keras_backend, patch, targets, wrap
 
 __all__ = [
     "TF_NUMPY_OF_A_DISTRIBUTED_SCALAR",
@@ -76,24 +76,23 @@ def tf_numpy_of_a_distributed_scalar() -> None:
     NumPy scalar becomes the 0-d array it holds.
     """
 
-    def make(original):
-        def __getattr__(self, name):
-            found = original(self, name)
-            if name != "__array__":
-                return found
-
-            def __array__(*args, **kwargs):
-                import numpy as np
-
-                result = found(*args[:1], **{k: v for k, v in kwargs.items() if k == "dtype"})
-                return result if isinstance(result, np.ndarray) else np.asarray(result)
-
-            return __array__
-
-        return __getattr__
-
     owner = upstream.tf_distributed_delegate_class()
-    patch(owner, "__getattr__", TF_NUMPY_OF_A_DISTRIBUTED_SCALAR, make)
+    wrap(owner, "__getattr__", TF_NUMPY_OF_A_DISTRIBUTED_SCALAR, _array_as_an_array)
+
+
+def _array_as_an_array(original, self, name):
+    """Upstream's attribute; ``__array__`` made to return an array where it gave a scalar."""
+    found = original(self, name)
+    if name != "__array__":
+        return found
+
+    def __array__(dtype=None, copy=None):  # NumPy 2 passes copy; the tensor's takes none
+        import numpy as np
+
+        result = found() if dtype is None else found(dtype)
+        return result if isinstance(result, np.ndarray) else np.asarray(result)
+
+    return __array__
 
 
 FIXES: list[Fix] = [

@@ -124,6 +124,11 @@ def _measured(backend: str) -> dict:
     }
 
 
+def _checked_as(backend: str, topology: str) -> str:
+    """The check's name for a corpus topology: on JAX, 2 workers are "2 processes"."""
+    return "2 processes" if backend == "jax" and topology == "2 workers" else topology
+
+
 def disagreements(cell: dict) -> list[str]:
     """How a recorded check of one script disagrees with the corpus's expectations: every
     topology expected equal is "equal" (exit 0 when all are); one expected to differ
@@ -133,8 +138,7 @@ def disagreements(cell: dict) -> list[str]:
     script, backend = cell["script"], cell["backend"]
     statuses = {t["topology"]: t["status"] for t in cell["topologies"]}
     for topology in corpus_table.TOPOLOGIES:
-        # The check's JAX topology of 2 processes is the corpus's 2 workers.
-        asked = "2 processes" if backend == "jax" and topology == "2 workers" else topology
+        asked = _checked_as(backend, topology)
         expectation = corpus_table.expected(script, backend, topology)
         if expectation is None:
             if statuses.get(asked) != "equal":
@@ -169,7 +173,7 @@ def markdown(results: dict | None = None) -> str:
         "|---|---|---|---|---|---|",
     ]
     for cell in results["cells"]:
-        second = "2 processes" if cell["backend"] == "jax" else "2 workers"
+        second = _checked_as(cell["backend"], "2 workers")
         causes = ", ".join(f"`{c}`" for c in cell["causes"]) or "none"
         if cell["exit_code"] == 2:
             causes = "refused: no fit or distributed batch to measure"
