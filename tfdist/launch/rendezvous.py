@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -37,7 +38,7 @@ import socket
 import socketserver
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tfdist.core import validate
 from tfdist.core.config import ConfigError
@@ -135,9 +136,9 @@ class Round:
 class _Node:
     name: str  # host:first-port, how messages name it
     nproc: int
-    seen: float  # time.monotonic() of its last request
-    state: str = "waiting"  # waiting | member | done
-    since: float = field(default_factory=time.monotonic)
+    seen: float  # the store's clock (``Store._now``) at its last request
+    arrival: int  # how many joins came before its last one: newcomers are ordered by it
+    state: str = "waiting"  # waiting | member | stopping | done
 
 
 class Store:
@@ -166,6 +167,7 @@ class Store:
         self._nodes: dict[str, _Node] = {}
         self._members: list[str] = []  # node ids of the current (or last) round
         self._round = 0
+        self._arrivals = 0  # joins so far
         self._running = False
         self._finished = False
         self._why: str = ""
@@ -217,7 +219,18 @@ class Store:
     def _tick_forever(self) -> None:
         while not self._stop.wait(0.2):
             with self._lock:
-                self._tick(time.monotonic())
+                self._tick(self._now())
+
+    # ---------------------------------------------------------------- the clock and leases
+
+    def _now(self) -> float:
+        """The store's clock: one process's monotonic clock (the etcd backend, whose state
+        every node updates, uses wall time)."""
+        return time.monotonic()
+
+    def _expired(self, key: str, node: _Node, now: float) -> bool:
+        """``node`` stopped renewing: no request for ``lease`` seconds."""
+        return now - node.seen > self.lease
 
     # ---------------------------------------------------------------- the state
 
@@ -230,7 +243,7 @@ class Store:
             }
         op, node = request.get("op"), str(request.get("node", ""))
         with self._lock:
-            now = time.monotonic()
+            now = self._now()
             self._tick(now)
             if op == "join":
                 error = self._join(
@@ -260,7 +273,8 @@ class Store:
         if self._finished:
             return ""
         known = self._nodes.get(node)
-        self._nodes[node] = _Node(name, nproc, now)
+        self._arrivals += 1
+        self._nodes[node] = _Node(name, nproc, now, self._arrivals)
         self._lost.pop(name, None)
         if not self._running:
             return ""
@@ -294,7 +308,7 @@ class Store:
 
     def _tick(self, now: float) -> None:
         for key, node in list(self._nodes.items()):
-            if now - node.seen > self.lease and not self._finished:
+            if self._expired(key, node, now) and not self._finished:
                 self._drop(key, f"stopped renewing its lease ({self.lease:g} s)")
         if self._running or self._finished:
             return
@@ -309,7 +323,7 @@ class Store:
                 return
         self._enough_since = None
         order = {k: i for i, k in enumerate(self._members)}
-        waiting.sort(key=lambda k: (order.get(k, len(order)), self._nodes[k].since))
+        waiting.sort(key=lambda k: (order.get(k, len(order)), self._nodes[k].arrival))
         self._members = waiting[: self.max_nodes]
         for key in self._members:
             self._nodes[key].state = "member"
@@ -317,6 +331,25 @@ class Store:
         self._running = True
         names = [self._nodes[k].name for k in self._members]
         logger.info("rendezvous: round %d: %d node(s) %s", self._round, len(names), names)
+
+    # The fields that make the state, for a backend that keeps it outside this process.
+    _STATE = (
+        "_members", "_round", "_arrivals", "_running", "_finished", "_why", "_ended_at",
+        "_lost", "_enough_since",
+    )  # fmt: skip
+
+    def state(self) -> dict:
+        """The membership as JSON-ready data (``restore`` reads it back)."""
+        state = {name: getattr(self, name) for name in self._STATE}
+        state["_nodes"] = {key: dataclasses.asdict(node) for key, node in self._nodes.items()}
+        return state
+
+    def restore(self, state: dict) -> None:
+        """Takes the membership ``state()`` gave (an empty dict: a new job)."""
+        for name in self._STATE:
+            if name in state:
+                setattr(self, name, state[name])
+        self._nodes = {key: _Node(**node) for key, node in state.get("_nodes", {}).items()}
 
     def _view(self, node: str) -> dict:
         view: dict = {"round": self._round, "running": self._running, "finished": self._finished}
@@ -366,15 +399,18 @@ class Member:
         self._beating = threading.Event()
         self._beater: threading.Thread | None = None
 
-    def _ask(self, op: str, **extra) -> dict:
+    def _send(self, request: dict) -> dict:
+        """One request to the store, its answer (OSError when the store cannot be reached)."""
         host, port = split_host(self.endpoint)
-        request = {"job": self.job, "op": op, "node": self.id, **extra}
         with socket.create_connection((host.strip("[]"), port), timeout=_ANSWER_S) as sock:
             sock.sendall(json.dumps(request).encode() + b"\n")
             line = sock.makefile("rb").readline()
         if not line:
             raise OSError(errno.ECONNRESET, "the store closed the connection")
-        answer = json.loads(line)
+        return json.loads(line)
+
+    def _ask(self, op: str, **extra) -> dict:
+        answer = self._send({"job": self.job, "op": op, "node": self.id, **extra})
         if "error" in answer and not answer.get("rejoin"):
             raise RendezvousError(f"rendezvous {self.endpoint}: {answer['error']}")
         self._last_answer = time.monotonic()
