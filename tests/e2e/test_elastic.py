@@ -148,13 +148,16 @@ def environment(backend: str) -> dict:
     return env
 
 
-def start_nodes(tmp: Path, endpoints: str, env: dict, lab=None) -> list[Node]:
+def start_nodes(tmp: Path, endpoints: str, env: dict, lab=None, *extra: str) -> list[Node]:
     """Node 0 first (it hosts the store at the first endpoint; its record goes to
-    ``tmp/logs``), then nodes 1 and 2 (on hosts a, b, c of ``lab`` when given)."""
+    ``tmp/logs``), then nodes 1 and 2 (on hosts a, b, c of ``lab`` when given).
+    ``extra``: more launch flags for every node (``--rdzv-backend etcd``: nobody hosts)."""
     where = [{"lab": lab, "host": h} if lab else {} for h in "abc"]
-    first = Node(tmp, "node0", endpoints, env, "--log-dir", str(tmp / "logs"), "--tee", **where[0])
-    wait_for([first], "this node hosts the store")
-    rest = [Node(tmp, f"node{i}", endpoints, env, **where[i]) for i in (1, 2)]
+    logs = ("--log-dir", str(tmp / "logs"), "--tee")
+    first = Node(tmp, "node0", endpoints, env, *extra, *logs, **where[0])
+    if "etcd" not in extra:
+        wait_for([first], "this node hosts the store")
+    rest = [Node(tmp, f"node{i}", endpoints, env, *extra, **where[i]) for i in (1, 2)]
     return [first, *rest]
 
 
@@ -228,6 +231,35 @@ def test_the_store_moves_on_when_its_node_is_lost(tmp_path):
     assert [s["workers"] for s in starts(tmp_path)] == [3, 2]
     result = final_weights(nodes[1:])
     equivalence.assert_close(expected["weights"], result["weights"], TOLERANCE, "store moved")
+
+
+@pytest.mark.slow
+@pytest.mark.multiworker
+def test_with_etcd_the_chief_is_lost_like_any_node_and_the_job_ends_equal(tmp_path):
+    """``--rdzv-backend etcd``: no node hosts the rendezvous, so losing node 0 (the chief,
+    the first to come) is losing any node: the two others re-form and finish."""
+    from etcd_server import EtcdServer
+
+    env = environment("tensorflow")
+    expected = reference(tmp_path, env)
+    with EtcdServer(tmp_path) as etcd:
+        nodes = start_nodes(tmp_path, etcd.endpoint, env, None, "--rdzv-backend", "etcd")
+        try:
+            wait_step(nodes, workers=3, at_least=10)
+            nodes[0].kill()  # the chief: its launcher and its worker, mid-epoch 1
+            lost = wait_for(nodes[1:], r"re-formed \((.*?)\): 3 node\(s\) \(3 workers\) -> 2 node")
+            assert "stopped renewing its lease" in lost.group(1), lost.group(0)
+            finish(nodes[1:])
+        finally:
+            for node in nodes:
+                node.end()
+    seen = starts(tmp_path)
+    assert [s["workers"] for s in seen] == [3, 2], seen
+    assert all(s["rendezvous"].startswith(f"etcd store at {etcd.endpoint}") for s in seen), seen
+    assert seen[1]["resumed_step"] >= 8, seen
+    result = final_weights(nodes[1:])
+    assert result["workers"] == 2 and result["steps"] == expected["steps"], result
+    equivalence.assert_close(expected["weights"], result["weights"], TOLERANCE, "chief lost")
 
 
 @pytest.mark.multiworker

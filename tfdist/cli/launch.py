@@ -96,6 +96,7 @@ def _elastic_options(args: argparse.Namespace):
     return _checked(
         ElasticOptions.from_flags,
         nnodes=args.nnodes,
+        rdzv_backend=args.rdzv_backend,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
         rdzv_conf=args.rdzv_conf,

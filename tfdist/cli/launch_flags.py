@@ -135,16 +135,17 @@ def _add_network_flags(launch: argparse.ArgumentParser) -> None:
 def _add_rendezvous_flags(launch: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--rdzv-backend",
-        choices=("c10d",),
+        choices=("c10d", "etcd"),
         default="c10d",
         help="elastic jobs: where the nodes meet: c10d, a store served by the launcher of "
-        "the node that owns --rdzv-endpoint, as torchrun's",
+        "the node that owns --rdzv-endpoint; etcd, an etcd cluster at --rdzv-endpoint "
+        "(any node may be lost), as torchrun's",
     )
     launch.add_argument(
         "--rdzv-endpoint",
         metavar="HOST:PORT[,...]",
-        help="elastic jobs: the rendezvous store's address, on one of the nodes; more "
-        "endpoints (comma-separated) are where it moves when its node is lost",
+        help="elastic jobs: c10d: the store's address, on one of the nodes, then where it "
+        "moves when its node is lost; etcd: the etcd cluster's members (comma-separated)",
     )
     launch.add_argument(
         "--rdzv-id", metavar="ID", help="elastic jobs: the job's id, the same on every node"

@@ -18,7 +18,9 @@ preemption save, exit 75), and nothing is lost. Below MIN nodes the launchers wa
 The store lives in the launcher of the node that owns the first endpoint. Give
 ``--rdzv-endpoint`` several endpoints (comma-separated, one per node that may host it)
 and the store moves to the next one when its host is lost; with one endpoint, losing
-its node ends the job (each launcher says so and exits 1).
+its node ends the job (each launcher says so and exits 1). With ``--rdzv-backend etcd``
+the nodes meet in an etcd cluster instead (``tfdist.launch.rendezvous_etcd``): no node
+hosts anything, and any node may be lost.
 
 Each re-form prints one line: what ended the round, the old and new number of nodes and
 workers, the step the script resumed from, and the seconds from the end of the last round
@@ -57,6 +59,7 @@ from tfdist.launch.rendezvous import (
     parse_nnodes,
     try_host,
 )
+from tfdist.launch.rendezvous_etcd import EtcdMember
 from tfdist.launch.supervise import exit_code, run_group
 from tfdist.launch.workers import LauncherSignals
 
@@ -98,6 +101,7 @@ def _rdzv_conf(text: str | None) -> dict:
 
 logger = logging.getLogger("tfdist.launch")
 _WHERE = "launch"
+BACKENDS = ("c10d", "etcd")  # where the nodes meet (--rdzv-backend)
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,16 @@ class ElasticOptions:
     Attributes:
         min_nodes, max_nodes: the job trains on at least MIN and at most MAX nodes.
         endpoints: ``host:port`` of the rendezvous store, then the places it moves to
-            when its host is lost (``--rdzv-endpoint``).
+            when its host is lost (``--rdzv-endpoint``); with ``backend="etcd"``, the
+            etcd cluster's members.
         job: the job's id (``--rdzv-id``); a node with another id is refused.
         host: the address this node's workers are reached at (None: the address this
             machine uses to reach the first endpoint).
         lease: seconds without a renewal after which a node counts as lost.
         join_timeout: seconds to wait for MIN nodes before giving up.
         last_call: once MIN nodes are there, seconds to wait for more before starting.
+        backend: ``"c10d"`` (a store one node's launcher hosts) or ``"etcd"``
+            (``tfdist.launch.rendezvous_etcd``), as ``--rdzv-backend``.
     """
 
     min_nodes: int
@@ -124,6 +131,7 @@ class ElasticOptions:
     lease: float = 5.0
     join_timeout: float = 600.0
     last_call: float = 3.0
+    backend: str = "c10d"
 
     @classmethod
     def from_flags(
@@ -131,6 +139,7 @@ class ElasticOptions:
         *,
         nnodes: str | None,
         rdzv_endpoint: str | None,
+        rdzv_backend: str = "c10d",
         rdzv_id: str | None,
         rdzv_conf: str | None = None,
         local_addr: str | None = None,
@@ -164,6 +173,7 @@ class ElasticOptions:
             endpoints=tuple(e.strip() for e in rdzv_endpoint.split(",")),
             job=rdzv_id,
             host=local_addr,
+            backend=rdzv_backend,
             **_rdzv_conf(rdzv_conf),
         )
 
@@ -192,6 +202,13 @@ class ElasticOptions:
                     _WHERE, "rdzv_id", "a non-empty job id", self.job, "e.g. --rdzv-id run42."
                 )
             )
+        if self.backend not in BACKENDS:
+            raise ConfigError(
+                validate.message(
+                    _WHERE, "rdzv_backend", f"one of {BACKENDS}", self.backend,
+                    "e.g. --rdzv-backend etcd with --rdzv-endpoint at an etcd cluster.",
+                )
+            )  # fmt: skip
         for name in ("lease", "join_timeout", "last_call"):
             validate.number(
                 getattr(self, name), name, _WHERE, low=0.0, low_ok=False, what="seconds > 0"
@@ -254,10 +271,14 @@ class _Rendezvous:
                     return member
             now = time.monotonic()
             if now > deadline:
+                start = (
+                    "Start etcd there"
+                    if self.elastic.backend == "etcd"
+                    else "Start the launcher of the node that owns the endpoint"
+                )
                 raise RendezvousError(
                     f"no rendezvous store answered at {', '.join(self.elastic.endpoints[self._at :])} "
-                    f"in {timeout:g} s. Start the launcher of the node that owns the endpoint, "
-                    "or check --rdzv-endpoint"
+                    f"in {timeout:g} s. {start}, or check --rdzv-endpoint"
                 )
             if now - told >= 10:
                 self.say(f"waiting for the rendezvous store at {self.elastic.endpoints[self._at]}")
@@ -265,6 +286,8 @@ class _Rendezvous:
             time.sleep(0.5)
 
     def _try(self, at: int) -> Member | None:
+        if self.elastic.backend == "etcd":
+            return self._try_etcd()
         endpoint = self.elastic.endpoints[at]
         if self.store is None:
             self.store = try_host(
@@ -293,8 +316,32 @@ class _Rendezvous:
         member.join()
         return member
 
+    def _try_etcd(self) -> Member | None:
+        member = EtcdMember(
+            self.elastic.endpoints,
+            job=self.elastic.job,
+            host=self.host,
+            ports=self.ports,
+            min_nodes=self.elastic.min_nodes,
+            max_nodes=self.elastic.max_nodes,
+            lease=self.elastic.lease,
+            last_call=self.elastic.last_call,
+        )
+        try:
+            member.etcd.call("maintenance/status", {})
+        except OSError:
+            return None
+        member.join()
+        return member
+
     def move_on(self) -> Member:
         """The store's host is gone: the next endpoint that answers, or this node hosts it."""
+        if self.elastic.backend == "etcd":
+            raise RendezvousError(
+                f"etcd at {', '.join(self.elastic.endpoints)} stopped answering for "
+                f"{self.elastic.lease:g} s: the job cannot re-form without it. Run etcd as a "
+                "cluster of 3 or 5 members and give them all in --rdzv-endpoint"
+            )
         if self._at + 1 >= len(self.elastic.endpoints):
             raise RendezvousError(
                 f"the rendezvous store at {self.elastic.endpoints[self._at]} is gone with its "
@@ -481,7 +528,7 @@ class _Node:
 
         os.environ[ELASTIC_EVENTS_ENV] = self.events  # the workers inherit both
         os.environ[RENDEZVOUS_ENV] = (
-            f"c10d store at {member.endpoint}, job {self.elastic.job!r}, round "
+            f"{self.elastic.backend} store at {member.endpoint}, job {self.elastic.job!r}, round "
             f"{round_.number} of {round_.size} node(s), this node {round_.index}"
         )
         network = JobNetwork(options)
