@@ -101,6 +101,7 @@ JAX_CELLS_MAIN_STAGE_ONLY = [
     "tests/e2e/test_corpus.py",
     "tests/e2e/test_elastic.py",
     "tests/e2e/test_kubernetes.py",
+    "tests/e2e/test_ray_elastic.py",
     "tests/e2e/test_slurm.py",
     "tests/e2e/test_unchanged_scripts.py",
     "tests/examples/test_train_mnist.py",

@@ -8,7 +8,9 @@ tests/scripts/ray_elastic_driver.py, whose chief logs each worker group's size, 
 step and first step. Its model (Dense and synchronized BatchNormalization, a cosine
 schedule by step) trains 250 examples in global batches of 24: the last batch of each
 epoch is partial (10 examples). The uninterrupted run is the same loop in one process
-(tests/scripts/ray_reference.py).
+(tests/scripts/ray_reference.py). The test runs the page's TensorFlow script
+(``TensorflowTrainer``), then its JAX one (``JaxTrainer``, each group naming its own JAX
+coordinator), on the same cluster.
 """
 
 from __future__ import annotations
@@ -51,14 +53,19 @@ def cluster(tmp_path_factory):
     assert not _namespace_pids(cluster.inode), "Ray processes outlived the cluster"
 
 
-@pytest.fixture(scope="module")
-def script(tmp_path_factory) -> Path:
-    """The code block of docs/elastic.md's "Ray Train" section."""
+# The code blocks of docs/elastic.md's "Ray Train" section, in order.
+BLOCKS = {"tensorflow": 1, "jax": 2}
+
+
+@pytest.fixture(params=list(BLOCKS))
+def script(request, tmp_path_factory) -> Path:
+    """The ``request.param`` backend's code block of docs/elastic.md's "Ray Train" section."""
     text = DOCS.read_text()
     start = text.index("\n## Ray Train\n")
     end = text.find("\n## ", start + 1)
-    path = tmp_path_factory.mktemp("script") / "ray_elastic.py"
-    path.write_text(text[start : end if end > 0 else None].split("```python\n")[1].split("```")[0])
+    blocks = text[start : end if end > 0 else None].split("```python\n")
+    path = tmp_path_factory.mktemp("script") / f"ray_elastic_{request.param}.py"
+    path.write_text(blocks[BLOCKS[request.param]].split("```")[0])
     return path
 
 

@@ -160,3 +160,10 @@ def test_an_unknown_backend_is_refused_naming_it():
         ConfigError, match=r"rdzv_backend must be one of .*Received: rdzv_backend='zookeeper'"
     ):
         ElasticOptions(1, 2, ("127.0.0.1:2379",), "j", backend="zookeeper")
+
+
+def test_a_node_with_another_job_id_meets_in_another_job(etcd):
+    mine, other = member(etcd, "a", "mine"), member(etcd, "b", "other")
+    rounds = joined_round([mine, other], at_once=True)
+    assert [(r.number, r.nodes) for r in rounds] == [(1, ("a:5097",)), (1, ("b:5098",))], rounds
+    assert not [k for k in Etcd((etcd.endpoint,)).read("x", mine.root)[2] if "b:5098" in k]
