@@ -227,3 +227,13 @@ def test_tfdist_launch_refuses_an_elastic_job_without_its_endpoint(tmp_path, cap
     code = cli.main(["launch", "--nnodes", "2:3", "-n", "1", str(script)])
     assert code == 2
     assert "an elastic job needs where its nodes meet" in capsys.readouterr().err
+
+
+def test_the_store_listens_on_the_endpoints_address_only():
+    s = store(min_nodes=1, max_nodes=1)
+    s.start()
+    try:
+        assert s._server.server_address[0] == "127.0.0.1", s._server.server_address
+        assert s.endpoint.startswith("127.0.0.1:")  # not 0.0.0.0: every interface
+    finally:
+        s.close()
