@@ -104,7 +104,9 @@ class _Rendezvous:
         """Finds the store (hosting it when this node owns the endpoint), joins it."""
         deadline, told = time.monotonic() + timeout, 0.0
         while True:
-            for at in range(self._at, len(self.elastic.endpoints)):
+            # etcd: one try reaches every member in turn (Etcd.call)
+            last = self._at + 1 if self.elastic.backend == "etcd" else len(self.elastic.endpoints)
+            for at in range(self._at, last):
                 member = self._try(at)
                 if member is not None:
                     self._at, self.member = at, member
