@@ -167,3 +167,14 @@ def test_a_node_with_another_job_id_meets_in_another_job(etcd):
     rounds = joined_round([mine, other], at_once=True)
     assert [(r.number, r.nodes) for r in rounds] == [(1, ("a:5097",)), (1, ("b:5098",))], rounds
     assert not [k for k in Etcd((etcd.endpoint,)).read("x", mine.root)[2] if "b:5098" in k]
+
+
+def test_renewals_write_nothing_to_etcd(etcd):
+    """etcd keeps every revision until compacted: a write per renewal per node would fill
+    its space quota over a long job. A renewal renews the lease and reads the state only."""
+    a = member(etcd, "a", "quiet")
+    (round_,) = joined_round([a])
+    before = a.etcd.read(f"{a.root}state", f"{a.root}alive/")[1]
+    for _ in range(5):
+        assert a.ask("beat")["round"] == round_.number
+    assert a.etcd.read(f"{a.root}state", f"{a.root}alive/")[1] == before

@@ -172,6 +172,14 @@ class _Membership(Store):
     def _expired(self, key: str, node: _Node, now: float) -> bool:
         return key not in self.alive
 
+    def state(self) -> dict:
+        """The shared state without the nodes' last requests: the lease tells liveness, so
+        a renewal writes nothing (etcd keeps every revision until it is compacted)."""
+        state = super().state()
+        for node in state["_nodes"].values():
+            node["seen"] = 0.0
+        return state
+
 
 class EtcdMember(Member):
     """This node's side of a rendezvous kept in etcd: the same requests as ``Member``'s,
