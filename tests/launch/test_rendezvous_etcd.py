@@ -10,6 +10,7 @@ answering is named. tests/e2e/test_elastic.py runs it with real launchers and wo
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 
@@ -178,3 +179,21 @@ def test_renewals_write_nothing_to_etcd(etcd):
     for _ in range(5):
         assert a.ask("beat")["round"] == round_.number
     assert a.etcd.read(f"{a.root}state", f"{a.root}alive/")[1] == before
+
+
+def test_a_round_computed_on_a_state_that_lost_a_race_is_not_announced(etcd, caplog):
+    a, b = (member(etcd, name, "unsaid", min_nodes=2, max_nodes=2) for name in "ab")
+    b.join()
+    read, raced = a.etcd.read, []
+
+    def read_then_b_leaves(*args):
+        got = read(*args)
+        if not raced:  # a sees b waiting and forms round 1; b leaves before a writes it
+            raced.append(b.leave())
+        return got
+
+    a.etcd.read = read_then_b_leaves
+    with caplog.at_level(logging.INFO, logger="tfdist.launch"):
+        a.join()
+    assert raced and not a.view["running"], a.view
+    assert "rendezvous: round" not in caplog.text, caplog.text

@@ -232,6 +232,10 @@ class Store:
         """``node`` stopped renewing: no request for ``lease`` seconds."""
         return now - node.seen > self.lease
 
+    def _log(self, level: int, message: str, *args) -> None:
+        """A change of membership, said in the launcher's log."""
+        logger.log(level, message, *args)
+
     # ---------------------------------------------------------------- the state
 
     def answer(self, request: dict) -> dict:
@@ -300,7 +304,7 @@ class Store:
             self._end_round(f"node {gone.name} {what}")
 
     def _end_round(self, why: str) -> None:
-        logger.warning("rendezvous: round %d ends: %s", self._round, why)
+        self._log(logging.WARNING, "rendezvous: round %d ends: %s", self._round, why)
         self._running, self._why, self._ended_at = False, why, time.time()
         for node in self._nodes.values():
             if node.state == "member":
@@ -330,7 +334,9 @@ class Store:
         self._round += 1
         self._running = True
         names = [self._nodes[k].name for k in self._members]
-        logger.info("rendezvous: round %d: %d node(s) %s", self._round, len(names), names)
+        self._log(
+            logging.INFO, "rendezvous: round %d: %d node(s) %s", self._round, len(names), names
+        )
 
     # The fields that make the state, for a backend that keeps it outside this process.
     _STATE = (

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import time
 import urllib.error
@@ -36,6 +37,8 @@ import urllib.request
 from tfdist.launch.rendezvous import _ANSWER_S, Member, RendezvousError, Store, _Node
 
 __all__ = ["Etcd", "EtcdMember"]
+
+logger = logging.getLogger("tfdist.launch")
 
 _PREFIX = "/tfdist/rdzv/"
 # Straight to etcd: a proxy the environment names (for the internet) is not on the way to it.
@@ -165,12 +168,16 @@ class _Membership(Store):
     def __init__(self, alive: set[str], **store_args):
         super().__init__("etcd:0", **store_args)
         self.alive = alive
+        self.said: list[tuple] = []  # said once the state is written (a lost race says nothing)
 
     def _now(self) -> float:
         return time.time()
 
     def _expired(self, key: str, node: _Node, now: float) -> bool:
         return key not in self.alive
+
+    def _log(self, level: int, message: str, *args) -> None:
+        self.said.append((level, message, *args))
 
     def state(self) -> dict:
         """The shared state without the nodes' last requests: the lease tells liveness, so
@@ -239,6 +246,8 @@ class EtcdMember(Member):
             answer = membership.answer(request)
             new = membership.state()
             if new == state or self.etcd.swap(state_key, revision, json.dumps(new)):
+                for said in membership.said:
+                    logger.log(*said)
                 break
         else:
             raise OSError(f"{_CAS_TRIES} conflicting writes in a row on {state_key}")
