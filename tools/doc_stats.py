@@ -3,7 +3,9 @@
 Prints README.md's lines and words, then, for each page under docs/, its lines, the
 sentences of its prose and their mean length in words. Prose leaves out fenced code
 blocks, HTML comments, headings and table rows; a sentence ends at ``.``, ``!`` or ``?``
-followed by a space and a capital, or at the end of a paragraph or list item.
+followed by a space (not after an abbreviation such as "e.g."), or at the end of a
+paragraph or list item. A sentence may start in lower case: a command or a name in
+backquotes often starts one.
 
     python tools/doc_stats.py            # README.md and docs/**/*.md of this checkout
     python tools/doc_stats.py ROOT       # of another checkout
@@ -17,7 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 COMMENT = re.compile(r"<!--.*?-->", re.S)
-SENTENCE_END = re.compile(r"(?<=[.!?])[)\"']?\s+(?=[A-Z`(\[])")
+SENTENCE_END = re.compile(r"(?<=[.!?])[)\"']?\s+(?=\S)")
+# Ends of words that end in a full stop without ending a sentence.
+ABBREVIATIONS = ("e.g.", "i.e.", "etc.", "vs.", "cf.", "approx.")
 LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d+\.)\s+")
 
 
@@ -43,8 +47,22 @@ def prose_blocks(text: str) -> list[str]:
 
 
 def sentences(text: str) -> list[str]:
-    """The sentences of ``text``'s prose."""
-    return [s for block in prose_blocks(text) for s in SENTENCE_END.split(block) if s.split()]
+    """The sentences of ``text``'s prose.
+
+    Example:
+        >>> sentences("See e.g. this. `tfdist check` runs it. Ends here")
+        ['See e.g. this.', '`tfdist check` runs it.', 'Ends here']
+    """
+    found: list[str] = []
+    for block in prose_blocks(text):
+        block_sentences: list[str] = []
+        for piece in SENTENCE_END.split(block):
+            if block_sentences and block_sentences[-1].endswith(ABBREVIATIONS):
+                block_sentences[-1] = f"{block_sentences[-1]} {piece}"
+            elif piece.split():
+                block_sentences.append(piece)
+        found += block_sentences
+    return found
 
 
 def page_stats(path: Path) -> tuple[int, int, float]:

@@ -133,3 +133,14 @@ def test_every_mutation_finds_the_text_it_breaks_once():
             path, _, name = test.partition("::")
             source = (REPO / path).read_text()
             assert not name or f"def {name.split('[')[0]}(" in source, (mutation.name, test)
+
+
+def test_doc_stats_ends_sentences_before_lower_case_starts_and_not_after_abbreviations():
+    from tools import doc_stats
+
+    text = "Run it, e.g. `tfdist check` here. `tfdist launch` starts it. tfdist saves.\n"
+    assert doc_stats.sentences(text) == [
+        "Run it, e.g. `tfdist check` here.",
+        "`tfdist launch` starts it.",
+        "tfdist saves.",
+    ]
