@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tfdist.launch.environment import free_ports
-from tfdist.launch.rendezvous_etcd import Etcd
+from tfdist.launch.rendezvous.etcd import Etcd
 
 MISSING = "etcd is not installed (apt-get install etcd-server)"
 

@@ -31,7 +31,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(rendezvous.time, "monotonic", clock)
+    monkeypatch.setattr(rendezvous.store.time, "monotonic", clock)
     return clock
 
 
@@ -169,7 +169,9 @@ def test_below_min_the_wait_names_the_missing_and_times_out(clock):
     clock.now += 2  # b is lost
     assert "b" in beat(s, "a")["lost"]
     view = beat(s, "a")
-    assert rendezvous._awaited(view).startswith("0 of at least 2 node(s) are here; missing: b")
+    assert rendezvous.member._awaited(view).startswith(
+        "0 of at least 2 node(s) are here; missing: b"
+    )
 
 
 @pytest.mark.parametrize(("text", "pair"), [("3", (3, 3)), ("2:4", (2, 4)), ("1:1", (1, 1))])

@@ -21,7 +21,7 @@ from tfdist.core.config import ConfigError
 from tfdist.launch.elastic import ElasticOptions, _Rendezvous
 from tfdist.launch.environment import free_ports
 from tfdist.launch.rendezvous import RendezvousError, StoreUnreachable
-from tfdist.launch.rendezvous_etcd import Etcd, EtcdMember
+from tfdist.launch.rendezvous.etcd import Etcd, EtcdMember
 
 LEASE = 2.0  # seconds: etcd's shortest lease is about this
 

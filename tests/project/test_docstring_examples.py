@@ -94,7 +94,7 @@ SKIPPED = {
     "tfdist.launch": "starts worker processes",
     "tfdist.launch.elastic": "runs a node of an elastic job (its launcher and workers)",
     "tfdist.launch.namespace": "creates a network namespace",
-    "tfdist.launch.rendezvous_etcd": "needs an etcd server (tests/etcd_server.py starts one)",
+    "tfdist.launch.rendezvous.etcd": "needs an etcd server (tests/etcd_server.py starts one)",
     "tfdist.launch.supervise": "starts worker processes",
     "tfdist.loops": _FILES,
     "tfdist.loops.checkpointer": _FILES,

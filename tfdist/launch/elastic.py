@@ -19,7 +19,7 @@ The store lives in the launcher of the node that owns the first endpoint. Give
 ``--rdzv-endpoint`` several endpoints (comma-separated, one per node that may host it)
 and the store moves to the next one when its host is lost; with one endpoint, losing
 its node ends the job (each launcher says so and exits 1). With ``--rdzv-backend etcd``
-the nodes meet in an etcd cluster instead (``tfdist.launch.rendezvous_etcd``): no node
+the nodes meet in an etcd cluster instead (``tfdist.launch.rendezvous.etcd``): no node
 hosts anything, and any node may be lost.
 
 Each re-form prints one line: what ended the round, the old and new number of nodes and
@@ -58,7 +58,7 @@ from tfdist.launch.rendezvous import (
     StoreUnreachable,
     try_host,
 )
-from tfdist.launch.rendezvous_etcd import EtcdMember
+from tfdist.launch.rendezvous.etcd import EtcdMember
 from tfdist.launch.supervise import exit_code, run_group
 from tfdist.launch.workers import LauncherSignals
 

@@ -76,7 +76,7 @@ class ElasticOptions:
         join_timeout: seconds to wait for MIN nodes before giving up.
         last_call: once MIN nodes are there, seconds to wait for more before starting.
         backend: ``"c10d"`` (a store one node's launcher hosts) or ``"etcd"``
-            (``tfdist.launch.rendezvous_etcd``), as ``--rdzv-backend``.
+            (``tfdist.launch.rendezvous.etcd``), as ``--rdzv-backend``.
     """
 
     min_nodes: int

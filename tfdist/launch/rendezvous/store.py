@@ -1,31 +1,14 @@
-"""The rendezvous of an elastic job: which nodes train together, in what order, and when.
+"""The rules of an elastic job's rendezvous, and the c10d store that serves them.
 
-``tfdist launch --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id JOB`` starts one
-launcher per node. The launcher that can bind ``HOST:PORT`` hosts a small ``Store``
-(torchrun's ``c10d`` choice: no service to install); every launcher is a ``Member``
-that registers there and renews its lease every ``BEAT_S`` seconds.
-
-The store forms *rounds*. A round is an ordered list of nodes: the survivors of the
-last round first, in their old order (so the chief stays the chief while it lives),
-then newcomers in the order they came. It forms when at least MIN nodes wait and no
-node of the last round is still stopping its workers (or MAX nodes wait). A round ends
-when a member stops renewing for ``lease`` seconds (its machine or launcher is gone),
-leaves, restarts its own workers, or when a new node arrives and the round has fewer
-than MAX nodes. The launchers see the end at their next renewal and stop their workers
-at once; a node that arrives while the round is full waits as a spare.
-
-The protocol is one JSON line each way per TCP connection; every request names the job,
-and a request for another job is refused. The store listens on ``HOST`` only, so it is
-as reachable as the workers' ports are.
+``Store`` holds the membership: which nodes train together, in what order, and when a
+round ends (the package's docstring says the rules). ``Store.start()`` serves it over
+TCP from the launcher that owns ``--rdzv-endpoint`` (torchrun's ``c10d`` choice);
+``tfdist.launch.rendezvous.etcd`` applies the same rules to state kept in etcd.
 
 Example:
-    >>> store = Store("127.0.0.1:0", job="demo", min_nodes=1, max_nodes=2)
-    >>> store.start()
-    >>> member = Member(store.endpoint, job="demo", host="127.0.0.1", ports=[2222])
-    >>> member.join()
-    >>> member.wait_round(0, timeout=10).size
+    >>> store = Store("127.0.0.1:0", job="demo", min_nodes=1, max_nodes=1)
+    >>> store.answer({"job": "demo", "op": "join", "node": "a", "name": "a", "nproc": 1})["round"]
     1
-    >>> store.close()
 """
 
 from __future__ import annotations
@@ -34,7 +17,6 @@ import dataclasses
 import errno
 import json
 import logging
-import socket
 import socketserver
 import threading
 import time
@@ -50,7 +32,6 @@ __all__ = [
     "StoreUnreachable",
     "Round",
     "Store",
-    "Member",
     "parse_nnodes",
     "static_nnodes",
     "try_host",
@@ -386,149 +367,3 @@ def try_host(endpoint: str, **store_args) -> Store | None:
             f"rdzv_endpoint={endpoint!r}. Pass an address of one of the job's nodes."
         ) from None
     return store
-
-
-class Member:
-    """This node's side of the rendezvous: join, renew, read the round, finish or leave.
-
-    ``ports``: this node's worker ports (the first names the node).
-    """
-
-    def __init__(self, endpoint: str, *, job: str, host: str, ports: list[int], lease: float = 5.0):
-        self.endpoint, self.job, self.lease = endpoint, job, lease
-        self.name = f"{host}:{ports[0]}"
-        self.nproc = len(ports)
-        self.id = f"{self.name}/{time.time_ns()}"  # a new launcher is a new node
-        self.view: dict = {}
-        self.store_lost = False  # the renewals found the store gone
-        self._last_answer = time.monotonic()
-        self._beating = threading.Event()
-        self._beater: threading.Thread | None = None
-
-    def _send(self, request: dict) -> dict:
-        """One request to the store, its answer (OSError when the store cannot be reached)."""
-        host, port = split_host(self.endpoint)
-        with socket.create_connection((host.strip("[]"), port), timeout=_ANSWER_S) as sock:
-            sock.sendall(json.dumps(request).encode() + b"\n")
-            line = sock.makefile("rb").readline()
-        if not line:
-            raise OSError(errno.ECONNRESET, "the store closed the connection")
-        return json.loads(line)
-
-    def _ask(self, op: str, **extra) -> dict:
-        answer = self._send({"job": self.job, "op": op, "node": self.id, **extra})
-        if "error" in answer and not answer.get("rejoin"):
-            raise RendezvousError(f"rendezvous {self.endpoint}: {answer['error']}")
-        self._last_answer = time.monotonic()
-        return answer
-
-    def ask(self, op: str, **extra) -> dict:
-        """A request that tolerates a store unreachable for less than ``lease`` seconds."""
-        while True:
-            try:
-                return self._ask(op, **extra)
-            except OSError as err:
-                if time.monotonic() - self._last_answer > self.lease:
-                    raise StoreUnreachable(
-                        f"the rendezvous store at {self.endpoint} stopped answering "
-                        f"({err}) for {self.lease:g} s: the launcher hosting it is gone"
-                    ) from None
-                time.sleep(0.2)
-
-    def join(self, ports: list[int] | None = None) -> None:
-        """Registers (again) as waiting for the next round; ``ports``: this node's worker
-        ports from now on (fresh ones at each round: the old ones may linger in TIME_WAIT)."""
-        if ports:
-            self.name = f"{self.name.rpartition(':')[0]}:{ports[0]}"
-        self.view = self.ask("join", name=self.name, nproc=self.nproc)
-
-    def wait_round(self, last: int, *, timeout: float, say=None) -> Round | None:
-        """Blocks until a round after ``last`` includes this node; None when the job
-        finished. Every 10 s ``say(line)`` tells who is awaited; after ``timeout``
-        seconds without a round: RendezvousError naming the missing nodes."""
-        start = time.monotonic()
-        next_word = start + 5.0  # a re-form takes a few seconds: say nothing before
-        while True:
-            view = self.ask("beat")
-            if view.get("rejoin"):
-                self.join()
-                continue
-            if view.get("finished"):
-                return None
-            if view.get("running") and "nodes" in view and view["round"] > last:
-                self.view = view
-                return Round(
-                    view["round"],
-                    tuple(view["nodes"]),
-                    view["index"],
-                    view["nproc"],
-                    view["why"],
-                    view["ended_at"],
-                )
-            now = time.monotonic()
-            if now - start > timeout:
-                raise RendezvousError(
-                    f"no round of at least {view.get('min')} node(s) formed in {timeout:g} s: "
-                    f"{_awaited(view)}. Start the missing nodes' launchers, or lower MIN in "
-                    "--nnodes MIN:MAX"
-                )
-            if say is not None and now >= next_word:
-                say(f"waiting for the job to form: {_awaited(view)}")
-                next_word = now + 10.0
-            time.sleep(0.25)
-
-    def start_beating(self) -> None:
-        """Renews the lease in a thread; ``ended()`` reads what the renewals learn."""
-        self._beating.set()
-
-        def beat():
-            while self._beating.is_set():
-                try:
-                    self.view = self.ask("beat")
-                except RendezvousError as err:
-                    self.view = {"error": str(err)}
-                    self.store_lost = isinstance(err, StoreUnreachable)
-                    return
-                time.sleep(BEAT_S)
-
-        self._beater = threading.Thread(target=beat, name="rdzv-beat", daemon=True)
-        self._beater.start()
-
-    def stop_beating(self) -> None:
-        self._beating.clear()
-        if self._beater is not None:
-            self._beater.join(timeout=_ANSWER_S + BEAT_S)
-            self._beater = None
-
-    def ended(self, number: int) -> str | None:
-        """Why round ``number`` is over for this node, or None while it stands."""
-        view = self.view
-        if "error" in view:
-            return view["error"]
-        if view.get("finished"):
-            return None  # the others finished: ours finish on their own
-        if view.get("rejoin"):
-            return "the rendezvous forgot this node (its lease ran out)"
-        if view.get("round", number) != number or not view.get("running", True):
-            return "the job re-forms"
-        return None
-
-    def done(self) -> None:
-        """This node's workers finished: the job ends when every member's have."""
-        self.ask("done")
-
-    def leave(self) -> None:
-        """Leaves the job on purpose (the others re-form at once); never raises."""
-        try:
-            self._ask("leave")
-        except (OSError, RendezvousError, ValueError):
-            pass
-
-
-def _awaited(view: dict) -> str:
-    lost = view.get("lost") or {}
-    head = f"{view.get('waiting', 0)} of at least {view.get('min')} node(s) are here"
-    if not lost:
-        return head
-    names = ", ".join(f"{name} (lost {age} s ago)" for name, age in sorted(lost.items()))
-    return f"{head}; missing: {names}"

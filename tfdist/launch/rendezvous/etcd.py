@@ -3,7 +3,7 @@
 ``tfdist launch --nnodes MIN:MAX --rdzv-backend etcd --rdzv-endpoint ETCD_HOST:PORT
 --rdzv-id JOB -n N script.py`` meets where torchrun's etcd backend meets: an etcd
 cluster the job does not run. Every launcher applies the same rules as the c10d store
-(``tfdist.launch.rendezvous.Store``) to one key, ``/tfdist/rdzv/JOB/state``, in a
+(``tfdist.launch.rendezvous.store.Store``) to one key, ``/tfdist/rdzv/JOB/state``, in a
 compare-and-swap transaction: so any node may be lost, the first one included.
 
 Liveness is etcd's own: each launcher holds an etcd lease of ``lease`` seconds, renews
@@ -34,7 +34,8 @@ import time
 import urllib.error
 import urllib.request
 
-from tfdist.launch.rendezvous import _ANSWER_S, Member, RendezvousError, Store, _Node
+from tfdist.launch.rendezvous.member import Member
+from tfdist.launch.rendezvous.store import _ANSWER_S, RendezvousError, Store, _Node
 
 __all__ = ["Etcd", "EtcdMember"]
 

@@ -1,0 +1,57 @@
+"""The rendezvous of an elastic job: which nodes train together, in what order, and when.
+
+``tfdist launch --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id JOB`` starts one
+launcher per node. The launcher that can bind ``HOST:PORT`` hosts a small ``Store``
+(torchrun's ``c10d`` choice: no service to install); every launcher is a ``Member``
+that registers there and renews its lease every ``BEAT_S`` seconds.
+
+The store forms *rounds*. A round is an ordered list of nodes: the survivors of the
+last round first, in their old order (so the chief stays the chief while it lives),
+then newcomers in the order they came. It forms when at least MIN nodes wait and no
+node of the last round is still stopping its workers (or MAX nodes wait). A round ends
+when a member stops renewing for ``lease`` seconds (its machine or launcher is gone),
+leaves, restarts its own workers, or when a new node arrives and the round has fewer
+than MAX nodes. The launchers see the end at their next renewal and stop their workers
+at once; a node that arrives while the round is full waits as a spare.
+
+The protocol is one JSON line each way per TCP connection; every request names the job,
+and a request for another job is refused. The store listens on ``HOST`` only, so it is
+as reachable as the workers' ports are.
+
+With ``--rdzv-backend etcd`` no launcher hosts a store: each applies the same rules to
+state kept in an etcd cluster. The package: ``store`` (the rules, and the c10d store
+serving them), ``member`` (a node's side), ``etcd`` (the etcd backend).
+
+Example:
+    >>> store = Store("127.0.0.1:0", job="demo", min_nodes=1, max_nodes=2)
+    >>> store.start()
+    >>> member = Member(store.endpoint, job="demo", host="127.0.0.1", ports=[2222])
+    >>> member.join()
+    >>> member.wait_round(0, timeout=10).size
+    1
+    >>> store.close()
+"""
+
+from tfdist.launch.rendezvous.member import Member
+from tfdist.launch.rendezvous.store import (
+    BEAT_S,
+    RendezvousError,
+    Round,
+    Store,
+    StoreUnreachable,
+    parse_nnodes,
+    static_nnodes,
+    try_host,
+)
+
+__all__ = [
+    "BEAT_S",
+    "RendezvousError",
+    "StoreUnreachable",
+    "Round",
+    "Store",
+    "Member",
+    "parse_nnodes",
+    "static_nnodes",
+    "try_host",
+]
