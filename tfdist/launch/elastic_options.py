@@ -69,7 +69,8 @@ class ElasticOptions:
         endpoints: ``host:port`` of the rendezvous store, then the places it moves to
             when its host is lost (``--rdzv-endpoint``); with ``backend="etcd"``, the
             etcd cluster's members.
-        job: the job's id (``--rdzv-id``); a node with another id is refused.
+        job: the job's id (``--rdzv-id``); a node with another id is refused (c10d) or
+            meets in another job (etcd).
         host: the address this node's workers are reached at (None: the address this
             machine uses to reach the first endpoint).
         lease: seconds without a renewal after which a node counts as lost.
@@ -120,7 +121,8 @@ class ElasticOptions:
             raise ConfigError(
                 "launch: an elastic job needs where its nodes meet and a job id. Received: "
                 f"rdzv_endpoint={rdzv_endpoint!r}, rdzv_id={rdzv_id!r}. Pass --rdzv-endpoint "
-                "HOST:PORT (an address of one of the nodes) and --rdzv-id NAME."
+                "HOST:PORT (an address of one of the nodes; with --rdzv-backend etcd, of etcd) "
+                "and --rdzv-id NAME."
             )
         low, high = parse_nnodes(str(nnodes or "1:1"))
         return cls(
@@ -148,7 +150,8 @@ class ElasticOptions:
                     "rdzv_endpoint",
                     "host:port[,host:port...]",
                     self.endpoints,
-                    "e.g. --rdzv-endpoint 10.0.0.1:29400 (an address of one of the job's nodes).",
+                    "e.g. --rdzv-endpoint 10.0.0.1:29400 (an address of one of the job's nodes; "
+                    "with --rdzv-backend etcd, of etcd's members).",
                 )
             )
         object.__setattr__(self, "endpoints", tuple(endpoints))
