@@ -13,9 +13,14 @@ round. Time in the shared state (the last call, the ages in progress lines) is e
 machine's wall clock, so the machines' clocks should agree within a second or so.
 
 State that no living node holds is an old job's: the next node to come starts afresh,
-so reusing ``--rdzv-id`` after a job ended (or died whole) is safe. The client speaks etcd's v3 JSON API (its gRPC
-gateway, in etcd 3.4 and later) with the standard library; give every member of an etcd
-cluster in ``--rdzv-endpoint`` and a request goes to the next when one does not answer.
+so reusing ``--rdzv-id`` after a job ended (or died whole) is safe. A renewal writes
+nothing (etcd keeps every revision until it is compacted), and a launcher announces a
+round only once its write of it won.
+
+The client speaks etcd's v3 JSON API (its gRPC gateway, in etcd 3.4 and later) with the
+standard library, over plain HTTP: keep etcd on the job's private network. Give every
+member of the etcd cluster in ``--rdzv-endpoint``: a request goes to the next member
+when one does not answer.
 
 Example:
     >>> member = EtcdMember(("127.0.0.1:2379",), job="demo", host="127.0.0.1", ports=[2222],
