@@ -22,14 +22,11 @@ With ``--rdzv-backend etcd`` no launcher hosts a store: each applies the same ru
 state kept in an etcd cluster. The package: ``store`` (the rules, and the c10d store
 serving them), ``member`` (a node's side), ``etcd`` (the etcd backend).
 
+``tfdist.launch.rendezvous.member``'s example runs a node against a store.
+
 Example:
-    >>> store = Store("127.0.0.1:0", job="demo", min_nodes=1, max_nodes=2)
-    >>> store.start()
-    >>> member = Member(store.endpoint, job="demo", host="127.0.0.1", ports=[2222])
-    >>> member.join()
-    >>> member.wait_round(0, timeout=10).size
-    1
-    >>> store.close()
+    >>> Round(1, ("10.0.0.1:2222", "10.0.0.2:2222"), index=1, nproc=1).size
+    2
 """
 
 from tfdist.launch.rendezvous.member import Member
