@@ -29,26 +29,9 @@ Example:
     2
 """
 
-from tfdist.launch.rendezvous.member import Member
-from tfdist.launch.rendezvous.store import (
-    BEAT_S,
-    RendezvousError,
-    Round,
-    Store,
-    StoreUnreachable,
-    parse_nnodes,
-    static_nnodes,
-    try_host,
-)
+# The package's names are its modules' public names (each module's __all__).
+from tfdist.launch.rendezvous import member, store
+from tfdist.launch.rendezvous.member import *  # noqa: F403
+from tfdist.launch.rendezvous.store import *  # noqa: F403
 
-__all__ = [
-    "BEAT_S",
-    "RendezvousError",
-    "StoreUnreachable",
-    "Round",
-    "Store",
-    "Member",
-    "parse_nnodes",
-    "static_nnodes",
-    "try_host",
-]
+__all__ = [*store.__all__, *member.__all__]
