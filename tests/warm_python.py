@@ -7,7 +7,9 @@ It asks the pytest process's warm process (tests/warm_start.py) to fork the job,
 then has the ``-m tfdist.bootstrap ...`` argv, environment, working directory, standard
 files and network namespace of this process, and this process stands in for it: signals
 sent here go to the job's process group, this process ends with the job's exit code or
-signal, and if this process is killed the warm process kills the job. Where no warm
+signal, and if this process is killed the warm process kills the job. What the job leaves
+running in its group is killed when the launcher kills this process's group, as a cold
+worker's leftovers are (``_keep_leftovers``). Where no warm
 process fits (none started, ``TFDIST_TEST_WARM=0``, an import-time variable that differs)
 it becomes the real interpreter (``TFDIST_TEST_PYTHON``): a cold start, as before.
 """
@@ -18,6 +20,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 _FORWARDED = (
     signal.SIGTERM,
@@ -50,6 +53,35 @@ def warm_key(env: dict[str, str]) -> str:
     if backend != "jax" or not flags:
         return backend
     return f"{backend}-{hashlib.sha1(chr(10).join(flags).encode()).hexdigest()[:12]}"
+
+
+def _keep_leftovers(conn, pid: int) -> None:
+    """A keeper of what the ended job left in its process group (``pid``).
+
+    A cold worker's leftovers share its process group, which the launcher kills when it
+    finishes the worker (tfdist/launch/workers.py). A warm job has a group of its own, in
+    the warm process's session, which this group cannot hold. So a forked keeper stays in
+    this group, holding the connection, while the job's group has members: when the
+    launcher's kill ends it, the connection closes and the warm process kills the job's
+    group. It leaves by itself once that group is empty.
+    """
+    try:
+        os.killpg(pid, 0)
+    except OSError:  # nothing left behind
+        return
+    if os.fork() != 0:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # the launcher's pipes stay the job's and its leftovers' alone
+        os.dup2(devnull, fd)
+    while True:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except OSError:
+            pass
+        time.sleep(0.2)
 
 
 def connect():
@@ -110,7 +142,12 @@ def main():
     if not data:
         print("warm_python: the warm process ended before the job", file=sys.stderr)
         os._exit(1)
-    code = json.loads(data)["returncode"]
+    _keep_leftovers(conn, job["pid"])
+    _end_as(json.loads(data)["returncode"])
+
+
+def _end_as(code: int) -> None:
+    """Ends this process as the job ended: its exit code, or its signal (``code`` < 0)."""
     if code < 0:  # the job died of a signal: so does this process, for its launcher
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # these take no handler
             signal.signal(-code, signal.SIG_DFL)

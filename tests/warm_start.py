@@ -246,6 +246,7 @@ class _Warm:
             self.selector.register(self.listener, selectors.EVENT_READ)
         self.children: dict[int, int | socket.socket] = {}  # pid -> pytest's job id, or shim
         self.shims: dict[socket.socket, int] = {}  # a warm_python connection -> its job (0)
+        self.groups: dict[socket.socket, int] = {}  # ... -> its job's process group, to the end
 
     def fork(self, request: dict, fds: list[int]) -> int:
         sys.stdout.flush()
@@ -297,14 +298,17 @@ class _Warm:
             return
         pid = self.fork(request, fds)
         self.children[pid] = conn
-        self.shims[conn] = pid
+        self.shims[conn] = self.groups[conn] = pid
         conn.sendall(json.dumps({"pid": pid}).encode())
 
     def drop(self, conn: socket.socket) -> None:
-        """A ``warm_python`` connection that ended (or failed): its job, if any, is killed."""
-        job = self.shims.pop(conn, 0)  # 0 once its job ended
-        if job:
-            _kill_group(job)
+        """A ``warm_python`` connection that ended (or failed): its job's process group is
+        killed, the job if it still runs and, after it ended, what it left there (a cold
+        worker's launcher kills those too; warm_python keeps the connection until then)."""
+        self.shims.pop(conn, None)
+        group = self.groups.pop(conn, 0)
+        if group:
+            _kill_group(group)
         try:
             self.selector.unregister(conn)
         except (KeyError, ValueError):

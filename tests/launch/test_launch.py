@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+import warm_start
 
 from tfdist import launch
 from tfdist.cli import build_parser, main
@@ -668,17 +669,25 @@ def test_sigint_to_the_launcher_ends_stubborn_workers_after_the_grace(tmp_path):
     assert "worker w0 did not exit in time: SIGKILL" in out
 
 
-def test_processes_a_worker_leaves_behind_are_stopped(tmp_path):
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_processes_a_worker_leaves_behind_are_stopped(tmp_path, start):
+    """A worker started cold (the interpreter users have) and one forked warm
+    (tests/warm_python.py, as most tests' workers are): the child each leaves is killed."""
+    if start == "warm":
+        warm_start.prepare(child_env(), child_env())  # the warm process its worker forks from
+    python = warm_start.LAUNCH_ENV["TFDIST_LAUNCH_PYTHON"] if start == "warm" else sys.executable
     code, out, _ = run(
         tmp_path,
         """
         import subprocess
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        print("CHILD", child.pid, flush=True)
+        print("CHILD", child.pid, "WARM", "tensorflow" in sys.modules, flush=True)
         """,
         nproc=1,
+        python=python,
     )
     assert code == 0
+    assert out.split("WARM ")[1].split()[0] == str(start == "warm"), out  # started as named
     assert gone(int(out.split("CHILD ")[1].split()[0])), "the worker's child outlived the job"
 
 
