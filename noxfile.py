@@ -115,8 +115,8 @@ JAX_CELLS_MAIN_STAGE_ONLY = [
     "tests/test_batchnorm.py",
     "tests/test_info.py",
 ]
-# The idiom suite's (and fix guards') TensorFlow cells run in CI's main stage, not twice
-# (tests/conftest.py: --backend deselects them).
+# The idiom suite's (and fix guards') TensorFlow cells, and the tests marked `tensorflow`,
+# run in CI's main stage, not twice (tests/conftest.py: --backend deselects them).
 CI_NEWEST_JAX_OPTIONS = ["--backend=jax"]
 
 nox.options.reuse_existing_virtualenvs = True

@@ -232,8 +232,9 @@ def _longest_files_first(items) -> None:
 
 def pytest_collection_modifyitems(config, items):
     """The longest files first (``_longest_files_first``). ``--backend B``: a test
-    parametrized with another ``backend`` is deselected (it runs in the session for that
-    backend), never skipped."""
+    parametrized with another ``backend``, and with ``--backend jax`` a test marked
+    ``tensorflow``, is deselected (it runs in the session for that backend), never
+    skipped."""
     _longest_files_first(items)
     wanted = config.getoption("--backend")
     if wanted is None:
@@ -241,7 +242,9 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        (drop if params.get("backend", wanted) != wanted else keep).append(item)
+        other = params.get("backend", wanted) != wanted
+        other = other or (wanted == "jax" and item.get_closest_marker("tensorflow") is not None)
+        (drop if other else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

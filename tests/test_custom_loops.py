@@ -255,6 +255,7 @@ def check_sharded_faults(proc, directory) -> None:
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.multiworker
+@pytest.mark.tensorflow
 def test_tensorflow_loop_matches_one_device_on_two_devices_two_workers_and_after_kill(
     tmp_path,
 ):
@@ -318,6 +319,7 @@ def test_jax_loop_with_sharded_checkpoints_in_a_bucket_resumes_after_kill_9(s3_b
     assert resumed["checkpoints"] == s3_bucket.names("run/dist") == kept  # pruned, none cut
 
 
+@pytest.mark.tensorflow
 def test_tensorflow_loop_in_a_bucket_resumes_after_kill_9_like_one_device(s3_bucket):
     """The Checkpointer on ``s3://`` (moto's S3 server, tests/object_store.py): the loop
     killed -9 after step 13 (the last save after step 12) and started again restores
@@ -398,6 +400,7 @@ print(json.dumps({"replicas": strategy.num_replicas_in_sync, "steps": out}))
 
 
 @pytest.mark.devices
+@pytest.mark.tensorflow
 def test_average_loss_averages_a_short_last_batch_over_its_true_size_on_two_replicas():
     """The per-example "loss" is the example's value: each step's loss must be the mean of
     its global batch, the short last one (3 examples, split 2 + 1) included."""

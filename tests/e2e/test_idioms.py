@@ -167,6 +167,7 @@ def test_idiom_table_is_generated():
 
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_tf_predict_on_batch_copies")
+@pytest.mark.tensorflow
 def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
     code = """
     import json
@@ -189,6 +190,7 @@ def test_predict_on_batch_returns_one_row_per_example_under_two_replicas():
 @pytest.mark.slow
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_tf_ema_overwrite_under_strategy")
+@pytest.mark.tensorflow
 def test_ema_overwrite_fails_upstream_under_two_replicas_and_matches_with_the_fix():
     code = f"""
     import json, sys
@@ -239,6 +241,7 @@ print(json.dumps({"weight": float(weight.numpy()[0]),
 
 @pytest.mark.devices
 @pytest.mark.upstream_failure("keras_tf_loss_scale_finite_everywhere")
+@pytest.mark.tensorflow
 def test_a_step_that_overflows_on_one_replica_is_skipped_on_every_replica():
     fixed = last_json_line(run_python(_OVERFLOW_ON_ONE_REPLICA, TFDIST_CPU_DEVICES="2").stdout)
     upstream = last_json_line(

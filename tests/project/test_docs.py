@@ -538,6 +538,38 @@ def test_testing_page_says_exactly_which_suites_run_on_the_newest_jax_in_ci():
     assert re.findall(r"tests/(?:\w+/)?test_\w+\.py", sentence.group(1)) == listed
 
 
+def test_the_newest_jax_session_leaves_out_tensorflow_cells_and_tests_marked_tensorflow():
+    """``--backend=jax`` (noxfile.py's CI_NEWEST_JAX_OPTIONS) deselects the TensorFlow cells
+    and the tests marked ``tensorflow`` of the session's files, and keeps every JAX cell."""
+    files = ["tests/test_custom_loops.py", "tests/e2e/test_idioms.py"]
+
+    def collected(*options: str) -> set[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", *options, *files],
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        return {line for line in proc.stdout.splitlines() if "::" in line}
+
+    every, kept = collected(), collected(*_nox_list("CI_NEWEST_JAX_OPTIONS"))
+    left_out = every - kept
+    assert (
+        "tests/test_custom_loops.py::test_jax_loop_with_sharded_checkpoints_in_a_bucket_resumes_after_kill_9"
+        in kept
+    )
+    assert not {test for test in left_out if "jax" in test.lower()}, left_out
+    marked = {
+        "tests/test_custom_loops.py::test_tensorflow_loop_in_a_bucket_resumes_after_kill_9_like_one_device",
+        "tests/e2e/test_idioms.py::test_predict_on_batch_returns_one_row_per_example_under_two_replicas",
+    }
+    assert marked <= left_out
+    assert any("-tensorflow-" in test for test in left_out)  # a TensorFlow cell
+
+
 def _nox_list(name: str) -> list[str]:
     """A list assigned at noxfile.py's top level."""
     tree = ast.parse((REPO / "noxfile.py").read_text())
