@@ -82,8 +82,8 @@ MUTATIONS = (
         "        if st.unscoped_default is None:\n            _adopt()",
         "        if False:\n            _adopt()",
         (
-            "tests/e2e/test_unchanged_scripts.py::"
-            "test_an_unchanged_keras_example_trains_on_every_replica_and_equals_one_device",
+            "tests/e2e/test_corpus.py::"
+            "test_every_example_trains_on_every_replica_and_equals_one_device_or_says_why",
         ),
     ),
     Mutation(

@@ -8,7 +8,8 @@ TensorFlow and on JAX (the scripts written with ``tf.GradientTape`` on TensorFlo
 For every script x topology x backend: the model trained on every replica (2 in each
 process), and its weights, logged history and outputs equal one device's within 1e-5, or
 the script has a property that explains the difference (tools/docs/corpus_table.py's
-``EXPECTED``) and they differ, or fail with the message given there.
+``EXPECTED``) and they differ, or fail with the message given there. Under the bootstrap
+and the launcher, the chief alone says once that unscoped models train on the job's.
 
 ``TFDIST_CORPUS_JSON=tools/results/corpus.json`` writes each backend's cells there (for
 ``python -m tools.docs.corpus_table --write``). One script run alone, cold, gives what it
@@ -38,6 +39,9 @@ TOPOLOGIES = {
     "2 workers": (["-m", "tfdist", "launch", "-n", "2"], {}),
 }
 PARTS = ("weights", "history", "outputs")
+# What the chief alone says, once, when a script's first unscoped model takes the job's
+# strategy or distribution (tfdist/unscoped.py).
+ANNOUNCED = "tfdist: models this script builds outside any scope train on the job's"
 
 sys.path.insert(0, str(CORPUS))
 import record  # noqa: E402 - tests/corpus/record.py: reads what the scripts leave
@@ -48,7 +52,8 @@ checks = tool_module("docs.corpus_checks")
 
 
 def _run(argv: list[str], script: str, where: Path, backend: str, **extra: str):
-    """Runs ``python *argv script`` cold in ``where``; its records and errors by script."""
+    """Runs ``python *argv script`` cold in ``where``; its records and errors by script,
+    and its stderr."""
     out = where / "out"
     where.mkdir(parents=True)
     proc = subprocess.run(
@@ -66,7 +71,7 @@ def _run(argv: list[str], script: str, where: Path, backend: str, **extra: str):
         found.setdefault(name, []).append(
             record.load(path) if path.suffix == ".npz" else {"error": path.read_text()}
         )
-    return found
+    return found, proc.stderr
 
 
 def _worst(reference: dict, runs: list) -> dict[str, float]:
@@ -137,18 +142,24 @@ def _write(backend: str, cells: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def corpus_runs(tmp_path_factory):
-    """Each backend's runs, by topology, made once for the module's tests."""
+    """Each backend's runs, made once for the module's tests: ``corpus_runs(backend)`` is
+    ``{topology: {script: [a record per process]}}``; ``corpus_runs.stderr[backend]`` holds
+    each topology's stderr."""
     made: dict[str, dict] = {}
+    stderr: dict[str, dict] = {}
 
     def runs(backend: str) -> dict:
         if backend not in made:
             base = tmp_path_factory.mktemp(f"corpus-{backend}")
-            made[backend] = {
-                topology: _run(argv, RUNNER, base / topology.replace(" ", "-"), backend, **env)
-                for topology, (argv, env) in TOPOLOGIES.items()
-            }
+            made[backend], stderr[backend] = {}, {}
+            for topology, (argv, env) in TOPOLOGIES.items():
+                where = base / topology.replace(" ", "-")
+                made[backend][topology], stderr[backend][topology] = _run(
+                    argv, RUNNER, where, backend, **env
+                )
         return made[backend]
 
+    runs.stderr = stderr  # type: ignore[attr-defined]
     return runs
 
 
@@ -160,6 +171,11 @@ def test_every_example_trains_on_every_replica_and_equals_one_device_or_says_why
     runs = corpus_runs(backend)
     scripts = run_all.wanted([], backend)
     assert sorted(runs["1 device"]) == sorted(scripts), "each script ran on one device"
+    said = corpus_runs.stderr[backend]
+    assert ANNOUNCED not in said["1 device"]  # plain python: no tfdist
+    assert said["2 devices"].count(ANNOUNCED) == 1, said["2 devices"][-3000:]
+    announced = [line for line in said["2 workers"].splitlines() if ANNOUNCED in line]
+    assert len(announced) == 1 and announced[0].startswith("[w0] "), announced  # the chief
     cells, failures = [], []
     for script in scripts:
         (reference,) = runs["1 device"][script]
@@ -183,7 +199,7 @@ def test_a_script_alone_gives_what_it_gives_in_the_shared_runner(corpus_runs, tm
     alone in a cold process of its own on 2 devices: the same replicas, weights, history
     and outputs as inside the runner."""
     argv, env = TOPOLOGIES["2 devices"]
-    alone = _run(argv, str(CORPUS / "seq2seq.py"), tmp_path / "alone", "tensorflow", **env)
+    alone, _ = _run(argv, str(CORPUS / "seq2seq.py"), tmp_path / "alone", "tensorflow", **env)
     (shared,) = corpus_runs("tensorflow")["2 devices"]["seq2seq"]
     (single,) = alone["seq2seq"]
     assert single["replicas"] == shared["replicas"] == [2]
