@@ -19,8 +19,8 @@ and a request for another job is refused. The store listens on ``HOST`` only, so
 as reachable as the workers' ports are.
 
 With ``--rdzv-backend etcd`` no launcher hosts a store: each applies the same rules to
-state kept in an etcd cluster. The package: ``store`` (the rules, and the c10d store
-serving them), ``member`` (a node's side), ``etcd`` (the etcd backend).
+state kept in an etcd cluster. The package: ``store`` (the rules, ``Membership``, and
+the c10d ``Store`` serving them), ``member`` (a node's side), ``etcd`` (the etcd backend).
 
 ``tfdist.launch.rendezvous.member``'s example runs a node against a store.
 

@@ -3,7 +3,7 @@
 ``tfdist launch --nnodes MIN:MAX --rdzv-backend etcd --rdzv-endpoint ETCD_HOST:PORT
 --rdzv-id JOB -n N script.py`` meets where torchrun's etcd backend meets: an etcd
 cluster the job does not run. Every launcher applies the same rules as the c10d store
-(``tfdist.launch.rendezvous.store.Store``) to one key, ``/tfdist/rdzv/JOB/state``, in a
+(``tfdist.launch.rendezvous.store.Membership``) to one key, ``/tfdist/rdzv/JOB/state``, in a
 compare-and-swap transaction: so any node may be lost, the first one included.
 
 Liveness is etcd's own: each launcher holds an etcd lease of ``lease`` seconds, renews
@@ -40,7 +40,7 @@ import urllib.error
 import urllib.request
 
 from tfdist.launch.rendezvous.member import Member
-from tfdist.launch.rendezvous.store import _ANSWER_S, RendezvousError, Store, _Node
+from tfdist.launch.rendezvous.store import _ANSWER_S, Membership, RendezvousError, _Node
 
 __all__ = ["Etcd", "EtcdMember"]
 
@@ -167,12 +167,12 @@ class Etcd:
         return bool(answer.get("succeeded"))
 
 
-class _Membership(Store):
-    """The c10d store's rules on state read from etcd: a node is alive while its key
+class _LeasedMembership(Membership):
+    """The rendezvous rules on state read from etcd: a node is alive while its key
     under its etcd lease is; the clock is wall time, shared by every machine."""
 
-    def __init__(self, alive: set[str], **store_args):
-        super().__init__("etcd:0", **store_args)
+    def __init__(self, alive: set[str], **rules):
+        super().__init__(**rules)
         self.alive = alive
         self.said: list[tuple] = []  # said once the state is written (a lost race says nothing)
 
@@ -199,7 +199,7 @@ class EtcdMember(Member):
     each applied to the shared state by compare-and-swap.
 
     ``endpoints``: the etcd cluster's ``host:port``; ``min_nodes``, ``max_nodes``,
-    ``last_call``: the job's rules, as ``Store`` takes them.
+    ``last_call``: the job's rules, as ``Membership`` takes them.
     """
 
     def __init__(
@@ -244,7 +244,7 @@ class EtcdMember(Member):
         state_key = f"{self.root}state"
         for _ in range(_CAS_TRIES):
             value, revision, alive = self.etcd.read(state_key, f"{self.root}alive/")
-            membership = _Membership(set(alive), **self.rules)
+            membership = _LeasedMembership(set(alive), **self.rules)
             state = json.loads(value) if value else {}
             if not set(state.get("_nodes", {})) & set(alive):
                 state = {}  # none of its nodes lives: an old job's state, or none yet

@@ -1,13 +1,13 @@
 """The rules of an elastic job's rendezvous, and the c10d store that serves them.
 
-``Store`` holds the membership: which nodes train together, in what order, and when a
-round ends (the package's docstring says the rules). ``Store.start()`` serves it over
+``Membership`` holds the rules: which nodes train together, in what order, and when a
+round ends (the package's docstring says them). ``Store`` is a ``Membership`` served over
 TCP from the launcher that owns ``--rdzv-endpoint`` (torchrun's ``c10d`` choice);
 ``tfdist.launch.rendezvous.etcd`` applies the same rules to state kept in etcd.
 
 Example:
-    >>> store = Store("127.0.0.1:0", job="demo", min_nodes=1, max_nodes=1)
-    >>> store.answer({"job": "demo", "op": "join", "node": "a", "name": "a", "nproc": 1})["round"]
+    >>> rules = Membership(job="demo", min_nodes=1, max_nodes=1)
+    >>> rules.answer({"job": "demo", "op": "join", "node": "a", "name": "a", "nproc": 1})["round"]
     1
 """
 
@@ -28,6 +28,7 @@ from tfdist.launch.options import split_host
 
 __all__ = [
     "BEAT_S",
+    "Membership",
     "RendezvousError",
     "StoreUnreachable",
     "Round",
@@ -117,13 +118,13 @@ class Round:
 class _Node:
     name: str  # host:first-port, how messages name it
     nproc: int
-    seen: float  # the store's clock (``Store._now``) at its last request
+    seen: float  # the membership's clock (``Membership._now``) at its last request
     arrival: int  # how many joins came before its last one: newcomers are ordered by it
     state: str = "waiting"  # waiting | member | stopping | done
 
 
-class Store:
-    """The membership of one job, served on ``endpoint`` (``host:port``; port 0: any).
+class Membership:
+    """The rendezvous rules for one job's membership, applied request by request (``answer``).
 
     ``lease``: seconds without a renewal after which a node counts as gone.
     ``last_call``: once MIN nodes wait, how long more may still come before the round
@@ -132,7 +133,6 @@ class Store:
 
     def __init__(
         self,
-        endpoint: str,
         *,
         job: str,
         min_nodes: int,
@@ -143,7 +143,6 @@ class Store:
         self.job, self.min_nodes, self.max_nodes, self.lease = job, min_nodes, max_nodes, lease
         self.last_call = last_call
         self._enough_since: float | None = None  # when MIN nodes first waited
-        self._address = split_host(endpoint)
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}
         self._members: list[str] = []  # node ids of the current (or last) round
@@ -154,59 +153,12 @@ class Store:
         self._why: str = ""
         self._ended_at: float | None = None
         self._lost: dict[str, float] = {}  # name -> when it was lost, for progress lines
-        self._server: socketserver.ThreadingTCPServer | None = None
-        self._ticker: threading.Thread | None = None
-        self._stop = threading.Event()
-
-    # ---------------------------------------------------------------- serving
-
-    def start(self) -> None:
-        """Binds the endpoint and serves in background threads (OSError when it cannot)."""
-        host, port = self._address
-        store = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self):
-                self.connection.settimeout(_ANSWER_S)
-                try:
-                    request = json.loads(self.rfile.readline())
-                    answer = store.answer(request)
-                except (OSError, ValueError) as err:
-                    answer = {"error": f"bad request: {err}"}
-                self.wfile.write(json.dumps(answer).encode() + b"\n")
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            daemon_threads = True
-
-        self._server = Server((host.strip("[]"), port or 0), Handler)
-        threading.Thread(target=self._server.serve_forever, name="rdzv-store", daemon=True).start()
-        self._ticker = threading.Thread(target=self._tick_forever, name="rdzv-tick", daemon=True)
-        self._ticker.start()
-
-    @property
-    def endpoint(self) -> str:
-        assert self._server is not None, "start() first"
-        host, port = self._server.server_address[:2]
-        return f"{host!s}:{port}"
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def _tick_forever(self) -> None:
-        while not self._stop.wait(0.2):
-            with self._lock:
-                self._tick(self._now())
 
     # ---------------------------------------------------------------- the clock and leases
 
     def _now(self) -> float:
-        """The store's clock: one process's monotonic clock (the etcd backend, whose state
-        every node updates, uses wall time)."""
+        """The membership's clock: one process's monotonic clock (the etcd backend, whose
+        state every node updates, uses wall time)."""
         return time.monotonic()
 
     def _expired(self, key: str, node: _Node, now: float) -> bool:
@@ -351,6 +303,60 @@ class Store:
             view["lost"] = {name: round(time.time() - t) for name, t in self._lost.items()}
             view["spare"] = self._running and node in self._nodes
         return view
+
+
+class Store(Membership):
+    """A ``Membership`` served over TCP on ``endpoint`` (``host:port``; port 0: any), its
+    leases checked every 0.2 s, once started; ``rules``: ``Membership``'s arguments."""
+
+    def __init__(self, endpoint: str, **rules):
+        super().__init__(**rules)
+        self._address = split_host(endpoint)
+        self._server: socketserver.ThreadingTCPServer | None = None
+        self._ticker: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        """Binds the endpoint and serves in background threads (OSError when it cannot)."""
+        host, port = self._address
+        store = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self):
+                self.connection.settimeout(_ANSWER_S)
+                try:
+                    request = json.loads(self.rfile.readline())
+                    answer = store.answer(request)
+                except (OSError, ValueError) as err:
+                    answer = {"error": f"bad request: {err}"}
+                self.wfile.write(json.dumps(answer).encode() + b"\n")
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True
+
+        self._server = Server((host.strip("[]"), port or 0), Handler)
+        threading.Thread(target=self._server.serve_forever, name="rdzv-store", daemon=True).start()
+        self._ticker = threading.Thread(target=self._tick_forever, name="rdzv-tick", daemon=True)
+        self._ticker.start()
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None, "start() first"
+        host, port = self._server.server_address[:2]
+        return f"{host!s}:{port}"
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _tick_forever(self) -> None:
+        while not self._stop.wait(0.2):
+            with self._lock:
+                self._tick(self._now())
 
 
 def try_host(endpoint: str, **store_args) -> Store | None:
