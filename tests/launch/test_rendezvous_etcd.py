@@ -18,10 +18,11 @@ import pytest
 from etcd_server import EtcdServer
 
 from tfdist.core.config import ConfigError
-from tfdist.launch.elastic import ElasticOptions, _Rendezvous
+from tfdist.launch.elastic import ElasticOptions
 from tfdist.launch.environment import free_ports
 from tfdist.launch.rendezvous import RendezvousError, StoreUnreachable
 from tfdist.launch.rendezvous.etcd import Etcd, EtcdMember
+from tfdist.launch.rendezvous_link import link_for
 
 LEASE = 2.0  # seconds: etcd's shortest lease is about this
 
@@ -149,7 +150,7 @@ def test_an_etcd_member_that_does_not_answer_is_passed_over_and_none_answering_i
         gone.join()
     assert time.monotonic() - started < 10
     options = ElasticOptions(1, 2, (f"127.0.0.1:{dead}",), "j", lease=1.0, backend="etcd")
-    rendezvous = _Rendezvous(options, "127.0.0.1", [5000], say=lambda line: None)
+    rendezvous = link_for(options, "127.0.0.1", [5000], say=lambda line: None)
     with pytest.raises(RendezvousError, match="no rendezvous store answered .* Start etcd there"):
         rendezvous.connect(timeout=1.0)
     with pytest.raises(RendezvousError, match="cannot re-form without it"):

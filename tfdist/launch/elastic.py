@@ -49,16 +49,8 @@ from tfdist.core.config import ELASTIC_EVENTS_ENV, RENDEZVOUS_ENV, ConfigError
 from tfdist.launch.elastic_options import ElasticOptions, node_host, wanted
 from tfdist.launch.network import JobNetwork
 from tfdist.launch.options import LaunchOptions, check_options, is_loopback, split_host
-from tfdist.launch.rendezvous import (
-    BEAT_S,
-    Member,
-    RendezvousError,
-    Round,
-    Store,
-    StoreUnreachable,
-    try_host,
-)
-from tfdist.launch.rendezvous.etcd import EtcdMember
+from tfdist.launch.rendezvous import BEAT_S, Member, RendezvousError, Round, StoreUnreachable
+from tfdist.launch.rendezvous_link import link_for
 from tfdist.launch.supervise import exit_code, run_group
 from tfdist.launch.workers import LauncherSignals
 
@@ -89,118 +81,6 @@ def _free_ports(host: str, n: int) -> list[int]:
             for sock in held:
                 sock.close()
     raise ConfigError(f"launch: found no {n} consecutive free ports on {host}. Received: nproc={n}")
-
-
-class _Rendezvous:
-    """This node's link to the store, wherever it lives; hosts it when its turn comes."""
-
-    def __init__(self, elastic: ElasticOptions, host: str, ports: list[int], say):
-        self.elastic, self.host, self.ports, self.say = elastic, host, ports, say
-        self.store: Store | None = None
-        self.member: Member | None = None
-        self._at = 0  # index of the endpoint in use
-
-    def connect(self, timeout: float) -> Member:
-        """Finds the store (hosting it when this node owns the endpoint), joins it."""
-        deadline, told = time.monotonic() + timeout, 0.0
-        while True:
-            # etcd: one try reaches every member in turn (Etcd.call)
-            last = self._at + 1 if self.elastic.backend == "etcd" else len(self.elastic.endpoints)
-            for at in range(self._at, last):
-                member = self._try(at)
-                if member is not None:
-                    self._at, self.member = at, member
-                    return member
-            now = time.monotonic()
-            if now > deadline:
-                start = (
-                    "Start etcd there"
-                    if self.elastic.backend == "etcd"
-                    else "Start the launcher of the node that owns the endpoint"
-                )
-                raise RendezvousError(
-                    f"no rendezvous store answered at {', '.join(self.elastic.endpoints[self._at :])} "
-                    f"in {timeout:g} s. {start}, or check --rdzv-endpoint"
-                )
-            if now - told >= 10:
-                self.say(f"waiting for the rendezvous store at {self.elastic.endpoints[self._at]}")
-                told = now
-            time.sleep(0.5)
-
-    def _try(self, at: int) -> Member | None:
-        if self.elastic.backend == "etcd":
-            return self._try_etcd()
-        endpoint = self.elastic.endpoints[at]
-        if self.store is None:
-            self.store = try_host(
-                endpoint,
-                job=self.elastic.job,
-                min_nodes=self.elastic.min_nodes,
-                max_nodes=self.elastic.max_nodes,
-                lease=self.elastic.lease,
-                last_call=self.elastic.last_call,
-            )
-            if self.store is not None:
-                self.say(
-                    f"rendezvous: this node hosts the store of job {self.elastic.job!r} at {endpoint}"
-                )
-        member = Member(
-            endpoint,
-            job=self.elastic.job,
-            host=self.host,
-            ports=self.ports,
-            lease=self.elastic.lease,
-        )
-        try:
-            member._ask("beat")  # answers "join first": it is there
-        except OSError:
-            return None
-        member.join()
-        return member
-
-    def _try_etcd(self) -> Member | None:
-        member = EtcdMember(
-            self.elastic.endpoints,
-            job=self.elastic.job,
-            host=self.host,
-            ports=self.ports,
-            min_nodes=self.elastic.min_nodes,
-            max_nodes=self.elastic.max_nodes,
-            lease=self.elastic.lease,
-            last_call=self.elastic.last_call,
-        )
-        try:
-            member.etcd.call("maintenance/status", {})
-        except OSError:
-            return None
-        member.join()
-        return member
-
-    def move_on(self) -> Member:
-        """The store's host is gone: the next endpoint that answers, or this node hosts it."""
-        if self.elastic.backend == "etcd":
-            raise RendezvousError(
-                f"etcd at {', '.join(self.elastic.endpoints)} stopped answering for "
-                f"{self.elastic.lease:g} s: the job cannot re-form without it. Run etcd as a "
-                "cluster of 3 or 5 members and give them all in --rdzv-endpoint"
-            )
-        if self._at + 1 >= len(self.elastic.endpoints):
-            raise RendezvousError(
-                f"the rendezvous store at {self.elastic.endpoints[self._at]} is gone with its "
-                "node, and --rdzv-endpoint names no other place for it. Give several endpoints "
-                "(one per node that may host it) to survive the loss of that node"
-            )
-        lost = self.elastic.endpoints[self._at]
-        self._at += 1
-        self.say(
-            f"rendezvous: the store at {lost} is gone; moving to {self.elastic.endpoints[self._at]}"
-        )
-        return self.connect(self.elastic.join_timeout)
-
-    def close(self, linger: float) -> None:
-        if self.store is not None:
-            time.sleep(linger)  # the other launchers read "finished" before it goes
-            self.store.close()
 
 
 def run_elastic(
@@ -259,7 +139,7 @@ class _Node:
     def __init__(self, options, elastic, host, ports, signals, out, err, events):
         self.options, self.elastic, self.signals = options, elastic, signals
         self.out, self.err, self.events = out, err, events
-        self.rendezvous = _Rendezvous(elastic, host, ports, self.say)
+        self.rendezvous = link_for(elastic, host, ports, self.say)
         self.name = f"{host}:{ports[0]}"
         self.finished = False
         self.starts = 0  # group starts on this node (TFDIST_RESTART)
