@@ -158,6 +158,41 @@ def test_a_member_over_the_socket_is_refused_with_another_job_id():
         s.close()
 
 
+def test_a_name_another_node_holds_is_refused_until_its_lease_ends(clock):
+    """Two launchers on one host that picked the same free worker ports: the second's
+    workers could not listen, so its join is refused as taken (its own rejoin is not)."""
+    s = store()
+    answer = lambda node: s.answer(  # noqa: E731 - two nodes named alike
+        {"job": "j", "op": "join", "node": node, "name": "h:5000", "nproc": 1}
+    )
+    assert "error" not in answer("first")
+    refused = answer("second")
+    assert refused["taken"] and "node name h:5000 is taken" in refused["error"]
+    assert "error" not in answer("first")  # the holder joins again under its name
+    clock.now += 6  # the holder stopped renewing
+    assert "error" not in answer("second")
+
+
+def test_a_member_whose_name_is_taken_repicks_its_ports_or_says_to_give_its_own_port():
+    s = store(min_nodes=2, max_nodes=2, lease=2.0)  # renewed every second
+    s.start()
+    try:
+        first = Member(s.endpoint, job="j", host="127.0.0.1", ports=[5000], lease=2.0)
+        first.join()
+        first.start_beating()
+        fixed = Member(s.endpoint, job="j", host="127.0.0.1", ports=[5000], lease=2.0)
+        with pytest.raises(RendezvousError, match=r"taken .* for 4 s: .* its own --port"):
+            fixed.join()
+        second = Member(s.endpoint, job="j", host="127.0.0.1", ports=[5000], lease=2.0)
+        second.repick = lambda: [5002]
+        second.join()
+        rounds = [m.wait_round(0, timeout=10) for m in (first, second)]
+        assert [r.nodes for r in rounds] == [("127.0.0.1:5000", "127.0.0.1:5002")] * 2
+    finally:
+        first.stop_beating()
+        s.close()
+
+
 def test_below_min_the_wait_names_the_missing_and_times_out(clock):
     s = store()
     join(s, "a")

@@ -72,6 +72,13 @@ def test_nodes_that_join_at_once_agree_on_one_round(etcd):
         assert r.nodes[r.index] == m.name, (m.name, r)
 
 
+def test_two_launchers_on_one_host_with_the_same_ports_get_names_of_their_own(etcd):
+    first, second = member(etcd, "h", "one-host", min_nodes=2), member(etcd, "h", "one-host")
+    second.repick = lambda: [6000]  # what the launcher's fresh free ports give
+    rounds = joined_round([first, second])
+    assert [r.nodes for r in rounds] == [("h:5104", "h:6000")] * 2, rounds
+
+
 def test_a_write_that_lost_a_race_is_made_again_on_the_state_that_won(etcd):
     a, b = member(etcd, "a", "race"), member(etcd, "b", "race")
     read, raced = a.etcd.read, []

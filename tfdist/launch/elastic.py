@@ -140,6 +140,7 @@ class _Node:
         self.options, self.elastic, self.signals = options, elastic, signals
         self.out, self.err, self.events = out, err, events
         self.rendezvous = link_for(elastic, host, ports, self.say)
+        self.rendezvous.repick = self._ports  # two launchers on one host, the same ports
         self.name = f"{host}:{ports[0]}"
         self.finished = False
         self.starts = 0  # group starts on this node (TFDIST_RESTART)

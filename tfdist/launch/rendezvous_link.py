@@ -30,6 +30,7 @@ class RendezvousLink:
     def __init__(self, elastic: ElasticOptions, host: str, ports: list[int], say):
         self.elastic, self.host, self.ports, self.say = elastic, host, ports, say
         self.member: Member | None = None
+        self.repick = None  # fresh worker ports when another node holds our name (Member)
         self._at = 0  # index of the endpoint in use
 
     def connect(self, timeout: float) -> Member:
@@ -102,6 +103,7 @@ class StoreLink(RendezvousLink):
             member._ask("beat")  # answers "join first": it is there
         except OSError:
             return None
+        member.repick = self.repick
         member.join()
         return member
 
@@ -149,6 +151,7 @@ class EtcdLink(RendezvousLink):
             member.etcd.call("maintenance/status", {})
         except OSError:
             return None
+        member.repick = self.repick
         member.join()
         return member
 

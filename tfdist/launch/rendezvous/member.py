@@ -21,11 +21,13 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from tfdist.launch.options import split_host
 from tfdist.launch.rendezvous.store import (
     _ANSWER_S,
     BEAT_S,
+    NameTaken,
     RendezvousError,
     Round,
     StoreUnreachable,
@@ -37,8 +39,11 @@ __all__ = ["Member"]
 class Member:
     """This node's side of the rendezvous: join, renew, read the round, finish or leave.
 
-    ``ports``: this node's worker ports (the first names the node).
+    ``ports``: this node's worker ports (the first names the node). ``repick``, when set,
+    gives fresh free ports for a name another node already holds (``join``).
     """
+
+    repick: Callable[[], list[int] | None] | None = None
 
     def __init__(self, endpoint: str, *, job: str, host: str, ports: list[int], lease: float = 5.0):
         self.endpoint, self.job, self.lease = endpoint, job, lease
@@ -63,6 +68,8 @@ class Member:
 
     def _ask(self, op: str, **extra) -> dict:
         answer = self._send({"job": self.job, "op": op, "node": self.id, **extra})
+        if answer.get("taken"):
+            raise NameTaken(f"rendezvous {self.endpoint}: {answer['error']}")
         if "error" in answer and not answer.get("rejoin"):
             raise RendezvousError(f"rendezvous {self.endpoint}: {answer['error']}")
         self._last_answer = time.monotonic()
@@ -83,10 +90,34 @@ class Member:
 
     def join(self, ports: list[int] | None = None) -> None:
         """Registers (again) as waiting for the next round; ``ports``: this node's worker
-        ports from now on (fresh ones at each round: the old ones may linger in TIME_WAIT)."""
+        ports from now on (fresh ones at each round: the old ones may linger in TIME_WAIT).
+
+        A name another node holds (launchers on one host that picked the same free ports)
+        is given up for ``repick``'s ports. Fixed ports are asked again until the other
+        node's lease could have ended; then the error says to give each its own ``--port``.
+        """
         if ports:
-            self.name = f"{self.name.rpartition(':')[0]}:{ports[0]}"
-        self.view = self.ask("join", name=self.name, nproc=self.nproc)
+            self._rename(ports)
+        deadline = time.monotonic() + 2 * self.lease
+        while True:
+            try:
+                self.view = self.ask("join", name=self.name, nproc=self.nproc)
+                return
+            except NameTaken as taken:
+                fresh = self.repick() if self.repick is not None else None
+                if fresh:
+                    self._rename(fresh)
+                    continue
+                if time.monotonic() > deadline:
+                    raise RendezvousError(
+                        f"{taken} for {2 * self.lease:g} s: another launcher on this host "
+                        "uses the same worker ports. Give each launcher on one host its own "
+                        "--port"
+                    ) from None
+                time.sleep(BEAT_S)
+
+    def _rename(self, ports: list[int]) -> None:
+        self.name = f"{self.name.rpartition(':')[0]}:{ports[0]}"
 
     def wait_round(self, last: int, *, timeout: float, say=None) -> Round | None:
         """Blocks until a round after ``last`` includes this node; None when the job

@@ -29,6 +29,7 @@ from tfdist.launch.options import split_host
 __all__ = [
     "BEAT_S",
     "Membership",
+    "NameTaken",
     "RendezvousError",
     "StoreUnreachable",
     "Round",
@@ -47,6 +48,11 @@ _WHERE = "launch"
 
 class RendezvousError(RuntimeError):
     """The job cannot go on: too few nodes for too long, the store is gone, or refused."""
+
+
+class NameTaken(RendezvousError):
+    """Another node of the job holds this node's name (``host:first-port``): two launchers
+    on one host chose the same worker ports."""
 
 
 class StoreUnreachable(RendezvousError):
@@ -183,11 +189,11 @@ class Membership:
             now = self._now()
             self._tick(now)
             if op == "join":
-                error = self._join(
+                refused = self._join(
                     node, str(request.get("name")), int(request.get("nproc", 0)), now
                 )
-                if error:
-                    return {"error": error}
+                if refused:
+                    return refused
             elif node not in self._nodes:
                 if not self._finished:
                     return {"error": "unknown node: join first", "rejoin": True}
@@ -200,26 +206,31 @@ class Membership:
             self._tick(now)
             return self._view(node)
 
-    def _join(self, node: str, name: str, nproc: int, now: float) -> str:
+    def _join(self, node: str, name: str, nproc: int, now: float) -> dict | None:
+        """Registers ``node``; the refusal to answer instead (None: joined)."""
         others = {n.nproc for key, n in self._nodes.items() if key != node}
         if others and nproc not in others:
-            return (
-                f"node {name} starts {nproc} worker(s) but the job's nodes start "
+            return {
+                "error": f"node {name} starts {nproc} worker(s) but the job's nodes start "
                 f"{others.pop()}: give every node the same -n"
-            )
+            }
         if self._finished:
-            return ""
+            return None
+        if any(n.name == name for key, n in self._nodes.items() if key != node):
+            # Two launchers on one host that picked the same free ports: the workers of
+            # one could not listen. The joining one picks others (Member.join).
+            return {"error": f"node name {name} is taken by another node", "taken": True}
         known = self._nodes.get(node)
         self._arrivals += 1
         self._nodes[node] = _Node(name, nproc, now, self._arrivals)
         self._lost.pop(name, None)
         if not self._running:
-            return ""
+            return None
         if node in self._members:  # a member whose own workers ended: all restart
             self._end_round(f"node {name} restarted its workers")
         elif known is None and len(self._members) < self.max_nodes:
             self._end_round(f"node {name} joined")
-        return ""
+        return None
 
     def _done(self, node: str) -> None:
         self._nodes[node].state = "done"
