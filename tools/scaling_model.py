@@ -148,7 +148,7 @@ LINKS = {
 # Parameter counts from the architectures; compute times measured or cited.
 MNIST_FAST_H100 = Workload(
     "MNIST fast convnet", 108_618, 8, 0.501,
-    "tfdist.examples.recipes.fast_model: Conv2D(16,3)+pool+Conv2D(32,3)+pool+Dense(128)+"
+    "tfdist_examples.recipes.fast_model: Conv2D(16,3)+pool+Conv2D(32,3)+pool+Dense(128)+"
     "Dense(10) = 160+4,640+102,528+1,290 params; one SGD step of the same net in JAX on one "
     "H100, 2026-11-22: 1.21 ms at batch 2048, 4.29 ms at 8192 -> 0.501 us/example + 0.19 ms",
     overhead_ms=0.19,

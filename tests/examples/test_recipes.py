@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import tfdist
 from tfdist.core import upstream
-from tfdist.examples import recipes
-from tfdist.examples.recipes import get_recipe, peak_learning_rate, scaled_warmup_cosine_decay
+from tfdist_examples import recipes
+from tfdist_examples.recipes import get_recipe, peak_learning_rate, scaled_warmup_cosine_decay
 
 from conftest import equivalence
 

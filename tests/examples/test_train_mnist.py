@@ -13,7 +13,7 @@ import pytest
 
 from tfdist.cli import build_parser
 from tfdist.core.config import ConfigError
-from tfdist.examples import job, mnist
+from tfdist_examples import job, mnist
 
 from conftest import child_env, run_python
 

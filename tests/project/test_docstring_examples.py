@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, SCRIPTS, child_env
 
 PACKAGE = REPO / "tfdist"
+EXAMPLES = REPO / "tfdist_examples"
 RUNNER = SCRIPTS / "docstring_examples.py"
 
 # Modules with `# doctest: +SKIP` examples, and why those cannot run in a test process.
@@ -87,9 +88,9 @@ SKIPPED = {
     "tfdist.data.seeds": _JOB,
     "tfdist.data.sharding": "reads TFRecord files the example only names",
     "tfdist.distribute": "answers from the devices and cluster of the process",
-    "tfdist.examples.job": _FILES,
-    "tfdist.examples.mnist": "trains MNIST",
-    "tfdist.examples.recipes": "builds models and reads MNIST",
+    "tfdist_examples.job": _FILES,
+    "tfdist_examples.mnist": "trains MNIST",
+    "tfdist_examples.recipes": "builds models and reads MNIST",
     "tfdist.info": "reports the machine",
     "tfdist.launch": "starts worker processes",
     "tfdist.launch.elastic": "runs a node of an elastic job (its launcher and workers)",
@@ -105,9 +106,10 @@ SKIPPED = {
 
 
 def _modules() -> list[str]:
-    """Every tfdist module but ``tfdist.__main__`` (importing it runs the command)."""
+    """Every tfdist module but ``tfdist.__main__`` (importing it runs the command), then
+    those of the MNIST job beside the package (``tfdist_examples``)."""
     names = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(EXAMPLES.rglob("*.py"))]:
         parts = path.relative_to(REPO).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "tfdist"
+# The MNIST job `tfdist train mnist` runs: apart from the layers, held to the same rules.
+EXAMPLES = PACKAGE.parent / "tfdist_examples"
 MAX_FUNCTION_LINES = 60
 
 # Layers, lowest first: a module may import only from its own layer's leaves or below.
@@ -26,7 +28,7 @@ LAYERS = [
     {"distribute"},
     {"saving", "data"},
     {"compat", "checkpoint"},  # compat: the Fix records (chief-only writes use saving)
-    {"callbacks", "loops", "examples", "unscoped"},
+    {"callbacks", "loops", "unscoped"},
     {"startup", "bootstrap", "info", "check"},
     {"cli", "__main__", "__init__"},
 ]
@@ -130,8 +132,29 @@ def test_imports_flow_down_the_layers():
     assert not upward, upward
 
 
+def _sources() -> list[Path]:
+    """Every module of the package and of the MNIST job beside it."""
+    return sorted([*PACKAGE.rglob("*.py"), *EXAMPLES.rglob("*.py")])
+
+
+def _where(path: Path) -> str:
+    """``path`` inside the package (``core/config.py``), or from the repository root."""
+    root = PACKAGE if path.is_relative_to(PACKAGE) else PACKAGE.parent
+    return path.relative_to(root).as_posix()
+
+
+def test_the_mnist_job_lives_apart_and_only_tfdist_train_imports_it():
+    importers = sorted(
+        _where(path)
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"^\s*(from|import) tfdist_examples\b", path.read_text(), re.M)
+    )
+    assert importers == ["cli/train.py"], importers
+    assert not (PACKAGE / "examples").exists()
+
+
 def _long_functions():
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in _sources():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body = node.body
@@ -154,8 +177,8 @@ _PRIVATE_IMPORT = re.compile(r"\b(tensorflow\.python|tensorflow\.compiler|keras\
 
 def test_private_upstream_names_only_in_their_one_module():
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parent.as_posix() == "core/upstream":
+    for path in _sources():
+        if _where(path).rpartition("/")[0] == "core/upstream":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -338,7 +361,7 @@ def _cluster_names(scope: ast.AST) -> set[str]:
 
 def _role_decisions(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    where = path.relative_to(PACKAGE).as_posix()
+    where = _where(path)
     found = []
     for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))]:
         names = _cluster_names(scope)
@@ -357,8 +380,8 @@ def test_roles_are_decided_in_one_module():
     offenders = sorted(
         {
             line
-            for path in sorted(PACKAGE.rglob("*.py"))
-            if path.relative_to(PACKAGE).as_posix() not in _ROLE_HOMES
+            for path in _sources()
+            if _where(path) not in _ROLE_HOMES
             for line in _role_decisions(path)
         }
     )
@@ -369,8 +392,8 @@ def test_the_backend_name_has_one_source():
     # Keras's answer is read in core.config.keras_backend only; the rest asks
     # tfdist.backends.name() (or, below the backends layer, config.keras_backend()).
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        where = path.relative_to(PACKAGE).as_posix()
+    for path in _sources():
+        where = _where(path)
         tree = ast.parse(path.read_text())
         home = set()
         for node in ast.walk(tree):

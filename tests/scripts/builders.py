@@ -26,7 +26,7 @@ def bench_model(kind: str, **compile_args):
     two 256-wide layers on 784 inputs, compiled with SGD(0.01) (and ``compile_args``)."""
     keras.utils.set_random_seed(0)
     if kind == "convnet":
-        from tfdist.examples.recipes import fast_model
+        from tfdist_examples.recipes import fast_model
 
         model = fast_model()  # the MNIST job's own convnet
     else:

@@ -1,4 +1,4 @@
-"""``tfdist train mnist``: the MNIST walkthrough job, restartable (``tfdist.examples.mnist``)."""
+"""``tfdist train mnist``: the MNIST walkthrough job, restartable (``tfdist_examples.mnist``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def run(args: argparse.Namespace) -> int:
     """Trains the job ``args.job`` names; its exit code."""
     quiet_tensorflow()
     from tfdist.core import quiet
-    from tfdist.examples import mnist  # TensorFlow-free until it trains
+    from tfdist_examples import mnist  # TensorFlow-free until it trains
 
     with quiet.filtered_stderr():  # TensorFlow's C++ start-up lines, as under launch
         return mnist.main(args)

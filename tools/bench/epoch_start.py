@@ -43,7 +43,7 @@ def job(epochs: int) -> dict:
     from tensorflow.python.distribute import input_lib
 
     import tfdist
-    from tfdist.examples.recipes import tutorial_model
+    from tfdist_examples.recipes import tutorial_model
 
     iterators: list[float] = []
     depth = [0]

@@ -64,7 +64,7 @@ def job(batch: int, steps: int, warmup: int, loop: str = "fit") -> dict:
     import tensorflow as tf
 
     import tfdist
-    from tfdist.examples.recipes import fast_model
+    from tfdist_examples.recipes import fast_model
 
     strategy = tfdist.strategy()
     rng = np.random.default_rng(0)

@@ -31,7 +31,7 @@ def measure(*, pairs: int = 5, split: str = "train[:25%]", per_replica_batch: in
     import tensorflow as tf
 
     import tfdist
-    from tfdist.examples.recipes import tutorial_model
+    from tfdist_examples.recipes import tutorial_model
 
     strategy_a = tfdist.strategy()
     from tfdist.backends import tensorflow as tf_backend

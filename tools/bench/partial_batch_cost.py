@@ -139,7 +139,7 @@ def build(keras, model: str, outputs: int):
     ``outputs`` Dense(10) heads, one loss each, SGD(0.01), seed 0."""
     keras.utils.set_random_seed(0)
     if model == "convnet":
-        from tfdist.examples.recipes import fast_model
+        from tfdist_examples.recipes import fast_model
 
         inputs = keras.Input((28, 28, 1))
         body = fast_model().layers[:-1]  # all but its Dense(10) head

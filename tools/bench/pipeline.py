@@ -123,7 +123,7 @@ def throughput(*, rounds: int = 3, epochs: int = EPOCHS, cold: bool = False) -> 
 def _convnet():
     import keras
 
-    from tfdist.examples.recipes import tutorial_model  # the guides' small convnet
+    from tfdist_examples.recipes import tutorial_model  # the guides' small convnet
 
     model = tutorial_model()
     model.compile(

@@ -84,7 +84,7 @@ def train_once(
     import tensorflow as tf
     import tensorflow_datasets as tfds
 
-    from tfdist.examples import recipes as recipes_lib
+    from tfdist_examples import recipes as recipes_lib
 
     if recipe not in recipes_lib.RECIPES:
         raise ValueError(
@@ -278,7 +278,7 @@ def benchmark(
         >>> benchmark(quick=True)["summary"]["ratio_fast_over_tutorial"]  # doctest: +SKIP
         0.7
     """
-    from tfdist.examples.recipes import RECIPES as KNOWN
+    from tfdist_examples.recipes import RECIPES as KNOWN
 
     if isinstance(recipes, str) or not recipes or any(n not in KNOWN for n in recipes):
         raise ValueError(

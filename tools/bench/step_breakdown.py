@@ -99,7 +99,7 @@ def build_model(keras, name: str = "mlp", learning_rate: float = 0.01, **compile
     if name == "resnet":
         model = resnet(keras)
     elif name == "convnet":
-        from tfdist.examples.recipes import fast_model
+        from tfdist_examples.recipes import fast_model
 
         model = fast_model()  # the MNIST job's own convnet
     else:

@@ -8,7 +8,7 @@ the same command again after a kill -9 or SIGTERM resumes from the checkpoints; 
 that already finished only evaluates and rewrites its outputs. Each decision (a new
 job, resuming from which checkpoint at which epoch and batch, evaluating only, waiting
 for the workers) is printed once, on the chief, as a ``tfdist train mnist: ...`` line.
-``CKPT_DIR/job.json`` (``tfdist.examples.job``) records what the checkpoints were made
+``CKPT_DIR/job.json`` (``tfdist_examples.job``) records what the checkpoints were made
 with: a folder from another recipe, global batch or split is refused with a
 ``ConfigError``; the same global batch on another number of devices or workers resumes
 (``--per-replica-batch`` keeps it: 128 on 1 device = 64 on 2). ``metrics.json`` has numbers as numbers, ``wall_time_s`` is the total
@@ -17,7 +17,7 @@ over every run of the job (``this_run_wall_time_s`` the last one's) and
 history row of such an epoch only covers the batches trained after the resume.
 
 Example:
-    >>> from tfdist.examples import mnist
+    >>> from tfdist_examples import mnist
     >>> result = mnist.run(mnist.TrainConfig(recipe="fast", epochs=1))  # doctest: +SKIP
     >>> result["test_accuracy"] > 0.98                                   # doctest: +SKIP
     True
@@ -196,7 +196,7 @@ def run(config: TrainConfig) -> dict:
         FileNotFoundError: MNIST is not on disk and cannot be downloaded (names
             ``TFDS_DATA_DIR``; a ``MnistMissing``).
         ConfigError: the checkpoint folder belongs to a job with another recipe, replica
-            count or batch (see ``tfdist.examples.job``).
+            count or batch (see ``tfdist_examples.job``).
 
     Example:
         >>> run(TrainConfig(epochs=1, output="/tmp/mnist"))["epochs"]  # doctest: +SKIP
@@ -204,7 +204,7 @@ def run(config: TrainConfig) -> dict:
     """
     start = time.perf_counter()
     import tfdist
-    from tfdist.examples import job
+    from tfdist_examples import job
 
     _say_waiting()
     strategy = _strategy(config.devices)
@@ -303,7 +303,7 @@ def _say_start(config: TrainConfig, recipe, initial_epoch: int, resumed, steps: 
 
 def _recipe(config: TrainConfig):
     """The recipe of ``config``, with its epochs and batch overrides."""
-    from tfdist.examples.recipes import get_recipe
+    from tfdist_examples.recipes import get_recipe
 
     changes = {}
     if config.epochs is not None:
