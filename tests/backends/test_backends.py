@@ -236,8 +236,8 @@ ALLOWED = {
     " framework's own loop",
     "distribute.py": "tfdist.strategy() is TensorFlow-only by name; its guard says so (TODO:"
     " ask the backend whether it has a strategy)",
-    "examples/mnist.py": "the example job picks tf.distribute or keras.distribution for"
-    " --devices (TODO: move it behind the backend)",
+    "tfdist_examples/mnist.py": "the MNIST job (beside the package) picks tf.distribute or"
+    " keras.distribution for --devices (TODO: move it behind the backend)",
 }
 
 
@@ -301,10 +301,15 @@ def _allowed(relative: str) -> bool:
 
 
 def _scan() -> dict[str, list[str]]:
+    """The branches in the package (paths inside it) and in the MNIST job beside it
+    (``tfdist_examples/...``)."""
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        branches = backend_name_branches(path.read_text(), f"tfdist/{relative}")
+    examples = PACKAGE.parent / "tfdist_examples"
+    for path in [*sorted(PACKAGE.rglob("*.py")), *sorted(examples.rglob("*.py"))]:
+        inside = path.is_relative_to(PACKAGE)
+        relative = path.relative_to(PACKAGE if inside else PACKAGE.parent).as_posix()
+        where = f"tfdist/{relative}" if inside else relative
+        branches = backend_name_branches(path.read_text(), where)
         if branches:
             found[relative] = branches
     return found

@@ -670,11 +670,20 @@ def test_sigint_to_the_launcher_ends_stubborn_workers_after_the_grace(tmp_path):
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_processes_a_worker_leaves_behind_are_stopped(tmp_path, start):
+def test_processes_a_worker_leaves_behind_are_stopped(tmp_path, start, monkeypatch):
     """A worker started cold (the interpreter users have) and one forked warm
     (tests/warm_python.py, as most tests' workers are): the child each leaves is killed."""
     if start == "warm":
-        warm_start.prepare(child_env(), child_env())  # the warm process its worker forks from
+        # The in-process launcher gives its worker this process's environment: the
+        # variables read at import must be the warm process's, else the worker starts cold
+        # (an earlier test in this process may have set one, as the CLI's quiet start does).
+        base = child_env()
+        for key in warm_start.IMPORT_TIME:
+            if key in base:
+                monkeypatch.setenv(key, base[key])
+            else:
+                monkeypatch.delenv(key, raising=False)
+        warm_start.prepare(base, base)  # the warm process its worker forks from
     python = warm_start.LAUNCH_ENV["TFDIST_LAUNCH_PYTHON"] if start == "warm" else sys.executable
     code, out, _ = run(
         tmp_path,
