@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tfdist.launch.elastic_options import ElasticOptions
 from tfdist.launch.rendezvous import Member, RendezvousError, Store, try_host
@@ -30,7 +31,8 @@ class RendezvousLink:
     def __init__(self, elastic: ElasticOptions, host: str, ports: list[int], say):
         self.elastic, self.host, self.ports, self.say = elastic, host, ports, say
         self.member: Member | None = None
-        self.repick = None  # fresh worker ports when another node holds our name (Member)
+        # Fresh worker ports when another node holds this node's name (Member.repick).
+        self.repick: Callable[[], list[int] | None] | None = None
         self._at = 0  # index of the endpoint in use
 
     def connect(self, timeout: float) -> Member:
