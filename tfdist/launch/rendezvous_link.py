@@ -62,6 +62,16 @@ class RendezvousLink:
         """This node joined at endpoint ``at``, or None when nothing answers there."""
         raise NotImplementedError
 
+    def _joined(self, member: Member, probe) -> Member | None:
+        """``member`` joined, once ``probe()`` reached the rendezvous; None if it did not."""
+        try:
+            probe()
+        except OSError:
+            return None
+        member.repick = self.repick
+        member.join()
+        return member
+
     def move_on(self) -> Member:
         """The rendezvous stopped answering: where the job meets next."""
         raise NotImplementedError
@@ -101,13 +111,7 @@ class StoreLink(RendezvousLink):
             ports=self.ports,
             lease=self.elastic.lease,
         )
-        try:
-            member._ask("beat")  # answers "join first": it is there
-        except OSError:
-            return None
-        member.repick = self.repick
-        member.join()
-        return member
+        return self._joined(member, lambda: member._ask("beat"))  # "join first": it is there
 
     def move_on(self) -> Member:
         """The store's host is gone: the next endpoint that answers, or this node hosts it."""
@@ -149,13 +153,7 @@ class EtcdLink(RendezvousLink):
             lease=self.elastic.lease,
             last_call=self.elastic.last_call,
         )
-        try:
-            member.etcd.call("maintenance/status", {})
-        except OSError:
-            return None
-        member.repick = self.repick
-        member.join()
-        return member
+        return self._joined(member, lambda: member.etcd.call("maintenance/status", {}))
 
     def move_on(self) -> Member:
         raise RendezvousError(
